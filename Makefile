@@ -1,0 +1,23 @@
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+run: setup
+	$(BIN)/pdserve generate --offline --chat "What is the capital of France?"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/python bench/engine.py

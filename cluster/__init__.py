@@ -1,0 +1,1 @@
+"""Launching pdserve: configuration, Ray placement, health, and the ``pdserve`` command."""

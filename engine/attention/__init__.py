@@ -1,0 +1,30 @@
+"""Attention backends, chosen by name: ``torch`` (CPU and anywhere) or ``triton`` (CUDA)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.ops import Ops, TorchOps
+
+BACKENDS = ("torch", "triton")
+
+
+def default_backend_name(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def get_backend(name: str) -> tuple[AttentionBackend, Ops]:
+    """The attention backend called ``name`` and the op set that goes with it."""
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(), TorchOps()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend, TritonOps
+
+        return TritonAttentionBackend(), TritonOps()
+    raise ValueError(f"attention_backend={name!r}: allowed values are {', '.join(BACKENDS)}")
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "default_backend_name"]

@@ -1,0 +1,87 @@
+"""Offline generation in one process, with the names vLLM users expect."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """``LLM("smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=32))``."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_kv_blocks: int = 2048,
+        max_batch_tokens: int = 512,
+        max_batch_size: int = 64,
+        attention_backend: str | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+    ):
+        config = EngineConfig(
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_batch_tokens=max_batch_tokens,
+            max_batch_size=max_batch_size,
+            attention_backend=attention_backend,
+            device=device,
+            seed=seed,
+        )
+        self.engine = LLMEngine(model, config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(params_list) != len(prompts):
+            raise ValueError(
+                f"sampling_params: {len(params_list)} given for {len(prompts)} prompts"
+            )
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+                self.engine.add_request(request_id, prompt, p)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Like ``generate`` on each conversation rendered by the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("conversations: this model has no tokenizer")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params)

@@ -1,0 +1,146 @@
+"""One engine instance: requests in, a step at a time, outputs out.
+
+``step()`` = schedule, run, postprocess. The serving workers drive it the same
+way the offline ``LLM`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import default_backend_name, get_backend
+from engine.block_manager import BlockManager
+from engine.checkpoint import load_checkpoint
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
+from engine.model import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.parallel import SINGLE, TensorParallel
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+
+
+class LLMEngine:
+    def __init__(self, model: str, config: EngineConfig, tp: TensorParallel = SINGLE):
+        config.validate()
+        self.config = config
+        device = torch.device(config.device)
+        backend = config.attention_backend or default_backend_name(device)
+        attn, ops = get_backend(backend)
+        ckpt = load_checkpoint(model)
+        self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
+        with torch.device(device):
+            self.model = LlamaModel(ckpt.config, attn, ops, config.torch_dtype, tp)
+        self.model.load_weights(ckpt.weights(config.torch_dtype))
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_size)
+        self.runner = ModelRunner(self.model, self.blocks, config.seed)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, Detokenizer] = {}
+
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_position
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Request:
+        ids = self.tokenize(prompt)
+        self.validate_prompt(ids)
+        params.validate()
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        request = Request(request_id, ids, params)
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(request)
+        return request
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: empty; give at least one token")
+        if len(ids) >= self.max_context:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens, the context holds {self.max_context} "
+                "(the prompt must leave room for one generated token)"
+            )
+        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens need more than the {self.blocks.num_blocks} "
+                f"KV blocks of {self.blocks.block_size} tokens this engine has"
+            )
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.remove(request)
+        self.detokenizers.pop(request_id, None)
+        request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        sampled = self.runner.run(batch) if batch else []
+        return self._postprocess(batch, sampled)
+
+    def _postprocess(self, batch: ScheduledBatch, sampled) -> list[RequestOutput]:
+        outputs = []
+        for request in batch.out_of_cache:
+            outputs.append(self._finish(request, "length", []))
+        for request, token in sampled:
+            request.token_ids.append(token)
+            reason = self._check_stop(request, token)
+            if reason is not None:
+                outputs.append(self._finish(request, reason, [token]))
+            else:
+                outputs.append(self._output(request, [token], final=False))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> str | None:
+        p = request.params
+        detok = self.detokenizers.get(request.request_id)
+        if detok is not None and detok.update(request.output_token_ids) is not None:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and token in self.model_config.eos_token_ids:
+            return "stop"
+        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_context:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str, new_ids: list[int]) -> RequestOutput:
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        self.scheduler.remove(request)
+        out = self._output(request, new_ids, final=True)
+        del self.requests[request.request_id]
+        self.detokenizers.pop(request.request_id, None)
+        return out
+
+    def _output(self, request: Request, new_ids: list[int], final: bool) -> RequestOutput:
+        detok = self.detokenizers.get(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=detok.text if detok else "",
+            new_token_ids=new_ids,
+            new_text=detok.delta(final) if detok else "",
+            finish_reason=request.finish_reason,
+        )

@@ -1,0 +1,116 @@
+"""Llama-family decoder over a paged KV cache.
+
+Every layer holds its tensor-parallel shard only (local shapes); ``load_weights``
+slices full checkpoint tensors as they arrive. QKV and gate/up are fused
+column-parallel projections, O and down are row-parallel with one all-reduce each.
+The LM head is vocab-parallel (rows sliced, logits gathered); the embedding is
+replicated since a lookup reads only the rows of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.ops import Ops
+from engine.parallel import SINGLE, TensorParallel
+from engine.rope import rope_tables
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        q0, q1 = tp.shard(cfg.num_heads, "num_heads")
+        k0, k1 = tp.shard(cfg.num_kv_heads, "num_kv_heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
+        i0, i1 = tp.shard(cfg.intermediate_size, "intermediate_size")
+        inter, hidden, d = i1 - i0, cfg.hidden_size, cfg.head_dim
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = param(hidden)
+        self.qkv = param(qkv_rows, hidden)
+        self.o = param(hidden, self.num_heads * d)
+        self.post_norm = param(hidden)
+        self.gate_up = param(2 * inter, hidden)
+        self.down = param(hidden, inter)
+        self.eps = cfg.rms_eps
+        self.scale = d**-0.5
+
+    def forward(self, h, residual, positions, cos, sin, k_cache, v_cache, meta, attn, ops, tp):
+        if residual is None:
+            residual = h
+            x = ops.rms_norm(h, self.input_norm, self.eps)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, self.input_norm, self.eps)
+        t, d = x.shape[0], self.head_dim
+        q, k, v = F.linear(x, self.qkv).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
+        )
+        q, k = ops.rotary(q.view(t, -1, d), k.view(t, -1, d), positions, cos, sin)
+        o = attn.forward(q, k, v.view(t, -1, d), k_cache, v_cache, meta, self.scale)
+        h = tp.all_reduce(F.linear(o.reshape(t, -1), self.o))
+        x, residual = ops.add_rms_norm(h, residual, self.post_norm, self.eps)
+        h = tp.all_reduce(F.linear(ops.silu_and_mul(F.linear(x, self.gate_up)), self.down))
+        return h, residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attn: AttentionBackend,
+        ops: Ops,
+        dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = SINGLE,
+    ):
+        super().__init__()
+        self.cfg, self.attn, self.ops, self.tp, self.dtype = cfg, attn, ops, tp, dtype
+        v0, v1 = tp.shard(cfg.vocab_size, "vocab_size")
+        self.vocab_range = (v0, v1)
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
+        self.lm_head = nn.Parameter(torch.empty(v1 - v0, cfg.hidden_size, dtype=dtype))
+        self.requires_grad_(False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final normed hidden states [T, hidden]."""
+        h = F.embedding(input_ids, self.embed)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(
+                h, residual, positions, self.cos, self.sin, k_cache, v_cache, meta,
+                self.attn, self.ops, self.tp,
+            )  # fmt: skip
+        h, _ = self.ops.add_rms_norm(h, residual, self.norm, self.cfg.rms_eps)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> float32 logits [S, vocab] (gathered across ranks)."""
+        return self.tp.all_gather_last_dim(F.linear(hidden, self.lm_head).float())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...),
+        keeping this rank's slices. Raises if any parameter is left unset."""
+        from engine.weight_map import assign_weights
+
+        assign_weights(self, weights)

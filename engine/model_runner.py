@@ -1,0 +1,93 @@
+"""Turns a scheduled batch into tensors, runs the model, and samples (the data plane)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.block_manager import BlockManager
+from engine.model import LlamaModel
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledBatch
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on CPU from calloc'd memory, so untouched pages cost nothing."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, blocks: BlockManager, seed: int = 0):
+        self.model, self.blocks = model, blocks
+        cfg, dev = model.cfg, model.embed.device
+        layer = model.layers[0]
+        shape = (blocks.num_blocks, layer.num_kv_heads, blocks.block_size, cfg.head_dim)
+        # [layers, 2 (k, v), blocks, kv heads, block size, head dim], one allocation
+        self.kv_cache = zeros((cfg.num_layers, 2, *shape), model.dtype, dev)
+        self.kv_caches = [(kv[0], kv[1]) for kv in self.kv_cache]
+        self.sampler = Sampler(seed)
+        self.device = dev
+
+    def prepare(self, items: list[tuple[Request, int]]):
+        """input_ids, positions [T] and the attention metadata, prefills ordered first.
+
+        Returns the reordered items too: row order of the batch follows them.
+        """
+        items = sorted(items, key=lambda item: item[1] == 1)
+        bs = self.blocks.block_size
+        ids, positions, slots, starts, lens, qlens, tables = [], [], [], [0], [], [], []
+        for request, n in items:
+            begin = request.num_computed_tokens
+            table = self.blocks.block_table(request.request_id)
+            ids.extend(request.token_ids[begin : begin + n])
+            pos = range(begin, begin + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            starts.append(starts[-1] + n)
+            lens.append(begin + n)
+            qlens.append(n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            query_start_loc=tensor(starts, torch.int32),
+            seq_lens=tensor(lens, torch.int32),
+            block_tables=tensor(padded, torch.int32),
+            slot_mapping=tensor(slots, torch.int64),
+            num_decodes=sum(1 for q in qlens if q == 1),
+            max_query_len=max(qlens),
+            max_seq_len=max(lens),
+            query_lens_host=qlens,
+            seq_lens_host=lens,
+        )
+        return items, tensor(ids, torch.int64), tensor(positions, torch.int64), meta
+
+    def run(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
+        """One forward pass; returns (request, next token) for requests whose pass reached
+        the end of their known tokens (the others are part-way through a prompt)."""
+        items, input_ids, positions, meta = self.prepare(batch.items)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows, sampled = [], []
+        end = 0
+        for request, n in items:
+            end += n
+            if request.num_computed_tokens + n == request.num_tokens:
+                rows.append(end - 1)
+                sampled.append(request)
+        for request, n in items:
+            request.num_computed_tokens += n
+        if not sampled:
+            return []
+        logits = self.model.logits(hidden[rows])
+        return list(zip(sampled, self.sampler(logits, sampled), strict=True))

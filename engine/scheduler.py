@@ -1,0 +1,111 @@
+"""Step scheduler: chunked prefill piggybacked on continuous decode batching.
+
+Each step spends a token budget (``max_batch_tokens``):
+  1. running requests that decode (one pending token each), oldest first;
+  2. running requests part-way through their prompt, a chunk each;
+  3. waiting requests, FCFS, while the batch has room (``max_batch_size``).
+When a running request needs a block and none is free, the most recently
+admitted running request is preempted: its blocks are freed and it goes back to
+the front of the queue to be recomputed (its generated tokens are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What one forward pass computes: ``(request, number of new tokens)`` pairs."""
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that cannot grow even alone in the cache; the engine finishes them.
+    out_of_cache: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_size: int):
+        self.blocks = blocks
+        self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queues and free its blocks (finish or abort)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request.request_id)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batch_tokens
+        decodes = [r for r in self.running if r.num_pending_tokens == 1]
+        prefills = [r for r in self.running if r.num_pending_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(request.num_pending_tokens, budget)
+            if self._reserve(request, n, batch):
+                batch.items.append((request, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            if batch.preempted:
+                break  # the cache is full: admitting now would only preempt again
+            request = self.waiting[0]
+            n = min(request.num_pending_tokens, budget)
+            if not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
+                break
+            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.items.append((request, n))
+            budget -= n
+        return batch
+
+    def _reserve(self, request: Request, n: int, batch: ScheduledBatch) -> bool:
+        """Blocks for ``n`` more tokens of ``request``, preempting newer requests if needed."""
+        total = request.num_computed_tokens + n
+        while not self.blocks.can_allocate(request.request_id, total):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                self.running.pop()
+                batch.out_of_cache.append(request)
+                return False
+            self._preempt(victim, batch)
+            if victim is request:
+                return False
+        self.blocks.allocate(request.request_id, total)
+        return True
+
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        batch.preempted.append(request)
+        batch.items = [(r, n) for r, n in batch.items if r is not request]
