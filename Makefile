@@ -20,4 +20,4 @@ test: lint
 	$(BIN)/pytest -q
 
 bench: setup
-	$(BIN)/python bench/engine.py
+	$(BIN)/python -m bench.engine

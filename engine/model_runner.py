@@ -28,8 +28,8 @@ class ModelRunner:
         self.model, self.blocks = model, blocks
         cfg, dev = model.cfg, model.embed.device
         layer = model.layers[0]
-        shape = (blocks.num_blocks, layer.num_kv_heads, blocks.block_size, cfg.head_dim)
-        # [layers, 2 (k, v), blocks, kv heads, block size, head dim], one allocation
+        shape = (blocks.num_blocks, blocks.block_size, layer.num_kv_heads, cfg.head_dim)
+        # [layers, 2 (k, v), blocks, block size, kv heads, head dim], one allocation
         self.kv_cache = zeros((cfg.num_layers, 2, *shape), model.dtype, dev)
         self.kv_caches = [(kv[0], kv[1]) for kv in self.kv_cache]
         self.sampler = Sampler(seed)

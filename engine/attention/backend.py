@@ -60,8 +60,8 @@ class AttentionBackend(ABC):
 
     Contract:
       * KV cache of one layer: ``k_cache`` and ``v_cache``, each
-        [num_blocks, num_kv_heads, block_size, head_dim] (head-major blocks, so a
-        block's KV-head range is contiguous for transfer).
+        [num_blocks, block_size, num_kv_heads, head_dim] (token-major blocks, as
+        vLLM lays them out: a gathered run of blocks is a strided [L, Hkv, D] view).
       * ``forward(q, k, v, k_cache, v_cache, meta, scale)`` with q [T, Hq, D] and
         k, v [T, Hkv, D] for the T new tokens (rotary already applied): writes k, v
         into the caches at ``meta.slot_mapping``, then returns [T, Hq, D], each

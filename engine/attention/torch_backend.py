@@ -8,65 +8,62 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, block_size: int) -> None:
-    """Scatter new K/V rows [T, Hkv, D] into [num_blocks, Hkv, block_size, D] caches."""
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, :, offsets] = k
-    v_cache[blocks, :, offsets] = v
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Scatter new K/V rows [T, Hkv, D] into [num_blocks, block_size, Hkv, D] caches."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` cached tokens of one sequence as [Hkv, length, D]."""
-    block_size = cache.shape[2]
-    blocks = cache[block_table[: -(-length // block_size)]]
-    return blocks.transpose(0, 1).flatten(1, 2)[:, :length]
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Blocks [B, nb] of a cache, as a strided [B, Hkv, nb * block_size, D] view of one copy."""
+    b, nb = block_tables.shape
+    blocks = cache.index_select(0, block_tables.flatten())  # [B * nb, block_size, Hkv, D]
+    return blocks.view(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """Prefill chunks one sequence at a time, decodes as one masked batch, both through
+    ``scaled_dot_product_attention`` on K/V gathered from the blocks."""
+
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        block_size = k_cache.shape[2]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, block_size)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        block_size = k_cache.shape[1]
         start = 0
         for i in range(meta.num_prefills):
             n, ctx = meta.query_lens_host[i], meta.seq_lens_host[i]
-            qi = q[start : start + n].transpose(0, 1)
-            if ctx == n:
-                ki, vi = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
-                oi = F.scaled_dot_product_attention(
-                    qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
-                )
+            qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
+            if ctx == n:  # no earlier context: the chunk's own K/V are the whole history
+                ki = k[start : start + n].transpose(0, 1).unsqueeze(0)
+                vi = v[start : start + n].transpose(0, 1).unsqueeze(0)
+                mask, causal = None, True
             else:
-                ki = gather_kv(k_cache, meta.block_tables[i], ctx)
-                vi = gather_kv(v_cache, meta.block_tables[i], ctx)
+                table = meta.block_tables[i : i + 1, : -(-ctx // block_size)]
+                ki = gather_kv(k_cache, table)[:, :, :ctx]
+                vi = gather_kv(v_cache, table)[:, :, :ctx]
                 rows = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-                mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-                oi = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
-                )
-            out[start : start + n] = oi.transpose(0, 1)
+                mask, causal = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows, False
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            )
+            out[start : start + n] = oi[0].transpose(0, 1)
             start += n
         if meta.num_decodes:
             out[start:] = self._decode(q[start:], k_cache, v_cache, meta, scale)
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        """One query token per sequence, batched over sequences with a length mask."""
-        b, hq, d = q.shape
-        hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+        """One query token per sequence; padding past each length is masked out."""
+        b = q.shape[0]
         first = meta.num_prefills
-        lens = meta.seq_lens[first:]
         max_len = max(meta.seq_lens_host[first:])
-        tables = meta.block_tables[first:, : -(-max_len // block_size)]
-        keys = k_cache[tables].transpose(1, 2).flatten(2, 3)  # [B, Hkv, L, D]
-        values = v_cache[tables].transpose(1, 2).flatten(2, 3)
-        qg = q.view(b, hkv, hq // hkv, d)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-        pad = torch.arange(keys.shape[2], device=q.device).view(1, 1, 1, -1) >= lens.view(
-            -1, 1, 1, 1
+        tables = meta.block_tables[first:, : -(-max_len // k_cache.shape[1])]
+        keys, values = gather_kv(k_cache, tables), gather_kv(v_cache, tables)
+        lens = meta.seq_lens[first:].view(b, 1, 1, 1)
+        mask = torch.arange(keys.shape[2], device=q.device).view(1, 1, 1, -1) < lens
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
-        scores.masked_fill_(pad, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).view(b, hq, d)
+        return out.squeeze(2)

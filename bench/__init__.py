@@ -1,0 +1,1 @@
+"""Benchmarks, workloads, SLOs and goodput (later: the simulator and the planner)."""

@@ -1,0 +1,115 @@
+"""Engine vs HF transformers on the embedded model (float32, 2 threads), next to the
+machine's floors measured in the same run.
+
+    .venv/bin/python -m bench.engine [--threads 2] [--decode-steps 16]
+
+Prefill: one prompt of 128 / 512 / 2048 tokens in one pass (HF computes the last
+logit only). Decode: batch 1 / 8 / 32 of 128-token contexts, tokens/s over N steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from bench.floors import best_of, copy_bandwidth, matmul_peak
+from engine import LLM, SamplingParams
+from engine.checkpoint import resolve
+
+MODEL = "smollm2-135m"
+
+
+def engine_prefill(llm: LLM, n: int) -> float:
+    ids = [(7 * i) % 40000 + 100 for i in range(n)]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    return n / best_of(lambda: llm.generate(ids, params), repeats=3)
+
+
+def engine_decode(llm: LLM, batch: int, steps: int, context: int = 128) -> float:
+    e = llm.engine
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        e.add_request(f"d{batch}-{i}", [100 + i + j % 50 for j in range(context)], params)
+    while any(r.num_output_tokens == 0 for r in e.requests.values()):
+        e.step()  # prefill (and first token) of every request
+    t = time.perf_counter()
+    tokens = 0
+    while e.has_unfinished_requests():
+        tokens += len(e.step())
+    return tokens / (time.perf_counter() - t)
+
+
+def hf_prefill(model, n: int) -> float:
+    ids = torch.tensor([[(7 * i) % 40000 + 100 for i in range(n)]])
+    with torch.inference_mode():
+        return n / best_of(lambda: model(ids, logits_to_keep=1), repeats=3)
+
+
+def hf_decode(model, batch: int, steps: int, context: int = 128) -> float:
+    ids = torch.tensor([[100 + i + j % 50 for j in range(context)] for i in range(batch)])
+    with torch.inference_mode():
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        cache, x = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = model(x, cache=cache, use_cache=True)
+            cache, x = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return batch * steps / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    print(f"threads {args.threads}, cpus {os.cpu_count()}, torch {torch.__version__}")
+    bandwidth, peak = copy_bandwidth(), matmul_peak()
+    print(
+        f"floors: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {peak / 1e9:.0f} GFLOP/s"
+    )
+    llm = LLM(MODEL, num_kv_blocks=1024, max_batch_tokens=2048, max_batch_size=64)
+    hf = AutoModelForCausalLM.from_pretrained(resolve(MODEL), dtype=torch.float32).eval()
+    cfg = llm.engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    weight_bytes -= llm.engine.model.embed.numel() * 4  # a lookup reads a few rows only
+    flops_per_token = 2 * (weight_bytes / 4)
+    # decode at small batch reads every weight once per step
+    decode_floor_s = weight_bytes / bandwidth
+    prefill_ceiling = peak / flops_per_token
+    print(
+        f"model: {cfg.num_layers} layers, {weight_bytes / 1e6:.0f} MB of weights read per step; "
+        f"decode step floor {decode_floor_s * 1e3:.1f} ms, "
+        f"prefill ceiling {prefill_ceiling:.0f} tok/s"
+    )
+    rows = []
+    for n in (128, 512, 2048):
+        ours, theirs = engine_prefill(llm, n), hf_prefill(hf, n)
+        rows.append((f"prefill {n}", ours, theirs, f"{ours / prefill_ceiling:.0%} of ceiling"))
+        print(_fmt(rows[-1]), flush=True)
+    for b in (1, 8, 32):
+        ours = engine_decode(llm, b, args.decode_steps)
+        theirs = hf_decode(hf, b, args.decode_steps)
+        step_ms = b / ours * 1e3
+        floor = f"{step_ms / (decode_floor_s * 1e3):.2f}x floor ({step_ms:.1f} ms/step)"
+        rows.append((f"decode batch {b}", ours, theirs, floor))
+        print(_fmt(rows[-1]), flush=True)
+    print("\n| | pdserve tok/s | HF tok/s | ratio | distance from floor |")
+    print("|---|---|---|---|---|")
+    for name, ours, theirs, floor in rows:
+        print(f"| {name} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x | {floor} |")
+
+
+def _fmt(row):
+    name, ours, theirs, floor = row
+    ratio = ours / theirs
+    return f"{name:>16}: pdserve {ours:7.0f} tok/s  HF {theirs:7.0f} tok/s  x{ratio:.2f}  {floor}"
+
+
+if __name__ == "__main__":
+    main()
