@@ -76,8 +76,9 @@ def main() -> None:
     llm = LLM(MODEL, num_kv_blocks=1024, max_batch_tokens=2048, max_batch_size=64)
     hf = AutoModelForCausalLM.from_pretrained(resolve(MODEL), dtype=torch.float32).eval()
     cfg = llm.engine.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    weight_bytes -= llm.engine.model.embed.numel() * 4  # a lookup reads a few rows only
+    # every weight but the embedding (a lookup reads a few rows only); the LM head counts
+    weight_bytes = 4 * sum(p.numel() for p in llm.engine.model.parameters())
+    weight_bytes -= 4 * llm.engine.model.embed.numel()
     flops_per_token = 2 * (weight_bytes / 4)
     # decode at small batch reads every weight once per step
     decode_floor_s = weight_bytes / bandwidth

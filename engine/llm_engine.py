@@ -34,6 +34,7 @@ class LLMEngine:
         with torch.device(device):
             self.model = LlamaModel(ckpt.config, attn, ops, config.torch_dtype, tp)
         self.model.load_weights(ckpt.weights(config.torch_dtype))
+        self.model.prepare_weights()
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_size)
         self.runner = ModelRunner(self.model, self.blocks, config.seed)

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.linear import linear, prepare
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.rope import rope_tables
@@ -44,21 +45,21 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_eps
         self.scale = d**-0.5
 
-    def forward(self, h, residual, positions, cos, sin, k_cache, v_cache, meta, attn, ops, tp):
+    def forward(self, h, residual, rope, k_cache, v_cache, meta, attn, ops, tp):
         if residual is None:
             residual = h
             x = ops.rms_norm(h, self.input_norm, self.eps)
         else:
             x, residual = ops.add_rms_norm(h, residual, self.input_norm, self.eps)
         t, d = x.shape[0], self.head_dim
-        q, k, v = F.linear(x, self.qkv).split(
+        q, k, v = linear(x, self.qkv).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
         )
-        q, k = ops.rotary(q.view(t, -1, d), k.view(t, -1, d), positions, cos, sin)
+        q, k = ops.rotary(q.view(t, -1, d), k.view(t, -1, d), rope)
         o = attn.forward(q, k, v.view(t, -1, d), k_cache, v_cache, meta, self.scale)
-        h = tp.all_reduce(F.linear(o.reshape(t, -1), self.o))
+        h = tp.all_reduce(linear(o.reshape(t, -1), self.o))
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, self.eps)
-        h = tp.all_reduce(F.linear(ops.silu_and_mul(F.linear(x, self.gate_up)), self.down))
+        h = tp.all_reduce(linear(ops.silu_and_mul(linear(x, self.gate_up)), self.down))
         return h, residual
 
 
@@ -95,18 +96,18 @@ class LlamaModel(nn.Module):
         """input_ids, positions [T] -> final normed hidden states [T, hidden]."""
         h = F.embedding(input_ids, self.embed)
         residual = None
+        rope = self.ops.rope(positions, self.cos, self.sin)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(
-                h, residual, positions, self.cos, self.sin, k_cache, v_cache, meta,
-                self.attn, self.ops, self.tp,
-            )  # fmt: skip
+                h, residual, rope, k_cache, v_cache, meta, self.attn, self.ops, self.tp
+            )
         h, _ = self.ops.add_rms_norm(h, residual, self.norm, self.cfg.rms_eps)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 logits [S, vocab] (gathered across ranks)."""
-        return self.tp.all_gather_last_dim(F.linear(hidden, self.lm_head).float())
+        return self.tp.all_gather_last_dim(linear(hidden, self.lm_head).float())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...),
@@ -114,3 +115,11 @@ class LlamaModel(nn.Module):
         from engine.weight_map import assign_weights
 
         assign_weights(self, weights)
+
+    def prepare_weights(self) -> None:
+        """Store the projection weights in the device's fastest layout (engine/linear.py);
+        called once after loading."""
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, nn.Parameter(prepare(getattr(layer, name).data), False))
+        self.lm_head = nn.Parameter(prepare(self.lm_head.data), requires_grad=False)

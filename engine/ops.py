@@ -18,9 +18,11 @@ class Ops(ABC):
     * ``rms_norm(x [T, H], w [H], eps)`` -> [T, H]: x / rms(x) * w, computed in float32.
     * ``add_rms_norm(x, residual, w, eps)`` -> (normed, new_residual) with
       new_residual = x + residual and normed = rms_norm(new_residual).
-    * ``rotary(q [T, Hq, D], k [T, Hkv, D], positions [T] int64, cos, sin)`` ->
-      (q', k') with cos, sin [max_pos, D/2] float32; rotate-half (GPT-NeoX/HF Llama)
-      layout: out[:D/2] = x1*c - x2*s, out[D/2:] = x2*c + x1*s.
+    * ``rope(positions [T] int64, cos, sin)`` with cos, sin [max_pos, D/2] float32:
+      whatever ``rotary`` needs for these tokens, computed once per forward pass.
+    * ``rotary(q [T, Hq, D], k [T, Hkv, D], rope)`` -> (q', k'); rotate-half
+      (GPT-NeoX/HF Llama) layout: out[:D/2] = x1*c - x2*s, out[D/2:] = x2*c + x1*s
+      with c, s the tables at each token's position.
     * ``silu_and_mul(x [T, 2I])`` -> [T, I] = silu(x[:, :I]) * x[:, I:].
     """
 
@@ -33,13 +35,11 @@ class Ops(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @abstractmethod
+    def rope(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple: ...
+
+    @abstractmethod
     def rotary(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, rope: tuple
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @abstractmethod
@@ -48,17 +48,20 @@ class Ops(ABC):
 
 class TorchOps(Ops):
     def rms_norm(self, x, w, eps):
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, w.shape, w, eps)
         xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (out * w.float()).to(x.dtype) if x.dtype != torch.float32 else out * w
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
 
     def add_rms_norm(self, x, residual, w, eps):
         residual = x + residual
         return self.rms_norm(residual, w, eps), residual
 
-    def rotary(self, q, k, positions, cos, sin):
-        c = cos[positions].unsqueeze(1)
-        s = sin[positions].unsqueeze(1)
+    def rope(self, positions, cos, sin):
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def rotary(self, q, k, rope):
+        c, s = rope
         return _rotate(q, c, s), _rotate(k, c, s)
 
     def silu_and_mul(self, x):
@@ -68,5 +71,4 @@ class TorchOps(Ops):
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return out.to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,9 @@ class AttentionMetadata:
     # Host copies (plain lists) so CPU code can loop without device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # A backend's own values derived from this metadata (masks, sliced tables), computed
+    # by the first layer of a forward pass and reused by the others.
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

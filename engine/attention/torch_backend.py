@@ -29,6 +29,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_prefills == 0:
+            return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         start = 0
@@ -56,13 +58,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """One query token per sequence; padding past each length is masked out."""
-        b = q.shape[0]
-        first = meta.num_prefills
-        max_len = max(meta.seq_lens_host[first:])
-        tables = meta.block_tables[first:, : -(-max_len // k_cache.shape[1])]
+        if "decode" not in meta.derived:
+            first = meta.num_prefills
+            max_len = max(meta.seq_lens_host[first:])
+            tables = meta.block_tables[first:, : -(-max_len // k_cache.shape[1])]
+            width = tables.shape[1] * k_cache.shape[1]
+            lens = meta.seq_lens[first:].view(-1, 1, 1, 1)
+            mask = torch.arange(width, device=q.device).view(1, 1, 1, -1) < lens
+            meta.derived["decode"] = tables, mask
+        tables, mask = meta.derived["decode"]
         keys, values = gather_kv(k_cache, tables), gather_kv(v_cache, tables)
-        lens = meta.seq_lens[first:].view(b, 1, 1, 1)
-        mask = torch.arange(keys.shape[2], device=q.device).view(1, 1, 1, -1) < lens
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )

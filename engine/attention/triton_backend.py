@@ -75,8 +75,11 @@ class TritonOps(Ops):
     def add_rms_norm(self, x, residual, w, eps):
         return add_rms_norm(x, residual, w, eps)
 
-    def rotary(self, q, k, positions, cos, sin):
-        return rotary(q, k, positions, cos, sin)
+    def rope(self, positions, cos, sin):
+        return positions, cos, sin
+
+    def rotary(self, q, k, rope):
+        return rotary(q, k, *rope)
 
     def silu_and_mul(self, x):
         return silu_and_mul(x)
