@@ -58,7 +58,9 @@ class TorchOps(Ops):
         return self.rms_norm(residual, w, eps), residual
 
     def rope(self, positions, cos, sin):
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: four ops a tensor, no cat
+        c, s = cos[positions], sin[positions]
+        return torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
 
     def rotary(self, q, k, rope):
         c, s = rope
@@ -70,5 +72,6 @@ class TorchOps(Ops):
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    xf = x.float()
+    out = xf * c + xf.roll(x.shape[-1] // 2, dims=-1) * s
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
