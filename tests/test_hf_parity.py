@@ -65,3 +65,20 @@ def test_embedded_model_matches_hf():
     for ids, out in zip(greedy, outs, strict=True):
         assert out.token_ids == hf_greedy(hf, ids, 32)
     assert outs[-1].text.startswith("The capital of France is Paris.")
+
+
+def test_bfloat16_matches_hf_bfloat16(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("gqa3")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    llm = LLM(path, dtype="bfloat16", max_batch_tokens=64, num_kv_blocks=64)
+    for ids in _prompts(256):
+        with torch.no_grad():
+            expected = hf(torch.tensor([ids])).logits[0].float()
+        got = prompt_logits(llm.engine, ids)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=0.3, rtol=0.05)  # bf16 rounding
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+    out = llm.generate(_prompts(256)[0], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert len(out.token_ids) == 8
