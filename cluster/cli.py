@@ -1,10 +1,21 @@
-"""The ``pdserve`` command."""
+"""The ``pdserve`` command.
+
+pdserve up CONFIG [--set key.sub=value ...] [--demo PROMPT]   serve until Ctrl-C / SIGTERM
+pdserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--router ADDR]
+pdserve generate --offline "prompt" ...                        the engine in this process
+pdserve stats [--router ADDR]                                  queue and per-instance load
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 import time
+
+DEFAULT_ROUTER = os.environ.get("PDSERVE_ROUTER", "127.0.0.1:50051")
 
 
 def _generate_offline(args: argparse.Namespace) -> int:
@@ -38,26 +49,147 @@ def _generate_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def stream_to_terminal(address: str, prompt: str, chat: bool, **sampling) -> int:
+    """Send one request through the router and print its answer as it streams."""
+    import grpc
+
+    from router.client import RouterClient
+
+    kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    with RouterClient(address) as client:
+        try:
+            for chunk in client.generate(**kw, **sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finished:
+                    t = chunk.timings
+                    print(
+                        f"\n[{address}: prompt {chunk.prompt_tokens} tokens, "
+                        f"TTFT {t.ttft_ms:.0f} ms, {chunk.completion_tokens} tokens, "
+                        f"TPOT {t.tpot_ms:.1f} ms, e2e {t.e2e_ms:.0f} ms, "
+                        f"queue {t.queue_ms:.1f} ms, on {', '.join(t.instances)}, "
+                        f"finish {chunk.finish_reason}]"
+                    )
+        except grpc.RpcError as e:
+            print(f"\npdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from cluster.config_loader import ConfigError, load_config
+    from cluster.launcher import launch
+
+    try:
+        config = load_config(args.config, args.set or [])
+    except ConfigError as e:
+        print(f"pdserve up: {args.config}: {e}", file=sys.stderr)
+        return 2
+    pools = ", ".join(f"{p.instances} {role}" for role, p in config.pools().items())
+    print(f"pdserve: starting {pools} instances of {config.model} on Ray ...", flush=True)
+    started = time.monotonic()
+    try:
+        cluster = launch(config)
+    except ConfigError as e:
+        print(f"pdserve up: {args.config}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # launch stopped whatever it had started
+        print(f"pdserve up: could not start the cluster: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        if stop.is_set():  # a second Ctrl-C: stop without waiting
+            raise KeyboardInterrupt
+        stop.set()
+
+    # after launch: ray.init installs a SIGTERM handler of its own
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(
+            f"pdserve: router listening on {cluster.address} "
+            f"(policy {config.router.policy}, ready in {time.monotonic() - started:.1f} s); "
+            "Ctrl-C to stop",
+            flush=True,
+        )
+        if args.demo:
+            print(f"> {args.demo}", flush=True)
+            stream_to_terminal(
+                cluster.address, args.demo, chat=True, max_tokens=args.max_tokens, temperature=0.0
+            )
+            print(f"pdserve: serving on {cluster.address}; Ctrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("pdserve: draining in-flight requests ...", flush=True)
+        cut = cluster.drain()
+        if cut:
+            print(f"pdserve: {cut} requests cut at router.drain_timeout_s", flush=True)
+    except KeyboardInterrupt:
+        print("pdserve: stopping now", flush=True)
+    finally:
+        cluster.shutdown(drain=False)
+    print("pdserve: stopped", flush=True)
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from router.client import RouterClient
+
+    with RouterClient(args.router) as client:
+        s = client.stats()
+    print(f"router {args.router}: queued {s.queued}/{s.max_queue}, in flight {s.in_flight}")
+    for i in s.instances:
+        print(
+            f"  {i.name}: queued {i.queued}, running {i.running}, outstanding {i.outstanding}, "
+            f"blocks free {i.free_blocks}/{i.total_blocks}, requests {i.requests_total}, "
+            f"tokens {i.tokens_total}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="launch a cluster from a YAML config and serve")
+    up.add_argument("config", help="YAML file (configs/local-colocated.yaml)")
+    up.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")
+    up.add_argument("--demo", metavar="PROMPT", help="once up, send this chat prompt and print")
+    up.add_argument("--max-tokens", type=int, default=64, help="for --demo")
+
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--offline", action="store_true", help="run the engine in this process")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--model", default="smollm2-135m")
+    gen.add_argument("--router", default=DEFAULT_ROUTER, help="router address (host:port)")
+    gen.add_argument("--model", default="smollm2-135m", help="with --offline")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
+
+    stats = sub.add_parser("stats", help="the router's queue and each instance's load")
+    stats.add_argument("--router", default=DEFAULT_ROUTER, help="router address (host:port)")
+
     args = parser.parse_args(argv)
-    if args.command == "generate":
-        if not args.offline:
-            parser.error("generate: only --offline is available until the cluster lands")
+    if args.command == "up":
+        return _up(args)
+    if args.command == "stats":
+        return _stats(args)
+    if args.offline:
         try:
             return _generate_offline(args)
         except ValueError as e:
             parser.error(str(e))
-    return 2
+    return stream_to_terminal(
+        args.router,
+        args.prompt,
+        args.chat,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+    )
 
 
 if __name__ == "__main__":

@@ -47,3 +47,55 @@ def save_tiny_llama(folder: Path, seed: int = 0, **overrides) -> None:
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
+
+
+# A byte-level tokenizer that fits the tiny models' 256-token vocabulary: ids 0-2 are
+# <unk>, <s> (bos 1) and </s> (eos 2), ids 3-255 the bytes 3-255 (bytes 0-2 map to <unk>).
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def save_byte_tokenizer(folder: Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json (with a chat template) into ``folder``."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from engine.tokenizer import Tokenizer
+
+    byte_char = _byte_chars()
+    assert set(byte_char) == set(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(3, 256):
+        vocab[byte_char[b]] = b
+    backend = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")]
+    )
+    Tokenizer(backend, 1, (2,), TINY_CHAT_TEMPLATE).save(Path(folder))
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (the one ByteLevel uses), by byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def save_tiny_chat_llama(folder: Path, seed: int = 0, **overrides) -> None:
+    """A tiny random Llama (as ``save_tiny_llama``) with the byte-level tokenizer."""
+    save_tiny_llama(folder, seed=seed, **overrides)
+    save_byte_tokenizer(folder)

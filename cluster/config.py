@@ -1,0 +1,147 @@
+"""The cluster configuration (DESIGN.md §5) as dataclasses, nested per role.
+
+YAML only fills these (``cluster.config_loader.load_config``). Each field may carry
+a check in its metadata; a failing check names the dotted key, the value and what
+is allowed, before any Ray process starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from engine.attention import BACKENDS
+from engine.config import DTYPES
+from router.policies import POLICIES
+
+MODES = ("colocated", "disaggregated")
+KV_BACKENDS = ("gloo", "nccl", "grpc")
+
+# A check returns None when the value is fine, else what is allowed.
+Check = Callable[[object], str | None]
+
+
+def at_least(low: float) -> Check:
+    return lambda v: None if v >= low else f"must be >= {low:g}"
+
+
+def above(low: float) -> Check:
+    return lambda v: None if v > low else f"must be > {low:g}"
+
+
+def one_of(*allowed: object) -> Check:
+    shown = ", ".join("null" if a is None else str(a) for a in allowed)
+    return lambda v: None if v in allowed else f"allowed values are {shown}"
+
+
+def tcp_port(v: int) -> str | None:
+    return None if 0 <= v <= 65535 else "must be a TCP port in [0, 65535] (0: any free port)"
+
+
+def in_unit(v: float) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def spec(default=None, check: Check | None = None, help: str = "", factory=None):
+    """A dataclass field with a default (or factory), a value check and a one-line help."""
+    meta = {"check": check, "help": help}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Resources:
+    num_cpus: float = spec(1.0, at_least(0), "CPUs per instance (torch threads follow it)")
+    num_gpus: float = spec(0.0, at_least(0), "GPUs per instance (> 0 runs it on CUDA)")
+
+
+@dataclass
+class PoolConfig:
+    """One pool of identical engine instances: ``prefill``, ``decode`` or ``colocated``."""
+
+    instances: int = spec(1, at_least(0), "engine instances in the pool")
+    tensor_parallel: int = spec(1, at_least(1), "tensor-parallel degree of each instance")
+    max_batch_tokens: int = spec(512, at_least(1), "token budget of one engine step")
+    max_batch_size: int = spec(64, at_least(1), "requests in one running batch")
+    kv_blocks: int = spec(2048, at_least(1), "paged KV cache blocks per instance")
+    block_size: int = spec(16, at_least(1), "tokens per KV block")
+    resources: Resources = spec(factory=Resources)
+
+    def engine_config(self, dtype: str, attention_backend: str | None, device: str) -> dict:
+        """Keyword arguments of ``engine.EngineConfig`` for one instance of this pool."""
+        return dict(
+            dtype=dtype,
+            block_size=self.block_size,
+            num_kv_blocks=self.kv_blocks,
+            max_batch_tokens=self.max_batch_tokens,
+            max_batch_size=self.max_batch_size,
+            attention_backend=attention_backend,
+            device=device,
+        )
+
+
+@dataclass
+class RayConfig:
+    address: str | None = spec(
+        None, None, 'null: an embedded local Ray; "auto" or "ray://host:10001": an existing one'
+    )
+    num_cpus: float | None = spec(
+        None, above(0), "CPUs the embedded local Ray offers (default: the machine's)"
+    )
+
+
+@dataclass
+class RouterConfig:
+    host: str = spec("127.0.0.1", None, "address the gRPC server binds")
+    port: int = spec(50051, tcp_port, "gRPC port (0: any free port)")
+    http_port: int = spec(8000, tcp_port, "HTTP (OpenAI-compatible) port; not served yet")
+    policy: str = spec("least_loaded", one_of(*POLICIES), "routing policy")
+    max_queue: int = spec(1024, at_least(0), "requests waiting for an instance before refusal")
+    drain_timeout_s: float = spec(30.0, at_least(0), "how long shutdown waits for requests")
+
+
+@dataclass
+class KVTransferConfig:
+    backend: str = spec("gloo", one_of(*KV_BACKENDS), "KV transport between pools")
+    layerwise: bool = spec(True, None, "send KV layer by layer as the last chunk runs")
+    lease_s: float = spec(30.0, above(0), "seconds a decode reservation waits for its KV")
+
+
+@dataclass
+class SLOConfig:
+    ttft_ms: float = spec(1000.0, above(0), "time-to-first-token objective")
+    tpot_ms: float = spec(150.0, above(0), "time-per-output-token objective")
+    attainment: float = spec(0.9, in_unit, "share of requests that must meet both")
+
+
+def _model_check(v: str) -> str | None:
+    return None if v.strip() else "must name a model: an alias, a HF folder or a .gguf file"
+
+
+@dataclass
+class ClusterConfig:
+    model: str = spec(None, _model_check, "alias (smollm2-135m), HF folder or .gguf file")
+    mode: str = spec("colocated", one_of(*MODES), "placement: co-located or disaggregated pools")
+    dtype: str = spec("float32", one_of(*DTYPES), "weights and KV cache dtype")
+    attention_backend: str | None = spec(
+        None, one_of(None, *BACKENDS), "engine attention backend (null: by device)"
+    )
+    ray: RayConfig = spec(factory=RayConfig)
+    router: RouterConfig = spec(factory=RouterConfig)
+    prefill: PoolConfig = spec(factory=PoolConfig)
+    decode: PoolConfig = spec(factory=PoolConfig)
+    colocated: PoolConfig = spec(factory=lambda: PoolConfig(instances=2))
+    kv_transfer: KVTransferConfig = spec(factory=KVTransferConfig)
+    slo: SLOConfig = spec(factory=SLOConfig)
+
+    REQUIRED = ("model",)
+
+    def pools(self) -> dict[str, PoolConfig]:
+        """The pools this mode runs, by role name."""
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def to_dict(self) -> dict:
+        return asdict(self)

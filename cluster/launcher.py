@@ -1,0 +1,156 @@
+"""``cluster.launch(config)``: engine instances and the router on Ray, and the handle
+that stops them.
+
+Each engine instance is a Ray actor named ``<role>-<index>`` (``colocated-0``) in
+the namespace ``pdserve``, holding its pool's resources; it loads the model once
+and limits torch to its CPU share. The router is an async actor (``router``, no
+CPU reserved) on the driver's node serving gRPC. Everything is checked before Ray
+starts; a failure while starting stops whatever had started.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.config import ClusterConfig
+from cluster.config_loader import ConfigError, check_model_shape, load_config
+from cluster.ray_env import NAMESPACE, RaySession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Cluster:
+    config: ClusterConfig
+    session: RaySession
+    workers: dict = field(default_factory=dict)  # name -> actor handle
+    router: object = None  # actor handle
+    address: str = ""  # host:port of the router's gRPC server
+    instances: list[dict] = field(default_factory=list)  # each instance's ready() facts
+
+    def client(self):
+        from router.client import RouterClient
+
+        return RouterClient(self.address)
+
+    def stats(self) -> dict:
+        import ray
+
+        return ray.get(self.router.stats.remote())
+
+    def drain(self, timeout_s: float | None = None) -> int:
+        """Stop taking requests and wait for those in flight; returns how many were cut."""
+        import ray
+
+        if timeout_s is None:
+            timeout_s = self.config.router.drain_timeout_s
+        return ray.get(self.router.drain.remote(timeout_s))
+
+    def shutdown(self, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Drain (optionally), then stop the router, the instances and an embedded Ray."""
+        import ray
+
+        try:
+            if self.router is not None and ray.is_initialized():
+                if drain:
+                    self.drain(timeout_s)
+                ray.get(self.router.stop.remote(), timeout=30)
+        except Exception as e:  # stopping anyway
+            log.warning("router did not stop cleanly: %s", e)
+        finally:
+            if ray.is_initialized():
+                for handle in [self.router, *self.workers.values()]:
+                    if handle is not None:
+                        ray.kill(handle, no_restart=True)
+            self.router, self.workers = None, {}
+            self.session.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown(drain=False)
+
+
+def launch(
+    config: ClusterConfig | dict | str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    ready_timeout_s: float = 900.0,
+) -> Cluster:
+    """Start a cluster from a config (a YAML path, a dict or a ``ClusterConfig``)."""
+    from engine.checkpoint import resolve
+
+    config = load_config(config, overrides)
+    refuse_unsupported(config)
+    # Converts a GGUF once, here, before the instances look for it.
+    check_model_shape(config, resolve(config.model))
+    session = RaySession(config.ray)
+    session.start()
+    cluster = Cluster(config, session)
+    try:
+        _start(cluster, ready_timeout_s)
+    except BaseException:
+        cluster.shutdown(drain=False)
+        raise
+    return cluster
+
+
+def refuse_unsupported(config: ClusterConfig) -> None:
+    if config.mode == "disaggregated":
+        raise ConfigError(
+            "mode",
+            "'disaggregated' is accepted by the schema but arrives with the disaggregation "
+            "issue; use mode: colocated for now",
+        )
+    for role, pool in config.pools().items():
+        if pool.tensor_parallel > 1:
+            raise ConfigError(
+                f"{role}.tensor_parallel",
+                f"{pool.tensor_parallel}: tensor parallelism arrives with a later issue; "
+                "use 1 for now",
+            )
+
+
+def _start(cluster: Cluster, ready_timeout_s: float) -> None:
+    import ray
+
+    from decode_worker.engine_worker import EngineWorker
+    from router.server import RouterServer
+
+    config = cluster.config
+    worker_cls = ray.remote(EngineWorker)
+    specs = []
+    for role, pool in config.pools().items():
+        res = pool.resources
+        cpus, gpus = res.num_cpus * pool.tensor_parallel, res.num_gpus * pool.tensor_parallel
+        engine = pool.engine_config(
+            config.dtype, config.attention_backend, "cuda" if gpus > 0 else "cpu"
+        )
+        for index in range(pool.instances):
+            name = f"{role}-{index}"
+            handle = worker_cls.options(
+                name=name,
+                namespace=NAMESPACE,
+                num_cpus=cpus,
+                num_gpus=gpus,
+                max_concurrency=8,  # poll, add, abort and stats overlap the step loop
+                max_restarts=0,
+            ).remote(name, config.model, engine, max(1, math.floor(cpus)))
+            cluster.workers[name] = handle
+            specs.append((name, role, handle))
+    router_options = dict(name="router", namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000)
+    if not str(config.ray.address or "").startswith("ray://"):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = ray.get_runtime_context().get_node_id()
+        router_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    router_cls = ray.remote(RouterServer)
+    cluster.router = router_cls.options(**router_options).remote(
+        config.model, config.to_dict()["router"], specs
+    )
+    cluster.address = ray.get(cluster.router.start.remote(), timeout=ready_timeout_s)
+    cluster.instances = ray.get(cluster.router.wait_ready.remote(), timeout=ready_timeout_s)

@@ -1,0 +1,1 @@
+"""The gRPC front door: admission, tokenization, routing policies, token streaming, client."""

@@ -1,0 +1,209 @@
+"""The router: an asyncio gRPC server in front of the engine instances.
+
+``RouterServer`` is the control plane: it owns the admission queue, the routing
+policy, the instances' loads and the health status, and serves the ``Router``
+gRPC service (router/service.py) plus the standard ``grpc.health.v1`` service. The
+cluster runs it as a Ray async actor, so its methods and the gRPC server share
+the actor's event loop; it reaches the engine instances only through their Ray
+handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from router.admission import AdmissionQueue
+from router.instances import Instance
+from router.policies import make_policy
+from router.proto import pdserve_pb2 as pb
+from router.proto import pdserve_pb2_grpc as pb_grpc
+from router.stream import Delta, RequestStream
+from router.validation import ModelLimits, RequestValidator
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # pdserve.v1.Router
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class RouterServer:
+    def __init__(self, model: str, router_config: dict, workers: list[tuple[str, str, object]]):
+        """``workers``: (name, role, Ray actor handle) of every engine instance."""
+        from engine.checkpoint import load_checkpoint
+
+        self.config = router_config
+        self.tokenizer = load_checkpoint(model).tokenizer
+        self.instances = [Instance(n, r, h, i) for i, (n, r, h) in enumerate(workers)]
+        self.by_name = {i.name: i for i in self.instances}
+        self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
+        self.policy = make_policy(router_config["policy"])
+        self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
+        self.validator: RequestValidator | None = None
+        self.draining = False
+        self.address = ""
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._ready: asyncio.Future | None = None
+
+    # ---- lifecycle (called through the actor handle) ----
+
+    async def start(self) -> str:
+        """Bind and serve (NOT_SERVING until every instance is ready); returns host:port."""
+        from router.service import RouterService
+
+        host, port = self.config["host"], self.config["port"]
+        self._server = grpc.aio.server()
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        pb_grpc.add_RouterServicer_to_server(RouterService(self), self._server)
+        await self._set_health(_NOT_SERVING)
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"router.port={port}: cannot bind {host}:{port} ({e}); is it in use?"
+            ) from e
+        await self._server.start()
+        shown = host
+        if host in ("0.0.0.0", "::", "[::]"):
+            import ray
+
+            shown = ray.util.get_node_ip_address()
+        self.address = f"{shown}:{bound}"
+        self._ready = asyncio.get_running_loop().create_task(self._bring_up())
+        return self.address
+
+    async def wait_ready(self) -> list[dict]:
+        """Every instance's ``ready()`` facts, once all have loaded the model."""
+        return await asyncio.shield(self._ready)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, report NOT_SERVING, wait for those in flight.
+
+        Returns how many were still running at the timeout (they are aborted)."""
+        self.draining = True
+        await self._set_health(_NOT_SERVING)
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = list(self.streams.values())
+        for stream in left:
+            self.cancel(stream, "abort")
+        return len(left)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        for inst in self.instances:
+            await inst.stop_polling()
+
+    async def stats(self) -> dict:
+        per = await asyncio.gather(*(i.stats() for i in self.instances), return_exceptions=True)
+        instances = []
+        for inst, s in zip(self.instances, per, strict=True):
+            s = s if isinstance(s, dict) else {"name": inst.name, "dead": str(s)}
+            s.update(role=inst.role, outstanding=inst.load.outstanding)
+            s["requests_total"] = inst.requests_total
+            instances.append(s)
+        return {
+            "queued": len(self.admission),
+            "max_queue": self.admission.max_size,
+            "in_flight": len(self.streams),
+            "draining": self.draining,
+            "instances": instances,
+        }
+
+    # ---- control plane (called by the gRPC service, on this event loop) ----
+
+    @property
+    def ready(self) -> bool:
+        return self.validator is not None
+
+    def admit(self, stream: RequestStream) -> bool:
+        """Place the request now, or queue it; False when the queue is full."""
+        if not self.admission and any(i.has_room() for i in self.instances):
+            self.streams[stream.request_id] = stream
+            self._dispatch(stream)
+            return True
+        if not self.admission.offer(stream):
+            return False
+        self.streams[stream.request_id] = stream
+        self._dispatch()
+        return True
+
+    def cancel(self, stream: RequestStream, reason: str | None = None) -> bool:
+        """Take a request out of the router and its instance (frees its KV blocks).
+
+        With ``reason``, the stream's client is told it finished that way."""
+        if self.streams.pop(stream.request_id, None) is None:
+            return False
+        if not self.admission.remove(stream) and stream.instances:
+            self.by_name[stream.instances[-1]].abort(stream)
+        if reason is not None:
+            stream.deliver(Delta([], "", reason))
+        stream.finished = True
+        self._dispatch()
+        return True
+
+    def finish(self, stream: RequestStream) -> None:
+        """The stream ended (finished, failed, or its client went away)."""
+        if not stream.finished or stream.request_id in self.streams:
+            self.cancel(stream)
+
+    @property
+    def alive(self) -> bool:
+        return any(i.dead is None for i in self.instances)
+
+    def _dispatch(self, first: RequestStream | None = None) -> None:
+        """Send waiting requests, oldest first, while some instance has room."""
+        if not self.alive:  # nothing will ever take them
+            for stream in self.admission.drain():
+                self.streams.pop(stream.request_id, None)
+                stream.deliver(Delta([], "", "error", "every engine instance has failed"))
+            return
+        while first is not None or self.admission:
+            candidates = [i.load for i in self.instances if i.has_room()]
+            if not candidates:
+                return
+            stream = first or self.admission.peek()
+            pick = self.policy.choose(len(stream.prompt_ids), candidates)
+            if first is None:
+                self.admission.pop()
+            first = None
+            self.instances[pick.index].send(stream)
+
+    def _on_finished(self, streams: list[RequestStream]) -> None:
+        """An instance finished (or failed) these requests: room for waiting ones."""
+        for stream in streams:
+            if self.streams.get(stream.request_id) is stream:
+                del self.streams[stream.request_id]
+        self._dispatch()
+
+    async def _bring_up(self) -> list[dict]:
+        infos = await asyncio.gather(*(i.wait_ready() for i in self.instances))
+        self.validator = RequestValidator(
+            self.tokenizer,
+            ModelLimits(
+                max_context=min(i["max_context"] for i in infos),
+                vocab_size=min(i["vocab_size"] for i in infos),
+                kv_tokens=min(i["num_blocks"] * i["block_size"] for i in infos),
+            ),
+        )
+        for inst in self.instances:
+            inst.start_polling(self._on_finished)
+        if not self.draining:
+            await self._set_health(_SERVING)
+        log.info("router %s: %d instances ready", self.address, len(infos))
+        return infos
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)

@@ -1,0 +1,81 @@
+"""One request's life at the router: its output queue, its clock, its final message.
+
+All times come from the router's clock (``time.monotonic``): arrival is stamped
+when the RPC arrives, first/last token when their batches reach the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from router.proto import pdserve_pb2 as pb
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None  # set when the instance failed the request
+
+
+@dataclass(eq=False)
+class RequestStream:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    instances: list[str] = field(default_factory=list)
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_tokens: int = 0
+    finished: bool = False
+    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+
+    def sent_to(self, instance: str) -> None:
+        self.instances.append(instance)
+        self.dispatched_at = time.monotonic()
+
+    def deliver(self, delta: Delta) -> None:
+        """A batch of this request's tokens arrived from its instance."""
+        if self.finished:
+            return
+        now = time.monotonic()
+        if delta.token_ids:
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+            self.num_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finished = True
+        self.queue.put_nowait(delta)
+
+    def response(self, delta: Delta) -> pb.GenerateResponse:
+        msg = pb.GenerateResponse(
+            request_id=self.request_id, token_ids=delta.token_ids, text=delta.text
+        )
+        if delta.finish_reason is not None:
+            msg.finish_reason = delta.finish_reason
+            msg.usage.prompt_tokens = len(self.prompt_ids)
+            msg.usage.completion_tokens = self.num_tokens
+            msg.timings.CopyFrom(self.timings())
+        return msg
+
+    def timings(self) -> pb.Timings:
+        end = self.last_token_at or time.monotonic()
+        first = self.first_token_at
+        gaps = self.num_tokens - 1
+        return pb.Timings(
+            queue_ms=_ms((self.dispatched_at or end) - self.arrival),
+            ttft_ms=_ms(first - self.arrival) if first is not None else 0.0,
+            tpot_ms=_ms((end - first) / gaps) if first is not None and gaps > 0 else 0.0,
+            e2e_ms=_ms(end - self.arrival),
+            instances=self.instances,
+        )
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)

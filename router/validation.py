@@ -1,0 +1,89 @@
+"""Turn a ``GenerateRequest`` into prompt token ids and sampling settings, or refuse it.
+
+Runs at the router, before admission, so that a request that can never run is
+refused at once (INVALID_ARGUMENT with the reason) instead of failing on an instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+class InvalidRequest(ValueError):
+    """The request cannot run; the message says which field and what is allowed."""
+
+
+@dataclass
+class ModelLimits:
+    max_context: int  # prompt + generated tokens an instance can hold
+    vocab_size: int
+    kv_tokens: int  # tokens the smallest instance's KV cache holds (blocks x block size)
+
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+
+
+class RequestValidator:
+    def __init__(self, tokenizer: Tokenizer | None, limits: ModelLimits):
+        self.tokenizer, self.limits = tokenizer, limits
+
+    def prompt_ids(self, request) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest("prompt: empty; send prompt, messages or prompt_token_ids")
+        if kind == "prompt_token_ids":
+            ids = list(request.prompt_token_ids.ids)
+            vocab = self.limits.vocab_size
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise InvalidRequest(f"prompt_token_ids: token ids must be in [0, {vocab})")
+        elif kind == "prompt":
+            ids = self._encode(request.prompt, "prompt") if request.prompt else []
+        else:
+            ids = self._encode(self._render(request.messages.messages), "messages")
+        if not ids:
+            raise InvalidRequest("prompt: empty; give at least one token")
+        if len(ids) >= self.limits.max_context:
+            raise InvalidRequest(
+                f"prompt: {len(ids)} tokens, the context holds {self.limits.max_context} "
+                "(the prompt must leave room for one generated token)"
+            )
+        if len(ids) + 1 > self.limits.kv_tokens:
+            raise InvalidRequest(
+                f"prompt: {len(ids)} tokens, an instance's KV cache holds "
+                f"{self.limits.kv_tokens} tokens"
+            )
+        return ids
+
+    def sampling(self, request) -> SamplingParams:
+        s = request.sampling
+        kwargs = {name: getattr(s, name) for name in _SAMPLING_FIELDS if s.HasField(name)}
+        kwargs.update(
+            stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise InvalidRequest(f"sampling.{e}") from e
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest(f"{field}: this model has no tokenizer; send prompt_token_ids")
+        return self.tokenizer.encode(text)
+
+    def _render(self, messages) -> str:
+        if not messages:
+            raise InvalidRequest("messages: empty; give at least one message")
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise InvalidRequest(f"messages[{i}].role: empty; e.g. user, assistant, system")
+        if self.tokenizer is None:
+            raise InvalidRequest("messages: this model has no tokenizer; send prompt_token_ids")
+        try:
+            return self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages]
+            )
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from e

@@ -1,0 +1,54 @@
+"""Helpers shared by the cluster and router tests: a tiny chat model, a small cluster."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from tests.tiny_models import TINY_SHAPES, save_tiny_chat_llama
+
+
+def make_chat_model(folder: Path) -> str:
+    """The ``gqa2`` tiny Llama (4 heads, 2 KV heads, context 1024) with a byte tokenizer."""
+    save_tiny_chat_llama(folder, **TINY_SHAPES["gqa2"])
+    return str(folder)
+
+
+def small_cluster_config(model: str, **router) -> dict:
+    """Two co-located instances of 1 CPU on an embedded Ray; the router on a free port.
+
+    8 requests per instance at once and 16 waiting at the router, so that tests can
+    fill the admission queue."""
+    return {
+        "model": model,
+        "mode": "colocated",
+        "router": {"host": "127.0.0.1", "port": 0, "max_queue": 16, **router},
+        "colocated": {
+            "instances": 2,
+            "max_batch_size": 8,
+            "max_batch_tokens": 256,
+            "kv_blocks": 512,
+            "block_size": 16,
+            "resources": {"num_cpus": 1},
+        },
+    }
+
+
+def ray_temp_dirs(base: str | Path) -> list[str]:
+    """Embedded Ray folders under ``base`` (the tests point ``PDSERVE_RAY_TMPDIR`` there)."""
+    return sorted(n for n in os.listdir(base) if n.startswith("pdserve-ray-"))
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.02):
+    """Poll ``predicate`` until it returns a truthy value; that value, or None at timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def all_blocks_free(stats) -> bool:
+    return stats.in_flight == 0 and all(i.free_blocks == i.total_blocks for i in stats.instances)

@@ -1,0 +1,181 @@
+"""The YAML schema: broken files fail at load, naming the key, before any Ray starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import ray
+
+from cluster import ClusterConfig, ConfigError, launch, load_config
+from tests.cluster.helpers import ray_temp_dirs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (case, YAML with MODEL standing for the tiny model's folder, the key the error names)
+BROKEN = [
+    ("unknown top-level key", "model: MODEL\nmodle: x\n", "modle"),
+    ("unknown nested key", "model: MODEL\nrouter: {polcy: round_robin}\n", "router.polcy"),
+    (
+        "unknown key in resources",
+        "model: MODEL\ncolocated: {resources: {cpus: 1}}\n",
+        "colocated.resources.cpus",
+    ),
+    (
+        "wrong type: string for int",
+        "model: MODEL\ncolocated: {instances: two}\n",
+        "colocated.instances",
+    ),
+    ("wrong type: bool for int", "model: MODEL\nrouter: {port: true}\n", "router.port"),
+    ("wrong type: list for section", "model: MODEL\nrouter: [1, 2]\n", "router"),
+    ("wrong type: null model", "model: null\n", "model"),
+    ("negative instances", "model: MODEL\ncolocated: {instances: -1}\n", "colocated.instances"),
+    (
+        "zero instances of the active pool",
+        "model: MODEL\ncolocated: {instances: 0}\n",
+        "colocated.instances",
+    ),
+    ("missing model", "colocated: {instances: 2}\n", "model"),
+    ("model not found", "model: /no/such/model\n", "model"),
+    ("unknown policy", "model: MODEL\nrouter: {policy: random}\n", "router.policy"),
+    ("port out of range", "model: MODEL\nrouter: {port: 70000}\n", "router.port"),
+    ("negative queue", "model: MODEL\nrouter: {max_queue: -1}\n", "router.max_queue"),
+    ("unknown mode", "model: MODEL\nmode: hybrid\n", "mode"),
+    ("unknown kv backend", "model: MODEL\nkv_transfer: {backend: mpi}\n", "kv_transfer.backend"),
+    ("attainment above 1", "model: MODEL\nslo: {attainment: 1.5}\n", "slo.attainment"),
+    ("unknown dtype", "model: MODEL\ndtype: int8\n", "dtype"),
+    (
+        "tensor_parallel not dividing heads",
+        "model: MODEL\ncolocated: {tensor_parallel: 3}\n",
+        "colocated.tensor_parallel",
+    ),
+    (
+        "more CPUs than the machine",
+        "model: MODEL\ncolocated: {resources: {num_cpus: 4096}}\n",
+        "colocated.resources.num_cpus",
+    ),
+    (
+        "more GPUs than the machine",
+        "model: MODEL\ncolocated: {resources: {num_gpus: 64}}\n",
+        "colocated.resources.num_gpus",
+    ),
+]
+
+
+def write(tmp_path: Path, text: str, model: str) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text.replace("MODEL", model))
+    return path
+
+
+@pytest.mark.parametrize("case,text,key", BROKEN, ids=[c[0] for c in BROKEN])
+def test_broken_yaml_names_the_key_and_starts_no_ray(
+    tmp_path, monkeypatch, chat_model, case, text, key
+):
+    path = write(tmp_path, text, chat_model)
+    monkeypatch.setenv("PDSERVE_RAY_TMPDIR", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        launch(path)
+    assert err.value.key == key
+    assert str(err.value).startswith(f"{key}: ")
+    assert not ray.is_initialized() and ray_temp_dirs(tmp_path) == []
+
+
+def test_messages_name_value_and_what_is_allowed(chat_model):
+    def message(raw):
+        with pytest.raises(ConfigError) as err:
+            load_config({"model": chat_model, **raw})
+        return str(err.value)
+
+    assert message({"colocated": {"instances": -1}}) == (
+        "colocated.instances: -1 is not allowed; must be >= 0"
+    )
+    assert "'two' is a string; expected an integer" in message({"colocated": {"instances": "two"}})
+    assert "allowed keys here are host, port" in message({"router": {"polcy": 1}})
+    assert "allowed values are round_robin, least_loaded" in message({"router": {"policy": "x"}})
+    assert "allowed: 1, 2" in message({"colocated": {"tensor_parallel": 3}})
+
+
+def test_invalid_yaml_syntax(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_every_design_key_is_accepted(tmp_path, chat_model):
+    text = f"""
+    model: {chat_model}
+    mode: disaggregated
+    ray: {{address: null}}
+    router: {{host: 127.0.0.1, port: 50051, http_port: 8000, policy: least_loaded, max_queue: 1024}}
+    prefill: {{instances: 1, tensor_parallel: 1, max_batch_tokens: 512, resources: {{num_cpus: 1}}}}
+    decode:  {{instances: 1, tensor_parallel: 1, max_batch_size: 64, kv_blocks: 2048, block_size: 16, resources: {{num_cpus: 1}}}}
+    colocated: {{instances: 2, tensor_parallel: 1, max_batch_tokens: 512, resources: {{num_cpus: 1}}}}
+    kv_transfer: {{backend: gloo, layerwise: true, lease_s: 30}}
+    slo: {{ttft_ms: 1000, tpot_ms: 150, attainment: 0.9}}
+    """  # noqa: E501
+    config = load_config(write(tmp_path, textwrap.dedent(text), chat_model))
+    assert isinstance(config, ClusterConfig)
+    assert config.mode == "disaggregated" and set(config.pools()) == {"prefill", "decode"}
+    assert config.kv_transfer.lease_s == 30.0 and config.decode.kv_blocks == 2048
+    assert config.colocated.instances == 2 and config.slo.attainment == 0.9
+
+
+def test_set_overrides(tmp_path, chat_model):
+    path = write(tmp_path, "model: MODEL\n", chat_model)
+    config = load_config(
+        path, ["router.port=0", "colocated.resources.num_cpus=0.5", "ray.address=null"]
+    )
+    assert config.router.port == 0 and config.colocated.resources.num_cpus == 0.5
+    assert config.colocated.instances == 2  # the pool's own default survives a partial override
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["router.polcy=x"])
+    assert err.value.key == "router.polcy"
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(path, ["router.port"])
+
+
+@pytest.mark.parametrize(
+    "overrides,key,needle",
+    [
+        (["mode=disaggregated", "prefill.resources.num_cpus=0.5"], "mode", "disaggregation"),
+        (
+            ["colocated.tensor_parallel=2", "colocated.resources.num_cpus=0.5"],
+            "colocated.tensor_parallel",
+            "later issue",
+        ),
+    ],
+)
+def test_launch_refuses_what_is_not_built_yet(
+    tmp_path, monkeypatch, chat_model, overrides, key, needle
+):
+    path = write(tmp_path, "model: MODEL\n", chat_model)
+    monkeypatch.setenv("PDSERVE_RAY_TMPDIR", str(tmp_path))
+    load_config(path, overrides)  # the schema accepts it
+    with pytest.raises(ConfigError, match=needle) as err:
+        launch(path, overrides)
+    assert err.value.key == key
+    assert not ray.is_initialized() and ray_temp_dirs(tmp_path) == []
+
+
+def test_shipped_config_is_valid():
+    config = load_config(ROOT / "configs" / "local-colocated.yaml")
+    assert config.mode == "colocated" and config.colocated.instances == 2
+    assert config.colocated.resources.num_cpus == 1
+
+
+def test_pdserve_up_reports_a_broken_config(tmp_path, chat_model):
+    path = write(tmp_path, "model: MODEL\nrouter: {polcy: x}\n", chat_model)
+    run = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "up", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "router.polcy: unknown key" in run.stderr

@@ -1,0 +1,110 @@
+"""``cluster.launch`` on a real embedded Ray: named actors with their resources, the
+standard health check, draining, and a clean stop."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.cluster.helpers import ray_temp_dirs, small_cluster_config, wait_until
+
+
+@pytest.fixture(scope="module")
+def cluster(chat_model):
+    from cluster import launch
+
+    base = tempfile.mkdtemp(prefix="pdt-", dir="/tmp")  # short: Ray's socket paths
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_RAY_TMPDIR", base)
+        c = launch(small_cluster_config(chat_model, policy="round_robin"))
+    assert len(ray_temp_dirs(base)) == 1
+    yield c
+    c.shutdown(drain=False)
+    assert not ray.is_initialized() and ray_temp_dirs(base) == []
+    os.rmdir(base)
+
+
+def health(address: str, service: str = "") -> str:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_actors_are_named_by_role_and_index_in_the_pdserve_namespace(cluster):
+    named = ray.util.list_named_actors(all_namespaces=True)
+    assert sorted((a["namespace"], a["name"]) for a in named) == [
+        ("pdserve", "colocated-0"),
+        ("pdserve", "colocated-1"),
+        ("pdserve", "router"),
+    ]
+    assert ray.get_actor("colocated-1", namespace="pdserve") is not None
+
+
+def test_instances_hold_their_resources_and_limit_torch_threads(cluster):
+    assert ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0) == 2
+    assert [i["name"] for i in cluster.instances] == ["colocated-0", "colocated-1"]
+    assert all(i["threads"] == 1 for i in cluster.instances)  # num_cpus 1
+    assert len({i["pid"] for i in cluster.instances}) == 2
+    assert all(i["max_context"] == 1024 and i["num_blocks"] == 512 for i in cluster.instances)
+
+
+def test_health_reports_serving_after_start(cluster):
+    assert health(cluster.address) == "SERVING"
+    assert health(cluster.address, "pdserve.v1.Router") == "SERVING"
+
+
+def test_round_robin_alternates_instances(cluster):
+    client = cluster.client()
+    served = [
+        client.complete(prompt_token_ids=[5, 6, 7], max_tokens=2).timings.instances[0]
+        for _ in range(4)
+    ]
+    assert served == ["colocated-0", "colocated-1", "colocated-0", "colocated-1"]
+
+
+def test_a_dead_instance_fails_its_requests_and_the_other_keeps_serving(cluster):
+    client = cluster.client()
+    stream = client.generate(prompt_token_ids=[8] * 20, max_tokens=900, ignore_eos=True)
+    next(stream)
+    busy = [i.name for i in client.stats().instances if i.outstanding == 1]
+    assert len(busy) == 1
+    ray.kill(ray.get_actor(busy[0], namespace="pdserve"))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert f"instance {busy[0]} failed" in err.value.details()
+    for _ in range(3):
+        done = client.complete(prompt_token_ids=[5, 6], max_tokens=2)
+        assert done.timings.instances[0] != busy[0]
+
+
+def test_drain_reports_not_serving_and_finishes_in_flight_requests(cluster):
+    """Last in this module: the cluster stops taking requests."""
+    client = cluster.client()
+    stream = client.generate(prompt_token_ids=[9] * 50, max_tokens=900, ignore_eos=True)
+    first = next(stream)
+    drained = {}
+    drainer = threading.Thread(target=lambda: drained.update(cut=cluster.drain(timeout_s=60)))
+    drainer.start()
+    assert wait_until(lambda: health(cluster.address) == "NOT_SERVING", timeout_s=5)
+    with pytest.raises(grpc.RpcError) as err:
+        client.complete("late", max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert drainer.is_alive()  # still waiting for the stream
+    rest = list(stream)
+    drainer.join(timeout=30)
+    assert drained == {"cut": 0}
+    assert rest[-1].finish_reason == "length"
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 900
+    t0 = time.monotonic()
+    assert health(cluster.address) == "NOT_SERVING"
+    assert time.monotonic() - t0 < 5

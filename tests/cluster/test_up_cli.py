@@ -1,0 +1,96 @@
+"""``pdserve up`` as a user runs it: serves, answers ``pdserve generate``, and on SIGTERM
+drains in-flight requests and stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from router.client import RouterClient
+from tests.cluster.helpers import ray_temp_dirs, small_cluster_config, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def up(tmp_path, chat_model):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(small_cluster_config(chat_model)))
+    ray_base = tempfile.mkdtemp(prefix="pdt-", dir="/tmp")  # short: Ray's socket paths
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "up", str(path), "--set", "router.port=0"],
+        cwd=ROOT,
+        env={**os.environ, "PDSERVE_RAY_TMPDIR": ray_base},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: Ray's processes join it
+    )
+    lines = []
+    deadline = time.monotonic() + 180
+    address = None
+    while address is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        found = re.search(r"router listening on (\S+)", line)
+        address = found and found.group(1)
+    assert address, "".join(lines)
+    yield proc, address, ray_base
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    shutil.rmtree(ray_base, ignore_errors=True)
+
+
+def test_up_serves_then_drains_on_sigterm_and_stops_everything(up):
+    proc, address, ray_base = up
+    client = RouterClient(address)
+    assert client.health() == "SERVING"
+
+    gen = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "generate", "--router", address, "Hi", "--max-tokens",
+         "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    assert re.search(r"prompt 2 tokens, TTFT \d+ ms, 5 tokens, .* finish length\]", gen.stdout)
+
+    stream = client.generate(prompt_token_ids=[4] * 30, max_tokens=900, ignore_eos=True)
+    got = len(next(stream).token_ids)
+    proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: client.health() == "NOT_SERVING", timeout_s=10)
+    with pytest.raises(grpc.RpcError) as err:
+        client.complete("late", max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(stream)
+    assert rest[-1].finish_reason == "length"
+    assert got + sum(len(c.token_ids) for c in rest) == 900
+    client.close()
+
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "draining in-flight requests" in out and "pdserve: stopped" in out
+    # the router, the engine instances and Ray's own processes are all gone
+    assert wait_until(lambda: not _group_alive(proc.pid), timeout_s=15)
+    assert ray_temp_dirs(ray_base) == []

@@ -1,0 +1,75 @@
+"""Refusals through a real router: INVALID_ARGUMENT with a reason, RESOURCE_EXHAUSTED
+when the admission queue is full; the server keeps serving after either."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tests.cluster.helpers import all_blocks_free, wait_until
+
+INVALID = [
+    ("empty prompt", dict(prompt=""), "prompt: empty"),
+    ("empty token ids", dict(prompt_token_ids=[]), "prompt: empty"),
+    ("no messages", dict(messages=[]), "messages: empty"),
+    ("longer than the context", dict(prompt_token_ids=[5] * 1024), "the context holds 1024"),
+    ("token id out of vocab", dict(prompt_token_ids=[5, 256]), "[0, 256)"),
+    ("max_tokens 0", dict(prompt="hi", max_tokens=0), "max_tokens=0"),
+    ("max_tokens negative", dict(prompt="hi", max_tokens=-3), "max_tokens=-3"),
+    ("temperature < 0", dict(prompt="hi", temperature=-0.5), "temperature=-0.5"),
+    ("top_p 0", dict(prompt="hi", top_p=0.0), "top_p=0.0"),
+    ("top_p above 1", dict(prompt="hi", top_p=1.5), "top_p=1.5"),
+    ("top_k negative", dict(prompt="hi", top_k=-1), "top_k=-1"),
+    ("empty stop string", dict(prompt="hi", stop=[""]), "stop="),
+]
+
+
+@pytest.mark.parametrize("case,kwargs,needle", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_request(client, case, kwargs, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(**kwargs))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+
+
+def test_still_serving_after_invalid_requests(client):
+    done = client.complete("hi", max_tokens=4, ignore_eos=True)
+    assert len(done.token_ids) == 4 and done.finish_reason == "length"
+    assert all_blocks_free(client.stats())
+
+
+def test_full_admission_queue_is_refused_then_serving_resumes(cluster, client):
+    capacity = 2 * 8  # instances x max_batch_size: sent to instances
+    max_queue = client.stats().max_queue  # waiting at the router
+
+    async def main():
+        streams = [
+            client.agenerate(prompt_token_ids=[7] * 20, max_tokens=900, ignore_eos=True)
+            for _ in range(capacity + max_queue)
+        ]
+        readers = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        try:
+            for _ in range(500):
+                stats = await client.astats()
+                if stats.queued == max_queue:
+                    break
+                await asyncio.sleep(0.01)
+            assert stats.queued == max_queue and stats.in_flight == capacity + max_queue
+            assert all(i.outstanding == 8 for i in stats.instances)
+            with pytest.raises(grpc.RpcError) as err:
+                async for _ in client.agenerate(prompt="one too many", max_tokens=1):
+                    pass
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "admission queue full" in err.value.details()
+        finally:
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+            await client.aclose()
+
+    asyncio.run(main())
+    assert wait_until(lambda: all_blocks_free(client.stats()), timeout_s=2.0)
+    done = client.complete("back to normal", max_tokens=3, ignore_eos=True)
+    assert len(done.token_ids) == 3

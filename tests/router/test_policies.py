@@ -1,0 +1,49 @@
+"""Routing policies and the admission queue, on their own (no Ray, no gRPC)."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.admission import AdmissionQueue
+from router.policies import POLICIES, InstanceLoad, LeastLoaded, RoundRobin, make_policy
+
+
+def loads(*outstanding: int, free: tuple[int, ...] | None = None) -> list[InstanceLoad]:
+    free = free or (100,) * len(outstanding)
+    return [
+        InstanceLoad(name=f"colocated-{i}", index=i, outstanding=o, free_blocks=f)
+        for i, (o, f) in enumerate(zip(outstanding, free, strict=True))
+    ]
+
+
+def test_policies_by_name():
+    assert set(POLICIES) == {"round_robin", "least_loaded"}
+    assert isinstance(make_policy("round_robin"), RoundRobin)
+    with pytest.raises(ValueError, match="round_robin, least_loaded"):
+        make_policy("random")
+
+
+def test_round_robin_cycles_and_skips_instances_without_room():
+    policy, three = RoundRobin(), loads(0, 0, 0)
+    assert [policy.choose(1, three).index for _ in range(5)] == [0, 1, 2, 0, 1]
+    # instance 2 full: the next after 1 is 0
+    assert policy.choose(1, [three[0], three[1]]).index == 0
+    assert policy.choose(1, three).index == 1
+
+
+def test_least_loaded_prefers_fewest_unfinished_then_most_free_blocks():
+    policy = LeastLoaded()
+    assert policy.choose(1, loads(3, 1, 2)).index == 1
+    assert policy.choose(1, loads(2, 2, 2, free=(10, 30, 20))).index == 1
+    assert policy.choose(1, loads(0, 0)).index == 0  # ties: the first
+
+
+def test_admission_queue_is_bounded_fifo():
+    q = AdmissionQueue(2)
+    assert q.offer("a") and q.offer("b") and not q.offer("c")
+    assert len(q) == 2 and q.peek() == "a"
+    assert q.remove("a") and not q.remove("a")
+    assert q.offer("c") and q.pop() == "b" and q.pop() == "c" and not q
+    assert not AdmissionQueue(0).offer("x")
+    with pytest.raises(ValueError, match="max_queue"):
+        AdmissionQueue(-1)
