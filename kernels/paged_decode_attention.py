@@ -13,6 +13,8 @@ The partition length is a runtime argument: a growing context does not recompile
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -20,9 +22,12 @@ import triton.language as tl
 from kernels._checks import check_paged_attention
 from kernels.kv_cache_write import ref_gather_kv
 
+# Tiling, read at every launch (bench/tune_decode.py sweeps them on a GPU).
 BLOCK_N = 64
 MIN_PARTITION = 256
 PROGRAMS_PER_SM = 4
+NUM_WARPS = 4
+NUM_STAGES = 2
 LOG2E = 1.4426950408889634
 
 
@@ -167,11 +172,14 @@ def _check(q, k_cache, v_cache, seq_lens, block_tables, out):
 def _num_splits(max_seq_len: int, programs: int, device: torch.device) -> int:
     """Enough context splits for about PROGRAMS_PER_SM programs per SM (a nominal 4 SMs
     off CUDA), each split at least MIN_PARTITION tokens long."""
-    sms = 4
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 4
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     return max(1, min(wanted, triton.cdiv(max_seq_len, MIN_PARTITION)))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def paged_decode_attention(
@@ -238,6 +246,8 @@ def paged_decode_attention(
         BLOCK_N=BLOCK_N,
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(b, hq)](
