@@ -26,8 +26,8 @@ from kernels.kv_cache_write import ref_gather_kv
 BLOCK_N = 64
 MIN_PARTITION = 256
 PROGRAMS_PER_SM = 4
-NUM_WARPS = 4
-NUM_STAGES = 2
+NUM_WARPS = 2
+NUM_STAGES = 3
 LOG2E = 1.4426950408889634
 
 
