@@ -1,0 +1,348 @@
+"""KV transfer throughput: each backend next to its raw transport, in one run.
+
+    .venv/bin/python -m bench.kv_transfer [--sizes 1,16,256] [--checksum]
+                                          [--blocks scattered|contiguous] [--repeats N]
+
+Two processes on loopback: this one sends, a child process receives. For each size of
+KV (the embedded model's layout: 30 layers, 3 KV heads x 64, blocks of 16 tokens,
+float32, so 720 KiB per block), it times, end to end at the sender (first byte handed
+over -> receiver's acknowledgement that everything landed):
+
+* ``copy``: a same-process tensor copy of the same bytes (the memory floor);
+* ``raw gloo``: one tensor, plain ``ProcessGroupGloo`` send/recv into a ready tensor;
+* ``gloo``: ``kv_transfer`` gloo backend, paged cache to paged cache, layer by layer;
+* ``raw grpc``: the same bytes over one gRPC stream in chunks of the same size as the
+  backend's, copied into a ready tensor at the receiver;
+* ``grpc``: ``kv_transfer`` grpc backend, paged cache to paged cache.
+
+GB/s are payload bytes per second (1e9). The ratio is backend / raw transport.
+Source and destination block ids are a random scatter of a larger cache by default
+(``--blocks contiguous`` sends runs of consecutive ids, which the backends send without
+gathering first). Do not run it beside the tests: the machine has 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+LAYOUT = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+CHUNK = 1 << 20
+MiB = 1 << 20
+
+
+def _layout():
+    from kv_transfer import KVLayout
+
+    return KVLayout(**LAYOUT)
+
+
+def _blocks_for(size_mib: int) -> int:
+    per_block = 2 * LAYOUT["num_layers"] * _layout().block_bytes()
+    return max(1, -(-size_mib * MiB // per_block))
+
+
+# ---------------------------------------------------------------------------------------
+# receiver process
+# ---------------------------------------------------------------------------------------
+def _receiver(args) -> None:
+    from concurrent import futures
+
+    import grpc
+    from torch.distributed import PrefixStore, TCPStore
+
+    from kv_transfer import get_transport
+    from kv_transfer.gloo import _Group
+
+    torch.set_num_threads(1)
+    layout = _layout()
+    cache = torch.zeros(layout.cache_shape(args.cache_blocks))
+    receivers = {name: get_transport(name).receiver(layout, cache) for name in ("gloo", "grpc")}
+    raw_store = TCPStore(
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    raw_dst = torch.empty(args.max_bytes, dtype=torch.uint8)
+
+    def push(chunks, context):
+        off = 0
+        for chunk in chunks:
+            n = len(chunk)
+            raw_dst[off : off + n].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
+            off += n
+        return off.to_bytes(8, "little")
+
+    import warnings
+
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[("grpc.max_receive_message_length", 64 * MiB)],
+    )
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    grpc_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    out = {name: r.address for name, r in receivers.items()}
+    out.update(raw_gloo=raw_store.port, raw_grpc=f"127.0.0.1:{grpc_port}")
+    print(json.dumps(out), flush=True)
+    raw_pg = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        reply: dict = {"ok": True}
+        if op == "expect":
+            receivers[cmd["backend"]].expect(cmd["tid"], cmd["dst"], layout, lease_s=120)
+        elif op == "wait":
+            st = receivers[cmd["backend"]].wait(cmd["tid"], timeout=120)
+            reply["bytes"] = st.bytes
+        elif op == "raw_gloo":
+            print(json.dumps(reply), flush=True)  # ready: the group (once) and recvs follow
+            if raw_pg is None:
+                raw_pg = _Group.make_group(
+                    PrefixStore("raw", raw_store), 1, "127.0.0.1", datetime.timedelta(seconds=60)
+                )
+            ack = torch.zeros(1, dtype=torch.int64)
+            bufs = _slices(raw_dst[: cmd["nbytes"]], cmd["parts"])
+            for _ in range(cmd["repeats"] + 1):
+                for work in [raw_pg.recv([b], 0, 0) for b in bufs]:  # all posted at once
+                    work.wait()
+                raw_pg.send([ack], 0, 1).wait()
+            continue
+        elif op == "quit":
+            break
+        print(json.dumps(reply), flush=True)
+    for r in receivers.values():
+        r.close()
+    server.stop(None)
+
+
+# ---------------------------------------------------------------------------------------
+# sender (this process)
+# ---------------------------------------------------------------------------------------
+class Peer:
+    def __init__(self, cache_blocks: int, max_bytes: int):
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.kv_transfer",
+                "--role",
+                "receiver",
+                "--cache-blocks",
+                str(cache_blocks),
+                "--max-bytes",
+                str(max_bytes),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.addresses = json.loads(self.proc.stdout.readline())
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self.proc.stdout.readline())
+        if not reply.get("ok"):
+            raise RuntimeError(f"receiver: {reply}")
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (pair formation, first-touch of buffers)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_copy(nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return _median_time(lambda: dst.copy_(src), repeats)
+
+
+def _slices(buf: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    step = -(-buf.numel() // parts)
+    return [buf[i : i + step] for i in range(0, buf.numel(), step)]
+
+
+def bench_raw_gloo(peer: Peer, nbytes: int, repeats: int, state: dict, parts: int = 1) -> float:
+    """Plain send/recv of ``nbytes`` as ``parts`` messages (the receiver posts all first)."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    from kv_transfer.gloo import _Group
+
+    peer.ask(op="raw_gloo", nbytes=nbytes, repeats=repeats, parts=parts)
+    if "raw_pg" not in state:
+        store = TCPStore(
+            "127.0.0.1", peer.addresses["raw_gloo"], None, False, datetime.timedelta(seconds=60)
+        )
+        state["raw_pg"] = _Group.make_group(
+            PrefixStore("raw", store), 0, "127.0.0.1", datetime.timedelta(seconds=60)
+        )
+    pg = state["raw_pg"]
+    srcs = _slices(torch.ones(nbytes, dtype=torch.uint8), parts)
+    ack = torch.zeros(1, dtype=torch.int64)
+
+    def once():
+        for work in [pg.send([s], 1, 0) for s in srcs]:
+            work.wait()
+        pg.recv([ack], 1, 1).wait()
+
+    return _median_time(once, repeats)
+
+
+def bench_raw_grpc(peer: Peer, nbytes: int, repeats: int, state: dict) -> float:
+    import grpc
+
+    if "raw_call" not in state:
+        channel = grpc.insecure_channel(peer.addresses["raw_grpc"])
+        state["raw_call"] = channel.stream_unary("/bench.Raw/Push")
+    call = state["raw_call"]
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    view = src.numpy()
+
+    def chunks():
+        for off in range(0, nbytes, CHUNK):
+            yield view[off : off + CHUNK].tobytes()
+
+    def once():
+        got = int.from_bytes(call(chunks()), "little")
+        assert got == nbytes, (got, nbytes)
+
+    return _median_time(once, repeats)
+
+
+def bench_backend(name: str, peer: Peer, sender, cache, src_ids, dst_ids, repeats: int) -> float:
+    from kv_transfer import KVDestination
+
+    dst = KVDestination([peer.addresses[name]], dst_ids, _layout(), name)
+    counter = iter(range(1 << 30))
+
+    def once():
+        tid = f"{name}-{next(counter)}"
+        peer.ask(op="expect", backend=name, tid=tid, dst=list(dst_ids))
+        t = time.perf_counter()
+        sender.send_all(tid, cache, src_ids, dst)
+        sender.finish(tid, timeout=120)
+        elapsed = time.perf_counter() - t
+        peer.ask(op="wait", backend=name, tid=tid)
+        return elapsed
+
+    once()
+    return statistics.median(once() for _ in range(repeats))
+
+
+def _ids(count: int, cache_blocks: int, scattered: bool, seed: int) -> list[int]:
+    if not scattered:
+        start = (seed * 7) % (cache_blocks - count + 1)
+        return list(range(start, start + count))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(cache_blocks, generator=g)[:count].tolist()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1,16,256", help="MiB of KV per transfer")
+    p.add_argument("--blocks", choices=("scattered", "contiguous"), default="scattered")
+    p.add_argument("--checksum", action="store_true", help="backends checksum every chunk")
+    p.add_argument("--repeats", type=int, default=0, help="timed runs per cell (0: by size)")
+    p.add_argument("--role", default="sender", help=argparse.SUPPRESS)
+    p.add_argument("--cache-blocks", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--max-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.role == "receiver":
+        _receiver(args)
+        return
+
+    from kv_transfer import get_transport
+
+    torch.set_num_threads(1)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    blocks = {s: _blocks_for(s) for s in sizes}
+    cache_blocks = max(blocks.values()) * 2
+    layout = _layout()
+    per_block = 2 * layout.num_layers * layout.block_bytes()
+    max_bytes = max(blocks.values()) * per_block
+    cache = torch.randn(layout.cache_shape(cache_blocks))
+    peer = Peer(cache_blocks, max_bytes)
+    senders = {
+        name: get_transport(name).sender(layout, checksum=args.checksum)
+        for name in ("gloo", "grpc")
+    }
+    state: dict = {}
+    rows = []
+    try:
+        for size in sizes:
+            n = blocks[size]
+            nbytes = n * per_block
+            reps = args.repeats or (20 if size <= 4 else 8 if size <= 64 else 3)
+            scattered = args.blocks == "scattered"
+            src_ids = _ids(n, cache_blocks, scattered, seed=size)
+            dst_ids = _ids(n, cache_blocks, scattered, seed=size + 1)
+            row = {"MiB": nbytes / MiB, "blocks": n}
+            row["copy"] = nbytes / bench_copy(nbytes, reps)
+            row["raw gloo"] = nbytes / bench_raw_gloo(peer, nbytes, reps, state)
+            parts = 2 * layout.num_layers  # K and V of every layer, as the backend sends them
+            row["raw gloo parts"] = nbytes / bench_raw_gloo(peer, nbytes, reps, state, parts)
+            row["gloo"] = nbytes / bench_backend(
+                "gloo", peer, senders["gloo"], cache, src_ids, dst_ids, reps
+            )
+            row["raw grpc"] = nbytes / bench_raw_grpc(peer, nbytes, reps, state)
+            row["grpc"] = nbytes / bench_backend(
+                "grpc", peer, senders["grpc"], cache, src_ids, dst_ids, reps
+            )
+            rows.append(row)
+            print(_table(rows[-1:], header=len(rows) == 1), flush=True)
+    finally:
+        for s in senders.values():
+            s.close()
+        peer.close()
+    print()
+    print(
+        f"blocks: {args.blocks}; checksum: {'on' if args.checksum else 'off'}; "
+        f"GB/s = payload bytes / s (1e9); ratio = backend / raw transport"
+    )
+
+
+def _table(rows: list[dict], header: bool = True) -> str:
+    cols = ["copy", "raw gloo", "raw gloo parts", "gloo", "raw grpc", "grpc"]
+    lines = []
+    if header:
+        lines.append(
+            "| KV MiB | blocks | copy GB/s | raw gloo GB/s | raw gloo, 60 msgs GB/s "
+            "| gloo GB/s | gloo/raw | raw grpc GB/s | grpc GB/s | grpc/raw |"
+        )
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        g = {c: r[c] / 1e9 for c in cols}
+        lines.append(
+            f"| {r['MiB']:.1f} | {r['blocks']} | {g['copy']:.2f} | {g['raw gloo']:.2f} "
+            f"| {g['raw gloo parts']:.2f} | {g['gloo']:.2f} | {g['gloo'] / g['raw gloo']:.0%} "
+            f"| {g['raw grpc']:.2f} | {g['grpc']:.2f} | {g['grpc'] / g['raw grpc']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Shared by the KV transfer tests and their peer process: a reference cache that both
+processes rebuild from a seed, its per-rank shards, and the peer process handle."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kv_transfer import KVLayout
+
+ROOT = Path(__file__).resolve().parents[2]
+H, D, BS = 4, 8, 4  # 4 KV heads (the acceptance's tiny model), head dim 8, blocks of 4
+
+
+def layout(tp: int = 1, rank: int = 0, layers: int = 3, dtype: str = "float32") -> KVLayout:
+    return KVLayout(layers, BS, H, D, dtype, tp, rank)
+
+
+def reference(lay: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    """The full (all heads) cache a 1-rank prefill would compute: random, from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    full = lay.for_rank(0)
+    shape = (full.num_layers, 2, num_blocks, full.block_size, full.num_kv_heads, full.head_dim)
+    return torch.randn(shape, generator=g).to(full.torch_dtype)
+
+
+def shard(full: torch.Tensor, lay: KVLayout) -> torch.Tensor:
+    """Rank ``lay.tp_rank``'s own cache tensor: its heads of ``full``, contiguous."""
+    h0, h1 = lay.head_range
+    return full[..., h0:h1, :].contiguous()
+
+
+class Peer:
+    """A second process (``python -m tests.kv_transfer.peer``) driven by JSON lines."""
+
+    def __init__(self):
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.kv_transfer.peer"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError("peer process failed to start")
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer process exited (code {self.proc.poll()}) on {cmd['op']}")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask(op="quit")
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                self.kill()

@@ -1,0 +1,72 @@
+"""Device caches: skipped without CUDA (CI); run where a GPU is lent.
+
+grpc moves CUDA caches through host bytes (gather on the device, copy out, copy in,
+scatter on the device). nccl needs two GPUs (NCCL refuses two ranks on one device),
+one per process.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kv_transfer import KVDestination, get_transport
+from tests.kv_transfer.helpers import Peer, layout, reference, shard
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+NUM_BLOCKS = 16
+SRC_IDS = [3, 4, 5, 6, 7, 1, 12]
+DST_IDS = [8, 9, 10, 11, 12, 0, 5]
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", list(itertools.product((1, 2, 4), repeat=2)))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grpc_between_device_caches(src_tp, dst_tp, dtype):
+    tr = get_transport("grpc")
+    full = reference(layout(dtype=dtype), NUM_BLOCKS, 5).cuda()
+    dl = [layout(dst_tp, r, dtype=dtype) for r in range(dst_tp)]
+    caches = [torch.zeros(lay.cache_shape(NUM_BLOCKS), dtype=lay.torch_dtype).cuda() for lay in dl]
+    receivers = [tr.receiver(lay, c) for lay, c in zip(dl, caches, strict=True)]
+    senders = [tr.sender(layout(src_tp, r, dtype=dtype), checksum=True) for r in range(src_tp)]
+    try:
+        dst = KVDestination([r.address for r in receivers], DST_IDS, dl[0], "grpc")
+        for r in receivers:
+            r.expect("t", DST_IDS, layout(src_tp, dtype=dtype), lease_s=30)
+        for s in senders:
+            s.send_all("t", shard(full, s.layout), SRC_IDS, dst)
+        for s in senders:
+            assert all(a.status.name == "OK" for a in s.finish("t", timeout=30).acks)
+        for lay, r, c in zip(dl, receivers, caches, strict=True):
+            r.wait("t", timeout=30)
+            assert torch.equal(c[:, :, DST_IDS], shard(full, lay)[:, :, SRC_IDS])
+    finally:
+        for x in senders + receivers:
+            x.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl needs two GPUs")
+def test_nccl_across_processes():
+    tr = get_transport("nccl")
+    torch.cuda.set_device(0)
+    cache = torch.zeros(layout().cache_shape(NUM_BLOCKS), device="cuda:0")
+    receiver = tr.receiver(layout(), cache)
+    peer = Peer()
+    try:
+        reply = peer.ask(op="senders", key="n", backend="nccl", tp=1, name="gpu1",
+                         checksum=True, layers=3, device="cuda:1")  # fmt: skip
+        assert reply["ok"], reply
+        receiver.expect("t", DST_IDS, layout(), lease_s=60)
+        dst = KVDestination([receiver.address], DST_IDS, layout(), "nccl")
+        reply = peer.ask(op="send", key="n", tid="t", seed=9, num_blocks=NUM_BLOCKS,
+                         src_ids=SRC_IDS, dst=dst.to_proto().SerializeToString().hex(),
+                         device="cuda:1")  # fmt: skip
+        assert reply["ok"], reply
+        receiver.wait("t", timeout=60)
+        full = reference(layout(), NUM_BLOCKS, 9)
+        assert torch.equal(cache[:, :, DST_IDS].cpu(), full[:, :, SRC_IDS])
+    finally:
+        peer.close()
+        receiver.close()

@@ -1,0 +1,230 @@
+"""Integrity and failure handling over real transports: checksums on, a corrupted chunk
+caught, a sender that dies or stalls midway (the receiver times out cleanly and takes
+the next transfer), leases, pairs rebuilt after either side restarts (gloo)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kv_transfer import (
+    KVChecksumError,
+    KVDestination,
+    KVLayoutError,
+    KVTransferError,
+    KVTransferTimeout,
+    get_transport,
+)
+from tests.kv_transfer.helpers import Peer, layout, reference, shard
+
+NUM_BLOCKS = 16
+SRC_IDS = [3, 4, 5, 6, 7, 1, 12]
+DST_IDS = [8, 9, 10, 11, 12, 0, 5]
+BACKENDS = ["gloo", "grpc"]
+
+
+class Side:
+    """Decode-side receivers (here) for one backend, with their caches."""
+
+    def __init__(self, backend: str, tp: int = 1, **options):
+        self.backend = backend
+        tr = get_transport(backend)
+        self.caches = [torch.zeros(layout(tp, r).cache_shape(NUM_BLOCKS)) for r in range(tp)]
+        self.receivers = [
+            tr.receiver(layout(tp, r), c, **options) for r, c in enumerate(self.caches)
+        ]
+        self.dst = KVDestination([r.address for r in self.receivers], DST_IDS, layout(tp), backend)
+
+    def expect(self, tid: str, src_tp: int = 1, lease_s: float = 30.0) -> None:
+        for r in self.receivers:
+            r.expect(tid, DST_IDS, layout(src_tp), lease_s=lease_s)
+
+    def check(self, seed: int) -> None:
+        full = reference(layout(), NUM_BLOCKS, seed)
+        for rank, cache in enumerate(self.caches):
+            want = shard(full, self.receivers[rank].layout)[:, :, SRC_IDS]
+            assert torch.equal(cache[:, :, DST_IDS], want)
+
+    def close(self) -> None:
+        for r in self.receivers:
+            r.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def side(request):
+    s = Side(request.param)
+    yield s
+    s.close()
+
+
+def _senders(peer: Peer, side: Side, name: str, **options) -> str:
+    key = f"{side.backend}-{name}"
+    reply = peer.ask(op="senders", key=key, backend=side.backend, tp=1, name=name,
+                     checksum=True, layers=3, **options)  # fmt: skip
+    assert reply["ok"], reply
+    return key
+
+
+def _send(peer: Peer, side: Side, key: str, tid: str, seed: int, **kw) -> dict:
+    dst = side.dst.to_proto().SerializeToString().hex()
+    return peer.ask(op="send", key=key, tid=tid, seed=seed, num_blocks=NUM_BLOCKS,
+                    src_ids=SRC_IDS, dst=dst, **kw)  # fmt: skip
+
+
+def test_round_trip_with_checksums(peer, side):
+    key = _senders(peer, side, "roundtrip")
+    for i, seed in enumerate((11, 12)):  # the second reuses the pair / channel
+        side.expect(f"rt-{i}")
+        reply = _send(peer, side, key, f"rt-{i}", seed)
+        assert reply["ok"] and reply["acks"] == [["OK"]], reply
+        stats = side.receivers[0].wait(f"rt-{i}", timeout=20)
+        assert stats.bytes == 2 * 3 * len(SRC_IDS) * layout().block_bytes()
+        side.check(seed)
+
+
+def test_corrupted_chunk_is_caught(peer, side):
+    key = _senders(peer, side, "corrupt")
+    side.expect("bad")
+    reply = _send(peer, side, key, "bad", seed=21, corrupt=1)
+    assert not reply["ok"] and "KVChecksumError" in reply["error"], reply  # sender told too
+    with pytest.raises(KVChecksumError, match=r"'bad'.*checksum mismatch in layer 0"):
+        side.receivers[0].wait("bad", timeout=10)
+    assert side.receivers[0].pending() == []
+    side.expect("good")  # the receiver, and the same pair, take the next transfer
+    reply = _send(peer, side, key, "good", seed=22)
+    assert reply["ok"], reply
+    side.receivers[0].wait("good", timeout=20)
+    side.check(22)
+
+
+def test_sender_that_stalls_midway_times_out_cleanly(peer, side):
+    key = _senders(peer, side, "stall")
+    side.expect("half")
+    reply = _send(peer, side, key, "half", seed=31, send_layers=[0, 2], finish=False)
+    assert reply["ok"], reply
+    t = time.monotonic()
+    with pytest.raises(KVTransferTimeout, match=r"'half'.*missing layers 1 from source rank 0"):
+        side.receivers[0].wait("half", timeout=1.0)
+    assert time.monotonic() - t < 5
+    assert side.receivers[0].pending() == []
+    side.expect("next")
+    reply = _send(peer, side, key, "next", seed=32)
+    assert reply["ok"], reply
+    side.receivers[0].wait("next", timeout=20)
+    side.check(32)
+
+
+def test_sender_that_dies_midway_then_restarts(side):
+    """The sender process dies after some layers: ``wait`` times out naming what is
+    missing, nothing stays registered; a restarted sender (same name, new process)
+    transfers again: for gloo, over a rebuilt pair group (a new generation)."""
+    first = Peer()
+    try:
+        key = _senders(first, side, "phoenix")
+        side.expect("doomed")
+        with pytest.raises(RuntimeError, match="peer process exited"):
+            _send(first, side, key, "doomed", seed=41, send_layers=[0], die_after_s=0.3)
+    finally:
+        first.kill()
+    with pytest.raises(KVTransferTimeout, match=r"missing layers 1-2 from source rank 0"):
+        side.receivers[0].wait("doomed", timeout=1.0)
+    assert side.receivers[0].pending() == []
+    second = Peer()
+    try:
+        key = _senders(second, side, "phoenix")
+        side.expect("reborn")
+        reply = _send(second, side, key, "reborn", seed=42)
+        assert reply["ok"], reply
+        side.receivers[0].wait("reborn", timeout=20)
+        side.check(42)
+        if side.backend == "gloo":
+            assert side.receivers[0].generations[("phoenix", 0)] == 2
+    finally:
+        second.close()
+
+
+def test_lease_expiry_releases_and_late_bytes_never_land(peer, side):
+    key = _senders(peer, side, "late")
+    side.expect("expired", lease_s=0.2)
+    time.sleep(0.3)
+    assert side.receivers[0].reap_expired() == ["expired"]
+    assert side.receivers[0].pending() == []
+    reply = _send(peer, side, key, "expired", seed=51)
+    assert not reply["ok"] and "UNKNOWN" in reply["error"], reply
+    assert not side.caches[0].any(), "bytes landed in released blocks"
+    with pytest.raises(KVTransferError, match="not expected here"):
+        side.receivers[0].wait("expired", timeout=1)
+
+
+def test_gloo_receives_straight_into_the_cache():
+    """Parts of any size sent unpacked: the contiguous run lands without staging (tp 1 ->
+    1, all heads), the strays and the head-split ranks (1 -> 2) through staging."""
+    tr = get_transport("gloo")
+    full = reference(layout(), NUM_BLOCKS, 61)
+    for dst_tp in (1, 2):
+        side = Side("gloo", tp=dst_tp)
+        sender = tr.sender(layout(), checksum=True, pack_below=0)
+        try:
+            side.expect("direct")
+            sender.send_all("direct", shard(full, layout()), SRC_IDS, side.dst)
+            assert [a.status.name for a in sender.finish("direct").acks] == ["OK"] * dst_tp
+            for r in side.receivers:
+                r.wait("direct", timeout=20)
+            side.check(61)
+        finally:
+            sender.close()
+            side.close()
+
+
+def test_gloo_pair_rebuilt_after_the_receiver_restarts():
+    """The receiver process restarts on the same address: the sender (here) notices the
+    new incarnation and forms a new pair on its next transfer."""
+    tr = get_transport("gloo")
+    sender = tr.sender(layout(), checksum=True, name="steady")
+    full = reference(layout(), NUM_BLOCKS, 71)
+    cache = shard(full, layout())
+    peers = []
+    try:
+        port = None
+        for attempt in range(2):
+            peer = Peer()
+            peers.append(peer)
+            reply = peer.ask(op="receivers", backend="gloo", tp=1, layers=3,
+                             num_blocks=NUM_BLOCKS, ports=[port] if port else None)  # fmt: skip
+            assert reply["ok"], reply
+            address = reply["addresses"][0]
+            port = port or int(address.rsplit(":", 1)[1])
+            assert address.endswith(f":{port}")
+            tid = f"restart-{attempt}"
+            assert peer.ask(op="expect", tid=tid, dst_ids=DST_IDS, src_tp=1, layers=3)["ok"]
+            dst = KVDestination([address], DST_IDS, layout(), "gloo")
+            sender.send_all(tid, cache, SRC_IDS, dst)
+            assert sender.finish(tid, timeout=20).acks[0].status.name == "OK"
+            assert peer.ask(op="wait", tid=tid, timeout=20)["ok"]
+            got = peer.ask(op="digest", rank=0, ids=DST_IDS)["digest"]
+            from tests.kv_transfer.peer import tensor_digest
+
+            assert got == tensor_digest(cache[:, :, SRC_IDS])
+            if attempt == 0:
+                peer.kill()
+    finally:
+        sender.close()
+        for p in peers:
+            p.close()
+
+
+def test_mismatched_block_sizes_are_refused_by_name():
+    tr = get_transport("grpc")
+    sender = tr.sender(layout())
+    try:
+        from kv_transfer import KVLayout
+
+        other = KVLayout(3, 8, 4, 8)  # block_size 8 against the sender's 4
+        dst = KVDestination(["127.0.0.1:1"], DST_IDS, other, "grpc")
+        cache = torch.zeros(layout().cache_shape(NUM_BLOCKS))
+        with pytest.raises(KVLayoutError, match="block_size=4.*block_size=8"):
+            sender.send_all("x", cache, SRC_IDS, dst)
+    finally:
+        sender.close()

@@ -1,0 +1,143 @@
+"""Layouts, head routes, segment plans, the handoff's protobuf form, the checksum: the
+pure parts, no transport."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kv_transfer import KVDestination, KVHandoff, KVLayout, KVLayoutError, get_transport
+from kv_transfer.blocks import gather, plan_segments, scatter
+from kv_transfer.checksum import checksum
+from kv_transfer.head_map import all_routes, routes_from, routes_into
+
+
+def test_layout_head_ranges():
+    lay = KVLayout(2, 16, 8, 64, "float32", tp_size=4, tp_rank=2)
+    assert lay.heads_per_rank == 2
+    assert lay.head_range == (4, 6)
+    assert lay.cache_shape(10) == (2, 2, 10, 16, 2, 64)
+    assert lay.block_bytes() == 16 * 2 * 64 * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(num_kv_heads=3, tp_size=2), ["num_kv_heads=3", "tensor_parallel=2"]),
+        (dict(tp_rank=4, tp_size=4), ["tp_rank=4"]),
+        (dict(dtype="int8"), ["dtype='int8'"]),
+        (dict(block_size=0), ["block_size=0"]),
+    ],
+)
+def test_layout_rejects_with_the_value(kwargs, words):
+    base = dict(num_layers=2, block_size=16, num_kv_heads=4, head_dim=8)
+    with pytest.raises(KVLayoutError) as e:
+        KVLayout(**{**base, **kwargs})
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_pools_with_different_block_sizes_refuse():
+    prefill = KVLayout(2, 16, 4, 8)
+    decode = KVLayout(2, 32, 4, 8, tp_size=2)
+    with pytest.raises(KVLayoutError, match="block_size=16.*block_size=32"):
+        prefill.check_compatible(decode)
+    prefill.check_compatible(KVLayout(2, 16, 4, 8, tp_size=4))  # tp may differ
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", list(itertools.product((1, 2, 4), repeat=2)))
+def test_routes_cover_every_head_once(src_tp, dst_tp):
+    heads = 4
+    routes = all_routes(heads, src_tp, dst_tp)
+    seen = []
+    for r in routes:
+        s0 = r.src_rank * heads // src_tp
+        d0 = r.dst_rank * heads // dst_tp
+        assert r.src_heads == (r.heads[0] - s0, r.heads[1] - s0)
+        assert r.dst_heads == (r.heads[0] - d0, r.heads[1] - d0)
+        seen += range(*r.heads)
+    assert sorted(seen) == list(range(heads))
+    # each side computes its own share from its layout alone, and they agree
+    for s in range(src_tp):
+        lay = KVLayout(1, 4, heads, 8, tp_size=src_tp, tp_rank=s)
+        assert routes_from(lay, dst_tp) == [r for r in routes if r.src_rank == s]
+    for d in range(dst_tp):
+        lay = KVLayout(1, 4, heads, 8, tp_size=dst_tp, tp_rank=d)
+        assert routes_into(lay, src_tp) == [r for r in routes if r.dst_rank == d]
+
+
+def test_routes_refuse_indivisible_heads():
+    with pytest.raises(KVLayoutError, match="tensor_parallel=3"):
+        all_routes(4, 1, 3)
+
+
+def test_segment_plan_keeps_runs_and_groups_strays():
+    ids = [9, 2, 3, 4, 5, 6, 11, 0, 20, 21]
+    segs = plan_segments(ids, max_blocks=3, min_run=4)
+    covered = [i for s in segs for i in range(s.start, s.start + s.count)]
+    assert covered == list(range(len(ids)))
+    assert all(s.count <= 3 for s in segs)
+    runs = [s for s in segs if s.contiguous]
+    assert [(s.start, s.count) for s in runs] == [(1, 3), (4, 2)]  # the run 2..6, cut at 3
+    assert plan_segments([5], 8, offset=7)[0].start == 7
+
+
+def test_gather_scatter_between_different_block_ids():
+    torch.manual_seed(0)
+    src = torch.randn(12, 4, 4, 8)
+    dst = torch.zeros(12, 4, 4, 8)
+    src_ids, dst_ids = [3, 4, 5, 9], [0, 7, 8, 2]
+    for heads in ((0, 4), (1, 3)):
+        data = gather(src, src_ids, heads)
+        assert data.is_contiguous() and data.shape == (4, 4, heads[1] - heads[0], 8)
+        scatter(dst, dst_ids, heads, data)
+        assert torch.equal(
+            dst[dst_ids][:, :, heads[0] : heads[1]], src[src_ids][:, :, slice(*heads)]
+        )
+    assert gather(src, [3, 4, 5], (0, 4)).data_ptr() == src[3].data_ptr()  # a view, no copy
+
+
+def test_handoff_round_trips_through_protobuf():
+    src = KVLayout(3, 4, 4, 8, "bfloat16", tp_size=2)
+    dst_layout = KVLayout(3, 4, 4, 8, "bfloat16", tp_size=4)
+    h = KVHandoff("req-1", list(range(9)), 42, [5, 1, 7], src)
+    assert h.transfer_id == "req-1#0" and h.num_tokens == 9 and h.destination is None
+    dst = KVDestination(["10.0.0.1:5000", "a:1", "b:2", "c:3"], [2, 3, 0], dst_layout, "grpc")
+    h2 = KVHandoff.from_bytes(h.with_destination(dst).to_bytes())
+    assert h2 == h.with_destination(dst)
+    assert h.retry(1).transfer_id == "req-1#1"
+    with pytest.raises(KVLayoutError, match="3 source blocks but 2 reserved"):
+        h.with_destination(KVDestination(["a:1"] * 4, [1, 2], dst_layout))
+    with pytest.raises(KVLayoutError, match="need 3 blocks"):
+        KVHandoff("r", list(range(9)), 1, [5, 1], src)
+
+
+def test_checksum_sees_a_flipped_bit_and_ignores_alignment():
+    t = torch.randn(1000)
+    flipped = t.clone()
+    flipped.view(torch.uint8)[123] ^= 4
+    assert checksum(t) != checksum(flipped)
+    raw = torch.randn(3000).view(torch.uint8)
+    assert checksum(raw[8:808]) == checksum(raw[8:808].clone())
+    assert checksum(raw[4:804]) == checksum(raw[4:804].clone())  # unaligned view
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="kv_transfer.backend='ucx'"):
+        get_transport("ucx")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_nccl_refuses_host_memory_by_name():
+    tr = get_transport("nccl")
+    lay = KVLayout(2, 4, 4, 8)
+    with pytest.raises(KVLayoutError, match="nccl backend needs a cuda cache"):
+        tr.receiver(lay, torch.zeros(lay.cache_shape(4)))
+    sender = tr.sender(lay)
+    dst = KVDestination(["127.0.0.1:1"], [0], lay, "nccl")
+    cache = torch.zeros(lay.cache_shape(4))
+    with pytest.raises(KVLayoutError, match="the nccl backend sends cuda tensors"):
+        sender.send_all("t", cache, [1], dst)
+    sender.close()
