@@ -107,6 +107,12 @@ class Tokenizer:
         tokens = fields["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
         vocab = {tok: i for i, tok in enumerate(tokens)}
+        for a, b in merges:
+            if a not in vocab or b not in vocab or a + b not in vocab:
+                raise ValueError(
+                    f"tokenizer.ggml.merges: {a!r} + {b!r} names a token missing from "
+                    "tokenizer.ggml.tokens"
+                )
         backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if fields.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "command-r"):

@@ -104,3 +104,15 @@ def test_gguf_tensor_types_and_rotary_order(tmp_path, monkeypatch, qtypes):
         assert torch.equal(got[name], torch.from_numpy(want)), name
     out = LLM(str(path), num_kv_blocks=32).generate([5, 6, 7], SamplingParams(max_tokens=4))
     assert len(out[0].token_ids) == 4
+
+
+def test_merge_of_unknown_tokens_is_a_clear_error():
+    from engine.tokenizer import Tokenizer
+
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b"],
+        "tokenizer.ggml.merges": ["a b"],
+    }
+    with pytest.raises(ValueError, match="tokenizer.ggml.merges: 'a' \\+ 'b'"):
+        Tokenizer.from_gguf_fields(fields)
