@@ -1,55 +1,17 @@
-"""The router's protobuf messages and gRPC stubs, generated from ``pdserve.proto``.
-
-The stubs are build outputs (ignored by git): the first import generates them with
-``grpc_tools.protoc`` next to the ``.proto``, and again whenever the ``.proto`` is
-newer than them. ``python -m router.proto`` generates them ahead of time (setup.sh
-does). Several processes may import this at once (Ray workers, the router, tests):
-each writes into a private temporary folder and moves the files into place.
-"""
+"""The router's protobuf messages and gRPC stubs, generated from ``pdserve.proto`` at
+first import (engine/protostubs.py); ``python -m router.proto`` forces it (setup.sh)."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import tempfile
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent.parent  # the folder holding the ``router`` package
-_PROTO = _HERE / "pdserve.proto"
-_OUTPUTS = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
+from engine.protostubs import generate as _generate
 
-
-def _stale() -> bool:
-    mtime = _PROTO.stat().st_mtime
-    return any(
-        not (_HERE / name).exists() or (_HERE / name).stat().st_mtime < mtime for name in _OUTPUTS
-    )
+PROTO = Path(__file__).resolve().parent / "pdserve.proto"
 
 
 def generate(force: bool = False) -> None:
-    """Write the stubs next to the ``.proto`` when missing or older than it."""
-    if not force and not _stale():
-        return
-    from grpc_tools import protoc
-
-    include = Path(protoc.__file__).resolve().parent / "_proto"
-    rel = _PROTO.relative_to(_ROOT)
-    with tempfile.TemporaryDirectory(prefix=".protoc-", dir=_HERE) as tmp:
-        args = [
-            "grpc_tools.protoc",
-            f"-I{_ROOT}",
-            f"-I{include}",
-            f"--python_out={tmp}",
-            f"--pyi_out={tmp}",
-            f"--grpc_python_out={tmp}",
-            str(rel),
-        ]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"grpc_tools.protoc failed on {_PROTO}")
-        for name in _OUTPUTS:
-            os.replace(Path(tmp) / rel.parent / name, _HERE / name)
-    importlib.invalidate_caches()
+    _generate(PROTO, force)
 
 
 generate()
