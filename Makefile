@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	touch $@
 
 run: setup
-	$(BIN)/pdserve up configs/local-colocated.yaml --demo "What is the capital of France?"
+	$(BIN)/pdserve up configs/local-disagg.yaml --demo "What is the capital of France?"
 
 lint: setup
 	$(BIN)/ruff check .

@@ -68,12 +68,12 @@ class DirectClient:
 
         while not self._stop.is_set():
             items, _ = ray.get(handle.poll.remote(CONSUMER, 0.2))
-            for request_id, token_ids, _text, reason, _error in items:
+            for u in items:
                 with self._lock:
-                    stream = self._streams.get(request_id)
-                    if reason is not None:
-                        self._streams.pop(request_id, None)
-                stream.put((token_ids, reason))
+                    stream = self._streams.get(u.request_id)
+                    if u.finish_reason is not None:
+                        self._streams.pop(u.request_id, None)
+                stream.put((u.token_ids, u.finish_reason))
 
 
 def measure(call, work: list[list[int]], max_tokens: int, concurrency: int) -> dict:

@@ -49,6 +49,28 @@ def _generate_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _summary(address: str, chunk) -> str:
+    """The last chunk's usage and timings on one line (and the KV handoff when there was one)."""
+    t = chunk.timings
+    line = (
+        f"[{address}: prompt {chunk.prompt_tokens} tokens, "
+        f"TTFT {t.ttft_ms:.0f} ms, {chunk.completion_tokens} tokens, "
+        f"TPOT {t.tpot_ms:.1f} ms, e2e {t.e2e_ms:.0f} ms, "
+        f"queue {t.queue_ms:.1f} ms, on {', '.join(t.instances)}, "
+        f"finish {chunk.finish_reason}]"
+    )
+    if t.kv_bytes:
+        p = t.phases
+        line += (
+            f"\n[KV handoff {' -> '.join(t.instances[-2:])}: {t.kv_bytes / 1e6:.2f} MB in "
+            f"{t.transfer_ms:.1f} ms; prefill {p.get('prefill_start', 0):.0f}-"
+            f"{p.get('prefill_end', 0):.0f} ms, transfer {p.get('transfer_start', 0):.0f}-"
+            f"{p.get('transfer_end', 0):.0f} ms, decode from {p.get('decode_start', 0):.0f} ms "
+            "after arrival]"
+        )
+    return line
+
+
 def stream_to_terminal(address: str, prompt: str, chat: bool, **sampling) -> int:
     """Send one request through the router and print its answer as it streams."""
     import grpc
@@ -62,14 +84,7 @@ def stream_to_terminal(address: str, prompt: str, chat: bool, **sampling) -> int
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.finished:
-                    t = chunk.timings
-                    print(
-                        f"\n[{address}: prompt {chunk.prompt_tokens} tokens, "
-                        f"TTFT {t.ttft_ms:.0f} ms, {chunk.completion_tokens} tokens, "
-                        f"TPOT {t.tpot_ms:.1f} ms, e2e {t.e2e_ms:.0f} ms, "
-                        f"queue {t.queue_ms:.1f} ms, on {', '.join(t.instances)}, "
-                        f"finish {chunk.finish_reason}]"
-                    )
+                    print(f"\n{_summary(address, chunk)}")
         except grpc.RpcError as e:
             print(f"\npdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -106,6 +106,7 @@ class KVTransferConfig:
     backend: str = spec("gloo", one_of(*KV_BACKENDS), "KV transport between pools")
     layerwise: bool = spec(True, None, "send KV layer by layer as the last chunk runs")
     lease_s: float = spec(30.0, above(0), "seconds a decode reservation waits for its KV")
+    checksum: bool = spec(False, None, "checksum every transferred chunk (receiver verifies)")
 
 
 @dataclass

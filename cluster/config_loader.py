@@ -134,11 +134,38 @@ def check_config(config: ClusterConfig) -> None:
                 f"{pool.instances} is not allowed; mode {config.mode} runs the {role} pool, "
                 "which needs at least 1 instance",
             )
+    if config.mode == "disaggregated":
+        check_kv_transfer(config)
     folder = model_folder_if_cheap(config.model)
     if folder is not None:
         check_model_shape(config, folder)
     if config.ray.address is None:
         check_local_resources(config)
+
+
+def check_kv_transfer(config: ClusterConfig) -> None:
+    """The pools must be able to exchange KV blocks over the chosen backend."""
+    prefill, decode = config.prefill, config.decode
+    if decode.block_size != prefill.block_size:
+        raise ConfigError(
+            "decode.block_size",
+            f"{decode.block_size} differs from prefill.block_size={prefill.block_size}; KV "
+            "blocks move between the pools as they are, so both must use the same size",
+        )
+    backend = config.kv_transfer.backend
+    for role, pool in (("prefill", prefill), ("decode", decode)):
+        gpu = pool.resources.num_gpus > 0
+        if backend == "nccl" and not gpu:
+            raise ConfigError(
+                "kv_transfer.backend",
+                f"'nccl' moves GPU memory but {role}.resources.num_gpus is 0; "
+                "use gloo or grpc for CPU pools",
+            )
+        if backend == "gloo" and gpu:
+            raise ConfigError(
+                "kv_transfer.backend",
+                f"'gloo' moves CPU memory but the {role} pool runs on GPUs; use nccl or grpc",
+            )
 
 
 def model_folder_if_cheap(model: str) -> Path | None:

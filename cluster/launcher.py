@@ -100,12 +100,6 @@ def launch(
 
 
 def refuse_unsupported(config: ClusterConfig) -> None:
-    if config.mode == "disaggregated":
-        raise ConfigError(
-            "mode",
-            "'disaggregated' is accepted by the schema but arrives with the disaggregation "
-            "issue; use mode: colocated for now",
-        )
     for role, pool in config.pools().items():
         if pool.tensor_parallel > 1:
             raise ConfigError(
@@ -118,11 +112,13 @@ def refuse_unsupported(config: ClusterConfig) -> None:
 def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
-    from decode_worker.engine_worker import EngineWorker
+    from decode_worker import DecodeWorker, EngineWorker
+    from prefill_worker import PrefillWorker
     from router.server import RouterServer
 
     config = cluster.config
-    worker_cls = ray.remote(EngineWorker)
+    classes = {"colocated": EngineWorker, "prefill": PrefillWorker, "decode": DecodeWorker}
+    kv = config.to_dict()["kv_transfer"]
     specs = []
     for role, pool in config.pools().items():
         res = pool.resources
@@ -130,6 +126,8 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
         engine = pool.engine_config(
             config.dtype, config.attention_backend, "cuda" if gpus > 0 else "cpu"
         )
+        worker_cls = ray.remote(classes[role])
+        extra = () if role == "colocated" else (kv,)
         for index in range(pool.instances):
             name = f"{role}-{index}"
             handle = worker_cls.options(
@@ -139,7 +137,7 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
                 num_gpus=gpus,
                 max_concurrency=8,  # poll, add, abort and stats overlap the step loop
                 max_restarts=0,
-            ).remote(name, config.model, engine, max(1, math.floor(cpus)))
+            ).remote(name, config.model, engine, max(1, math.floor(cpus)), *extra)
             cluster.workers[name] = handle
             specs.append((name, role, handle))
     router_options = dict(name="router", namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000)
@@ -150,7 +148,7 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
         router_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     router_cls = ray.remote(RouterServer)
     cluster.router = router_cls.options(**router_options).remote(
-        config.model, config.to_dict()["router"], specs
+        config.model, config.to_dict()["router"], specs, config.mode
     )
     cluster.address = ray.get(cluster.router.start.remote(), timeout=ready_timeout_s)
     cluster.instances = ray.get(cluster.router.wait_ready.remote(), timeout=ready_timeout_s)

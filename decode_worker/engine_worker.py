@@ -1,15 +1,16 @@
-"""One engine instance behind a Ray actor: requests in, token batches out.
+"""One engine instance behind a Ray actor: requests in, updates out.
 
-The cluster wraps ``EngineWorker`` with ``ray.remote`` (a threaded actor), so its
-methods run on a small thread pool while a background thread runs the engine's
-step loop. Callers never touch the engine: ``add``/``abort`` go into an inbox the
-loop drains before each step, and outputs go into one outbox per consumer (the
-router, a benchmark) that ``poll`` hands over in one batch: everything produced
-since the last poll, so a busy instance costs its consumer one call per step at
-most, never one per token.
+The cluster wraps a worker class with ``ray.remote`` (a threaded actor), so its methods
+run on a small thread pool while a background thread runs the engine's step loop.
+Callers never touch the engine: ``add``/``abort`` go into an inbox the loop drains
+before each step (``on_loop`` runs a function there and returns its result), and
+updates go into one outbox per consumer (the router, a benchmark) that ``poll`` hands
+over in one batch: everything produced since the last poll, so a busy instance costs
+its consumer one call per step at most, never one per token.
 
-In co-located mode every step is the engine's mixed step: prompt chunks
-piggybacked on the running decodes (engine/scheduler.py).
+``EngineWorker`` itself is the co-located instance: every step is the engine's mixed
+step, prompt chunks piggybacked on the running decodes (engine/scheduler.py). The
+disaggregated pools subclass it (``DecodeWorker``, ``prefill_worker.PrefillWorker``).
 """
 
 from __future__ import annotations
@@ -19,29 +20,33 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, defaultdict, deque
+from concurrent.futures import Future
 
 import torch
 
+from decode_worker.updates import Update
 from engine import EngineConfig, LLMEngine, SamplingParams
-
-# (request_id, new token ids, new text, finish_reason or None, error message or None)
-Output = tuple[str, list[int], str, str | None, str | None]
 
 
 class EngineWorker:
-    def __init__(self, name: str, model: str, engine_config: dict, num_threads: int):
+    engine_class = LLMEngine
+    role = "colocated"
+
+    def __init__(self, name: str, model: str, engine_config: dict, num_threads: int, *setup):
+        """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts)."""
         torch.set_num_threads(max(1, num_threads))
         self.name = name
-        self.engine = LLMEngine(model, EngineConfig(**engine_config))
+        self.engine = self.engine_class(model, EngineConfig(**engine_config))
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
-        self._produced = threading.Condition(self._lock)  # poll waits here for outputs
+        self._produced = threading.Condition(self._lock)  # poll waits here for updates
         self._inbox: deque[tuple] = deque()
-        self._outboxes: dict[str, list[Output]] = defaultdict(list)
+        self._outboxes: dict[str, list[Update]] = defaultdict(list)
         self._consumer: dict[str, str] = {}  # request id -> whose outbox
-        # aborts that arrived before their add (a threaded actor may reorder calls)
+        # aborts that arrived before their request (a threaded actor may reorder calls)
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
+        self._setup(*setup)
         self._snapshot = self._stats()
         self._stopping = False
         self._loop = threading.Thread(target=self._run, name=f"{name}-steps", daemon=True)
@@ -54,6 +59,7 @@ class EngineWorker:
         e = self.engine
         return {
             "name": self.name,
+            "role": self.role,
             "pid": os.getpid(),
             "threads": torch.get_num_threads(),
             "max_context": e.max_context,
@@ -64,18 +70,14 @@ class EngineWorker:
         }
 
     def add(self, request_id: str, prompt_ids: list[int], params: dict, consumer: str) -> None:
-        """Queue a request; its outputs go to ``consumer``'s outbox."""
-        with self._lock:
-            self._inbox.append(("add", request_id, prompt_ids, params, consumer))
-            self._work.notify()
+        """Queue a request; its updates go to ``consumer``'s outbox."""
+        self._post(("add", request_id, prompt_ids, params, consumer))
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests (queued, running or not yet arrived) and free their blocks."""
-        with self._lock:
-            self._inbox.append(("abort", list(request_ids)))
-            self._work.notify()
+        self._post(("abort", list(request_ids)))
 
-    def poll(self, consumer: str, timeout_s: float) -> tuple[list[Output], dict]:
+    def poll(self, consumer: str, timeout_s: float) -> tuple[list[Update], dict]:
         """Everything produced for ``consumer`` since its last poll (waits up to timeout_s)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -91,6 +93,22 @@ class EngineWorker:
         with self._lock:
             return dict(self._snapshot)
 
+    def check_integrity(self) -> dict:
+        """Run the block manager's ``check_integrity()`` between steps; the block counts."""
+
+        def check() -> dict:
+            self.engine.blocks.check_integrity()
+            blocks = self.engine.blocks
+            return {"free_blocks": blocks.num_free_blocks, "total_blocks": blocks.num_blocks}
+
+        return self.on_loop(check)
+
+    def on_loop(self, fn, *args):
+        """Run ``fn(*args)`` on the step loop, between steps; its result (or exception)."""
+        future: Future = Future()
+        self._post(("call", future, fn, args))
+        return future.result()
+
     def stop(self) -> None:
         with self._lock:
             self._stopping = True
@@ -100,66 +118,112 @@ class EngineWorker:
 
     # ---- the step loop (its own thread; the only code that touches the engine) ----
 
+    def _post(self, op: tuple) -> None:
+        with self._lock:
+            self._inbox.append(op)
+            self._work.notify()
+
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
-                    self._work.wait()
+                while not (self._inbox or self._stopping or self._has_work()):
+                    self._work.wait(self._idle_wait_s())
+                    if self._idle_wait_s() is not None:
+                        break  # waiting on something outside the engine: look again
                 if self._stopping:
                     return
                 ops = list(self._inbox)
                 self._inbox.clear()
-            produced = [out for op in ops for out in self._apply(op)]
+            produced = [u for op in ops for u in self._apply(op)]
+            produced += self._between_steps()
             if self.engine.has_unfinished_requests():
                 produced += self._step()
             with self._lock:
-                for out in produced:
-                    consumer = self._consumer.get(out[0])
+                for update in produced:
+                    consumer = self._consumer.get(update.request_id)
                     if consumer is not None:
-                        self._outboxes[consumer].append(out)
-                    if out[3] is not None:
-                        self._consumer.pop(out[0], None)
+                        self._outboxes[consumer].append(update)
+                    if update.final:
+                        self._consumer.pop(update.request_id, None)
                 self._snapshot = self._stats()
                 self._produced.notify_all()
 
-    def _apply(self, op: tuple) -> list[Output]:
-        if op[0] == "abort":
-            for request_id in op[1]:
-                if request_id in self.engine.requests:
-                    self.engine.abort_request(request_id)
+    def _setup(self) -> None:
+        """A role's own state (the KV transfer endpoints), before the step loop starts."""
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _idle_wait_s(self) -> float | None:
+        """How long the idle loop sleeps before ``_between_steps`` looks again (None: until
+        a call arrives)."""
+        return None
+
+    def _between_steps(self) -> list[Update]:
+        return []
+
+    def _apply(self, op: tuple) -> list[Update]:
+        kind, args = op[0], op[1:]
+        if kind == "call":
+            future, fn, fn_args = args
+            try:
+                future.set_result(fn(*fn_args))
+            except Exception as e:  # the caller gets it
+                future.set_exception(e)
+            return []
+        if kind == "abort":
+            out = []
+            for request_id in args[0]:
+                if self._owns(request_id):
+                    out += self._abort(request_id)
                     self._consumer.pop(request_id, None)
                 else:
                     self._early_aborts[request_id] = None
                     while len(self._early_aborts) > 10_000:
                         self._early_aborts.popitem(last=False)
-            return []
-        _, request_id, prompt_ids, params, consumer = op
-        if request_id in self._early_aborts:
-            del self._early_aborts[request_id]
+            return out
+        return getattr(self, f"_op_{kind}")(*args)
+
+    def _take_early_abort(self, request_id: str) -> bool:
+        """True (and forgotten) when ``request_id`` was aborted before it arrived."""
+        return self._early_aborts.pop(request_id, False) is None
+
+    def _owns(self, request_id: str) -> bool:
+        return request_id in self.engine.requests
+
+    def _abort(self, request_id: str) -> list[Update]:
+        self.engine.abort_request(request_id)
+        return []
+
+    def _op_add(self, request_id, prompt_ids, params, consumer) -> list[Update]:
+        if self._take_early_abort(request_id):
             return []
         self._consumer[request_id] = consumer
         try:
             self.engine.add_request(request_id, prompt_ids, SamplingParams(**params))
         except ValueError as e:
-            return [(request_id, [], "", "error", str(e))]
+            return [Update(request_id, error=str(e))]
         self._totals["requests_total"] += 1
         return []
 
-    def _step(self) -> list[Output]:
+    def _step(self) -> list[Update]:
         try:
             outputs = self.engine.step()
         except Exception:  # a bug in the engine: fail its requests, keep the instance up
-            message = f"{self.name}: engine step failed:\n{traceback.format_exc()}"
-            failed = list(self.engine.requests)
-            for request_id in failed:
-                self.engine.abort_request(request_id)
-            return [(request_id, [], "", "error", message) for request_id in failed]
+            return self._fail_all()
         self._totals["steps_total"] += 1
-        out: list[Output] = []
+        out: list[Update] = []
         for o in outputs:
             self._totals["tokens_total"] += len(o.new_token_ids)
-            out.append((o.request_id, o.new_token_ids, o.new_text, o.finish_reason, None))
+            out.append(Update(o.request_id, o.new_token_ids, o.new_text, o.finish_reason))
         return out
+
+    def _fail_all(self) -> list[Update]:
+        message = f"{self.name}: engine step failed:\n{traceback.format_exc()}"
+        failed = list(self.engine.requests)
+        for request_id in failed:
+            self.engine.abort_request(request_id)
+        return [Update(request_id, error=message) for request_id in failed]
 
     def _stats(self) -> dict:
         s = self.engine.scheduler

@@ -67,6 +67,45 @@ class LLMEngine:
         self.scheduler.add(request)
         return request
 
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        sampler_state: bytes = b"",
+    ) -> RequestOutput:
+        """Admit a request prefilled elsewhere: its prompt's KV already sits in the blocks
+        this engine holds for ``request_id`` (reserved with ``blocks.allocate`` and filled
+        by the KV transfer), and ``first_token`` was sampled there. Returns the output of
+        that first token, which may already finish the request."""
+        have, need = (
+            len(self.blocks.block_table(request_id)),
+            self.blocks.blocks_for(len(prompt_ids)),
+        )
+        if have != need:
+            raise ValueError(
+                f"request {request_id!r}: {len(prompt_ids)} prompt tokens need {need} "
+                f"reserved blocks, {have} are held"
+            )
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        request = Request(request_id, prompt_ids, params)
+        if sampler_state and request.generator is not None:
+            request.generator.set_state(
+                torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8)
+            )
+        request.num_computed_tokens = len(prompt_ids)
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add_running(request)
+        request.token_ids.append(first_token)
+        reason = self._check_stop(request, first_token)
+        if reason is not None:
+            return self._finish(request, reason, [first_token])
+        return self._output(request, [first_token], final=False)
+
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt: empty; give at least one token")

@@ -9,7 +9,7 @@ replicated since a lookup reads only the rows of the batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -92,15 +92,21 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final normed hidden states [T, hidden]."""
+        """input_ids, positions [T] -> final normed hidden states [T, hidden].
+
+        ``on_layer(i)`` runs once layer ``i`` has written its KV into the cache (the
+        prefill pool sends that layer's KV from there while later layers compute)."""
         h = F.embedding(input_ids, self.embed)
         residual = None
         rope = self.ops.rope(positions, self.cos, self.sin)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = layer(
                 h, residual, rope, k_cache, v_cache, meta, self.attn, self.ops, self.tp
             )
+            if on_layer is not None:
+                on_layer(i)
         h, _ = self.ops.add_rms_norm(h, residual, self.norm, self.cfg.rms_eps)
         return h
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -73,11 +74,14 @@ class ModelRunner:
         )
         return items, tensor(ids, torch.int64), tensor(positions, torch.int64), meta
 
-    def run(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
+    def run(
+        self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
+    ) -> list[tuple[Request, int]]:
         """One forward pass; returns (request, next token) for requests whose pass reached
-        the end of their known tokens (the others are part-way through a prompt)."""
+        the end of their known tokens (the others are part-way through a prompt).
+        ``on_layer``: see ``LlamaModel.forward``."""
         items, input_ids, positions, meta = self.prepare(batch.items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer)
         rows, sampled = [], []
         end = 0
         for request, n in items:

@@ -45,6 +45,12 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """A request whose prompt KV is already in its blocks (received from the prefill
+        pool): it joins the running batch and decodes from the next step."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

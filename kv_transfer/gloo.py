@@ -355,6 +355,14 @@ class GlooSender(KVSender):
             acks.append(Ack(pair.address, Status(h[H_STATUS]), text))
         return acks
 
+    def _abort(self, t: Outgoing) -> None:
+        """An abandoned transfer leaves its pairs' message streams mid-way (announced
+        segments never sent): they are rebuilt on their next use."""
+        for pair in t.extra.get("pairs", {}).values():
+            with pair.lock:
+                if pair.broken is None:
+                    self._broken(pair, RuntimeError(f"transfer {t.transfer_id!r} aborted"))
+
     def _wait(self, pair: _SendPair, work, wait_for, t: Outgoing) -> None:
         try:
             work.wait(wait_for)

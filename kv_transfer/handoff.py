@@ -100,6 +100,9 @@ class KVHandoff:
     destination: KVDestination | None = None
     transfer_id: str = ""
     num_tokens: int = field(default=0)
+    prefill_instance: str = ""
+    sampler_state: bytes = b""  # a seeded request's generator state after the first token
+    phase_times: dict[str, float] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
@@ -144,6 +147,9 @@ class KVHandoff:
             src_block_ids=self.src_block_ids,
             transfer_id=self.transfer_id,
             num_tokens=self.num_tokens,
+            prefill_instance=self.prefill_instance,
+            sampler_state=self.sampler_state,
+            phase_times=self.phase_times,
         )
         layout_to_proto(self.src_layout, msg.src_layout)
         if self.destination is not None:
@@ -163,6 +169,9 @@ class KVHandoff:
             else None,
             transfer_id=msg.transfer_id,
             num_tokens=msg.num_tokens,
+            prefill_instance=msg.prefill_instance,
+            sampler_state=msg.sampler_state,
+            phase_times=dict(msg.phase_times),
         )
 
     def to_bytes(self) -> bytes:

@@ -29,6 +29,10 @@ class AdmissionQueue(Generic[T]):
         self._items.append(item)
         return True
 
+    def push_front(self, item: T) -> None:
+        """Put back an item taken from the head (it was admitted: the bound does not apply)."""
+        self._items.appendleft(item)
+
     def peek(self) -> T | None:
         return self._items[0] if self._items else None
 

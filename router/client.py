@@ -34,6 +34,12 @@ class Timings:
     tpot_ms: float
     e2e_ms: float
     instances: list[str]
+    kv_bytes: int = 0  # disaggregated: KV moved from the prefill to the decode instance
+    transfer_ms: float = 0.0
+    attempts: int = 1
+    # ms since arrival: queued, prefill_start/end, transfer_start/end, decode_start,
+    # finish (0: not applicable), and tokens (one entry per token)
+    phases: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -79,7 +85,19 @@ def _chunk(msg: pb.GenerateResponse) -> Chunk:
         t = msg.timings
         c.finish_reason = msg.finish_reason
         c.prompt_tokens, c.completion_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
-        c.timings = Timings(t.queue_ms, t.ttft_ms, t.tpot_ms, t.e2e_ms, list(t.instances))
+        phases = {f.name: v for f, v in t.phases.ListFields()}
+        phases["tokens"] = list(t.phases.tokens)
+        c.timings = Timings(
+            t.queue_ms,
+            t.ttft_ms,
+            t.tpot_ms,
+            t.e2e_ms,
+            list(t.instances),
+            t.kv_bytes,
+            t.transfer_ms,
+            t.attempts,
+            phases,
+        )
     return c
 
 

@@ -18,6 +18,7 @@ class InstanceLoad:
     queued: int = 0  # waiting inside the instance (last report)
     free_blocks: int = 0  # free KV blocks (last report)
     total_blocks: int = 0
+    prefill_tokens: int = 0  # prefill instances: prompt tokens sent and not handed off
 
 
 class RoutingPolicy(ABC):

@@ -18,7 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.admission import AdmissionQueue
+from router.disagg import Disaggregated
 from router.instances import Instance
+from router.placement import Colocated
 from router.policies import make_policy
 from router.proto import pdserve_pb2 as pb
 from router.proto import pdserve_pb2_grpc as pb_grpc
@@ -33,16 +35,22 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class RouterServer:
-    def __init__(self, model: str, router_config: dict, workers: list[tuple[str, str, object]]):
+    def __init__(
+        self,
+        model: str,
+        router_config: dict,
+        workers: list[tuple[str, str, object]],
+        mode: str = "colocated",
+    ):
         """``workers``: (name, role, Ray actor handle) of every engine instance."""
         from engine.checkpoint import load_checkpoint
 
         self.config = router_config
         self.tokenizer = load_checkpoint(model).tokenizer
         self.instances = [Instance(n, r, h, i) for i, (n, r, h) in enumerate(workers)]
-        self.by_name = {i.name: i for i in self.instances}
         self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
-        self.policy = make_policy(router_config["policy"])
+        placement = Disaggregated if mode == "disaggregated" else Colocated
+        self.placement = placement(self, self.instances, make_policy(router_config["policy"]))
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
         self.validator: RequestValidator | None = None
         self.draining = False
@@ -129,9 +137,9 @@ class RouterServer:
 
     def admit(self, stream: RequestStream) -> bool:
         """Place the request now, or queue it; False when the queue is full."""
-        if not self.admission and any(i.has_room() for i in self.instances):
+        if not self.admission and self.placement.can_place(stream):
             self.streams[stream.request_id] = stream
-            self._dispatch(stream)
+            self.placement.place(stream)
             return True
         if not self.admission.offer(stream):
             return False
@@ -139,14 +147,29 @@ class RouterServer:
         self._dispatch()
         return True
 
+    def requeue(self, stream: RequestStream) -> None:
+        """An admitted request the placement could not start after all: it goes back to
+        the head of the queue (whatever the bound) and waits for room."""
+        if stream.finished or self.streams.get(stream.request_id) is not stream:
+            return
+        self.admission.push_front(stream)
+        asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def after_updates(self, ended: list[RequestStream]) -> None:
+        """Requests ended (finished or failed): forget them; room for waiting ones."""
+        for stream in ended:
+            if self.streams.get(stream.request_id) is stream:
+                del self.streams[stream.request_id]
+        self._dispatch()
+
     def cancel(self, stream: RequestStream, reason: str | None = None) -> bool:
-        """Take a request out of the router and its instance (frees its KV blocks).
+        """Take a request out of the router and its instances (frees its KV blocks).
 
         With ``reason``, the stream's client is told it finished that way."""
         if self.streams.pop(stream.request_id, None) is None:
             return False
-        if not self.admission.remove(stream) and stream.instances:
-            self.by_name[stream.instances[-1]].abort(stream)
+        if not self.admission.remove(stream):
+            self.placement.cancel(stream)
         if reason is not None:
             stream.deliver(Delta([], "", reason))
         stream.finished = True
@@ -160,32 +183,23 @@ class RouterServer:
 
     @property
     def alive(self) -> bool:
-        return any(i.dead is None for i in self.instances)
+        return self.placement.alive
 
-    def _dispatch(self, first: RequestStream | None = None) -> None:
-        """Send waiting requests, oldest first, while some instance has room."""
+    def _dispatch(self) -> None:
+        """Start waiting requests, oldest first, while the placement has room."""
         if not self.alive:  # nothing will ever take them
             for stream in self.admission.drain():
                 self.streams.pop(stream.request_id, None)
-                stream.deliver(Delta([], "", "error", "every engine instance has failed"))
+                stream.deliver(Delta([], "", "error", "the engine instances have failed"))
             return
-        while first is not None or self.admission:
-            candidates = [i.load for i in self.instances if i.has_room()]
-            if not candidates:
-                return
-            stream = first or self.admission.peek()
-            pick = self.policy.choose(len(stream.prompt_ids), candidates)
-            if first is None:
-                self.admission.pop()
-            first = None
-            self.instances[pick.index].send(stream)
+        while self.admission and self.placement.can_place(self.admission.peek()):
+            self.placement.place(self.admission.pop())
 
-    def _on_finished(self, streams: list[RequestStream]) -> None:
-        """An instance finished (or failed) these requests: room for waiting ones."""
-        for stream in streams:
-            if self.streams.get(stream.request_id) is stream:
-                del self.streams[stream.request_id]
-        self._dispatch()
+    def _on_updates(self, inst: Instance, updates: list) -> None:
+        self.after_updates(self.placement.on_updates(inst, updates))
+
+    def _on_dead(self, inst: Instance) -> None:
+        self.after_updates(self.placement.on_dead(inst))
 
     async def _bring_up(self) -> list[dict]:
         infos = await asyncio.gather(*(i.wait_ready() for i in self.instances))
@@ -198,7 +212,7 @@ class RouterServer:
             ),
         )
         for inst in self.instances:
-            inst.start_polling(self._on_finished)
+            inst.start_polling(self._on_updates, self._on_dead)
         if not self.draining:
             await self._set_health(_SERVING)
         log.info("router %s: %d instances ready", self.address, len(infos))

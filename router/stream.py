@@ -1,7 +1,9 @@
 """One request's life at the router: its output queue, its clock, its final message.
 
-All times come from the router's clock (``time.monotonic``): arrival is stamped
-when the RPC arrives, first/last token when their batches reach the router.
+TTFT, TPOT and e2e come from the router's clock (``time.monotonic``): arrival is
+stamped when the RPC arrives, first/last token when their batches reach the router.
+Phase times (``Phases``) mix the router's and the instances' wall clocks
+(``time.time``) and are reported relative to the arrival's wall-clock stamp.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from router.proto import pdserve_pb2 as pb
+
+_PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_start")
 
 
 @dataclass
@@ -28,17 +32,28 @@ class RequestStream:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    arrival_wall: float = field(default_factory=time.time)
     instances: list[str] = field(default_factory=list)
     dispatched_at: float | None = None
+    placed_wall: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    token_walls: list[float] = field(default_factory=list)
     num_tokens: int = 0
     finished: bool = False
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    # placement: the id the instances know this attempt by, and the attempt's history
+    worker_id: str = ""
+    attempt: int = 0
+    pair: tuple[str, ...] = ()
+    avoid: set[str] = field(default_factory=set)  # instances of a failed attempt
+    retried_because: str = ""
+    info: dict = field(default_factory=dict)  # what the instances reported (phases, KV)
 
     def sent_to(self, instance: str) -> None:
         self.instances.append(instance)
         self.dispatched_at = time.monotonic()
+        self.placed_wall = time.time()
 
     def deliver(self, delta: Delta) -> None:
         """A batch of this request's tokens arrived from its instance."""
@@ -49,7 +64,8 @@ class RequestStream:
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
             self.num_tokens += len(delta.token_ids)
-        if delta.finish_reason is not None:
+            self.token_walls += [time.time()] * len(delta.token_ids)
+        if delta.finish_reason is not None or delta.error is not None:
             self.finished = True
         self.queue.put_nowait(delta)
 
@@ -68,13 +84,27 @@ class RequestStream:
         end = self.last_token_at or time.monotonic()
         first = self.first_token_at
         gaps = self.num_tokens - 1
-        return pb.Timings(
+        out = pb.Timings(
             queue_ms=_ms((self.dispatched_at or end) - self.arrival),
             ttft_ms=_ms(first - self.arrival) if first is not None else 0.0,
             tpot_ms=_ms((end - first) / gaps) if first is not None and gaps > 0 else 0.0,
             e2e_ms=_ms(end - self.arrival),
             instances=self.instances,
+            kv_bytes=int(self.info.get("kv_bytes", 0)),
+            transfer_ms=_ms(self.info.get("transfer_s", 0.0)),
+            attempts=self.attempt + 1,
         )
+        since = self._since_arrival
+        phases = self.info.get("phases", {})
+        out.phases.queued = since(self.placed_wall)
+        for name in _PHASES:
+            setattr(out.phases, name, since(phases.get(name)))
+        out.phases.tokens.extend(since(t) for t in self.token_walls)
+        out.phases.finish = since(self.token_walls[-1] if self.token_walls else None)
+        return out
+
+    def _since_arrival(self, wall: float | None) -> float:
+        return _ms(wall - self.arrival_wall) if wall else 0.0
 
 
 def _ms(seconds: float) -> float:

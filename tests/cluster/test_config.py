@@ -142,7 +142,6 @@ def test_set_overrides(tmp_path, chat_model):
 @pytest.mark.parametrize(
     "overrides,key,needle",
     [
-        (["mode=disaggregated", "prefill.resources.num_cpus=0.5"], "mode", "disaggregation"),
         (
             ["colocated.tensor_parallel=2", "colocated.resources.num_cpus=0.5"],
             "colocated.tensor_parallel",
@@ -162,10 +161,30 @@ def test_launch_refuses_what_is_not_built_yet(
     assert not ray.is_initialized() and ray_temp_dirs(tmp_path) == []
 
 
-def test_shipped_config_is_valid():
+def test_shipped_configs_are_valid():
     config = load_config(ROOT / "configs" / "local-colocated.yaml")
     assert config.mode == "colocated" and config.colocated.instances == 2
     assert config.colocated.resources.num_cpus == 1
+    config = load_config(ROOT / "configs" / "local-disagg.yaml")
+    assert config.mode == "disaggregated"
+    assert (config.prefill.instances, config.decode.instances) == (1, 1)
+    assert config.kv_transfer.backend == "gloo" and config.kv_transfer.layerwise
+
+
+@pytest.mark.parametrize(
+    "overrides,key,needle",
+    [
+        (["decode.block_size=32"], "decode.block_size", "same size"),
+        (["kv_transfer.backend=nccl"], "kv_transfer.backend", "num_gpus is 0"),
+        (["kv_transfer.backend=tcp"], "kv_transfer.backend", "gloo, nccl, grpc"),
+        (["kv_transfer.lease_s=0"], "kv_transfer.lease_s", "> 0"),
+    ],
+)
+def test_disaggregated_kv_transfer_checks(tmp_path, chat_model, overrides, key, needle):
+    path = write(tmp_path, "model: MODEL\nmode: disaggregated\n", chat_model)
+    with pytest.raises(ConfigError, match=needle) as err:
+        load_config(path, ["ray.address=auto", *overrides])
+    assert err.value.key == key
 
 
 def test_pdserve_up_reports_a_broken_config(tmp_path, chat_model):

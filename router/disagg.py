@@ -1,0 +1,172 @@
+"""Disaggregated placement: a prefill instance computes the prompt, a decode instance
+generates the rest (DESIGN.md §3).
+
+Per request (one attempt; the instances know it as ``<request id>#<attempt>``):
+
+    choose decode (routing policy over those with room) and prefill (fewest queued
+    prompt tokens) -> decode.reserve: blocks held under a lease, KVDestination back
+    (None: no room; the request goes back to the head of the queue)
+    -> prefill.prefill(destination): chunked prefill, KV sent, KVHandoff to decode
+    -> decode streams tokens; prefill reports the transfer acknowledged (handed off)
+
+A failed handoff (transfer cut, lease expired, a peer gone) drops the attempt on both
+instances and redoes the request once on another pair when there is one; a second
+failure, or a failure after tokens reached the client, ends it with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from decode_worker.updates import Update
+from kv_transfer.handoff import transfer_id_for
+from router.instances import CONSUMER, Instance
+from router.placement import Placement, params_dict
+from router.stream import Delta, RequestStream
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 2
+
+
+class Disaggregated(Placement):
+    def __init__(self, router, instances, policy):
+        super().__init__(router, instances, policy)
+        self.prefills = [i for i in instances if i.role == "prefill"]
+        self.decodes = [i for i in instances if i.role == "decode"]
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def alive(self) -> bool:
+        return any(i.dead is None for i in self.prefills) and any(
+            i.dead is None for i in self.decodes
+        )
+
+    def can_place(self, stream: RequestStream) -> bool:
+        return any(d.has_room() for d in self.decodes) and any(p.alive for p in self.prefills)
+
+    def place(self, stream: RequestStream) -> None:
+        decode = self._decode_for(stream)
+        prefill = min(
+            (p for p in self.prefills if p.alive),
+            key=lambda p: (p.name in stream.avoid, p.load.prefill_tokens, p.load.index),
+        )
+        stream.worker_id = transfer_id_for(stream.request_id, stream.attempt)
+        stream.pair = (prefill.name, decode.name)
+        decode.hold(stream)
+        prefill.hold(stream)
+        prefill.load.prefill_tokens += len(stream.prompt_ids)
+        task = asyncio.get_running_loop().create_task(self._start(stream, prefill, decode))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _decode_for(self, stream: RequestStream) -> Instance:
+        room = [d for d in self.decodes if d.has_room()]
+        fresh = [d for d in room if d.name not in stream.avoid] or room
+        return self.by_name[
+            self.policy.choose(len(stream.prompt_ids), [d.load for d in fresh]).name
+        ]
+
+    async def _start(self, stream: RequestStream, prefill: Instance, decode: Instance) -> None:
+        attempt_id = stream.worker_id
+        try:
+            destination = await decode.handle.reserve.remote(
+                attempt_id,
+                attempt_id,
+                len(stream.prompt_ids),
+                params_dict(stream),
+                prefill.info.get("kv_tp_size", 1),
+                CONSUMER,
+            )
+        except Exception as e:  # the decode instance died or refused the request
+            self._end_attempt(stream, f"decode instance {decode.name}: {e}", retryable=True)
+            self.router.after_updates([stream] if stream.finished else [])
+            return
+        if stream.worker_id != attempt_id or attempt_id not in decode.streams:
+            if destination is not None:  # cancelled while reserving
+                decode.handle.abort.remote([attempt_id])
+            return
+        if destination is None:  # no room after all: back to the head of the queue
+            self._drop(stream, abort=False)
+            decode.refused = True
+            self.router.requeue(stream)
+            return
+        stream.sent_to(prefill.name)
+        stream.sent_to(decode.name)
+        prefill.handle.prefill.remote(
+            attempt_id,
+            stream.prompt_ids,
+            params_dict(stream),
+            attempt_id,
+            destination,
+            decode.name,
+            CONSUMER,
+        )
+
+    def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]:
+        ended = []
+        for u in updates:
+            stream = inst.streams.get(u.request_id)
+            if stream is None:
+                continue  # an abandoned attempt, or aborted meanwhile
+            stream.info.update(u.info)
+            if u.error is not None:
+                self._end_attempt(stream, u.error, u.retryable, reported_by=inst)
+                if stream.finished:
+                    ended.append(stream)
+                continue
+            if inst.role == "prefill":
+                if u.handed_off:
+                    self._release_prefill(inst, stream)
+                continue
+            stream.deliver(Delta(u.token_ids, u.text, u.finish_reason))
+            if u.finish_reason is not None:
+                inst.release(stream)
+                ended.append(stream)
+        return ended
+
+    def on_dead(self, inst: Instance) -> list[RequestStream]:
+        ended = []
+        for stream in list(inst.streams.values()):
+            self._end_attempt(stream, inst.dead, retryable=True, reported_by=inst)
+            if stream.finished:
+                ended.append(stream)
+        return ended
+
+    def cancel(self, stream: RequestStream) -> None:
+        self._drop(stream, abort=True)
+
+    def _end_attempt(
+        self, stream: RequestStream, error: str, retryable: bool, reported_by=None
+    ) -> None:
+        """The attempt failed: drop it everywhere, then redo it on another pair or fail."""
+        if reported_by is not None:  # it already dropped the attempt itself
+            self._release(reported_by, stream)
+        self._drop(stream, abort=True)
+        can_retry = retryable and stream.num_tokens == 0 and stream.attempt + 1 < MAX_ATTEMPTS
+        if can_retry and self.alive:
+            log.warning("request %s: %s; retrying on another pair", stream.request_id, error)
+            stream.attempt += 1
+            stream.avoid.update(stream.pair)
+            stream.retried_because = error
+            self.router.requeue(stream)
+            return
+        if stream.attempt > 0:
+            error = f"{error} (after a retry; first attempt: {stream.retried_because})"
+        stream.deliver(Delta([], "", "error", error))
+
+    def _drop(self, stream: RequestStream, abort: bool) -> None:
+        for inst in self.instances:
+            if inst.role == "prefill" and stream.worker_id in inst.streams:
+                inst.load.prefill_tokens -= len(stream.prompt_ids)
+            inst.release(stream, abort=abort)
+
+    def _release(self, inst: Instance, stream: RequestStream) -> None:
+        if inst.role == "prefill":
+            self._release_prefill(inst, stream)
+        else:
+            inst.release(stream)
+
+    def _release_prefill(self, inst: Instance, stream: RequestStream) -> None:
+        if inst.release(stream):
+            inst.load.prefill_tokens -= len(stream.prompt_ids)

@@ -1,0 +1,128 @@
+"""Failures in disaggregated serving, injected into a real cluster: a KV transfer cut
+midway, a corrupted chunk, a client that leaves, a full decode pool. The request is
+redone once on another pair or fails with a clear error; no block leaks anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import ray
+
+from engine import SamplingParams
+from tests.cluster.helpers import all_blocks_free, wait_until
+from tests.cluster.test_disagg import check_pools, disagg_config
+
+LEASE_S = 2.0
+PROMPT = [7, 8, 9, 10] * 10  # 40 tokens: 3 blocks
+
+
+@pytest.fixture(scope="module", params=["gloo", "grpc"])
+def cluster(chat_model, request):
+    from cluster import launch
+
+    config = disagg_config(chat_model, request.param, True, 2, lease_s=LEASE_S)
+    config["decode"]["max_batch_size"] = 4
+    config["router"]["max_queue"] = 4
+    with launch(config) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with cluster.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def want(chat_model):
+    from engine import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return LLM(chat_model).generate([PROMPT], params)[0].token_ids
+
+
+def prefills(cluster):
+    return [h for name, h in sorted(cluster.workers.items()) if name.startswith("prefill-")]
+
+
+def settle(cluster, client) -> None:
+    assert wait_until(lambda: all_blocks_free(client.stats()), 3 * LEASE_S), client.stats()
+    check_pools(cluster)
+
+
+def test_transfer_cut_midway_is_redone_on_another_pair(cluster, client, want):
+    # an idle cluster places on prefill-0 (fewest queued tokens, then index)
+    ray.get(prefills(cluster)[0].debug_fault.remote("cut", 1, after_layers=1))  # 1 of 2 layers
+    started = time.monotonic()
+    done = client.complete(prompt_token_ids=PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    assert done.token_ids == want
+    assert time.monotonic() - started >= LEASE_S * 0.9  # the first attempt's lease ran out
+    t = done.timings
+    assert t.attempts == 2
+    first, second = t.instances[0], t.instances[2]
+    assert (first, second) == ("prefill-0", "prefill-1")
+    settle(cluster, client)
+
+
+def test_transfer_cut_twice_fails_with_a_clear_error(cluster, client):
+    for p in prefills(cluster):
+        ray.get(p.debug_fault.remote("cut", 1, after_layers=1))
+    with pytest.raises(grpc.RpcError) as err:
+        client.complete(prompt_token_ids=PROMPT, max_tokens=8, temperature=0)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    text = err.value.details()
+    assert "did not complete within kv_transfer.lease_s=2s" in text, text
+    assert "after a retry" in text, text
+    settle(cluster, client)
+
+
+def test_corrupted_chunk_is_caught_by_the_checksum_and_redone(cluster, client, want):
+    ray.get(prefills(cluster)[0].debug_fault.remote("corrupt", 1))
+    done = client.complete(prompt_token_ids=PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    assert done.token_ids == want and done.timings.attempts == 2
+    # prefill-0 again (idle cluster), over a fresh pair: the receiver dropped the bad one
+    other = client.complete(prompt_token_ids=PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    assert other.token_ids == want and other.timings.attempts == 1
+    settle(cluster, client)
+
+
+def test_client_leaving_frees_blocks_on_both_pools(cluster, client):
+    stream = client.generate(prompt_token_ids=PROMPT, max_tokens=500, ignore_eos=True)
+    next(stream)
+    stream.cancel()
+    settle(cluster, client)
+
+
+def test_full_decode_pool_queues_then_refuses(cluster, client):
+    capacity, max_queue = 4, 4  # decode.max_batch_size, router.max_queue
+
+    async def main():
+        streams = [
+            client.agenerate(prompt_token_ids=PROMPT, max_tokens=400, ignore_eos=True)
+            for _ in range(capacity + max_queue)
+        ]
+        readers = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        try:
+            for _ in range(500):
+                stats = await client.astats()
+                if stats.queued == max_queue:
+                    break
+                await asyncio.sleep(0.01)
+            assert stats.queued == max_queue, stats
+            decode = next(i for i in stats.instances if i.role == "decode")
+            assert decode.outstanding == capacity
+            with pytest.raises(grpc.RpcError) as err:
+                await client.acomplete(prompt_token_ids=PROMPT, max_tokens=2)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+            await client.aclose()
+
+    asyncio.run(main())
+    settle(cluster, client)
+    assert client.complete(prompt_token_ids=PROMPT, max_tokens=2).completion_tokens == 2
