@@ -112,9 +112,6 @@ class DecodeWorker(EngineWorker):
             r.handoff = handoff
         return []  # otherwise: a handoff for a released reservation
 
-    def _has_work(self) -> bool:
-        return super()._has_work() or bool(self.reservations)
-
     def _idle_wait_s(self) -> float | None:
         if any(r.handoff is not None for r in self.reservations.values()):
             return ARRIVAL_CHECK_S

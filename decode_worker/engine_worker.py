@@ -155,8 +155,8 @@ class EngineWorker:
         return self.engine.has_unfinished_requests()
 
     def _idle_wait_s(self) -> float | None:
-        """How long the idle loop sleeps before ``_between_steps`` looks again (None: until
-        a call arrives)."""
+        """How long the loop, with nothing to step, sleeps before ``_between_steps`` looks
+        again (None: until a call arrives)."""
         return None
 
     def _between_steps(self) -> list[Update]:
