@@ -197,16 +197,19 @@ def check_model_shape(config: ClusterConfig, folder: Path) -> None:
     hf = json.loads((folder / "config.json").read_text())
     heads = hf.get("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
+    inter = hf.get("intermediate_size") or kv_heads
     if not isinstance(heads, int):
         return
     for role, pool in config.pools().items():
         tp = pool.tensor_parallel
-        if heads % tp or kv_heads % tp:
-            fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
+        if heads % tp or kv_heads % tp or inter % tp:
+            fits = [
+                d for d in range(1, kv_heads + 1) if not (heads % d or kv_heads % d or inter % d)
+            ]
             raise ConfigError(
                 f"{role}.tensor_parallel",
-                f"{tp} is not allowed; it must divide the model's {heads} attention heads "
-                f"and {kv_heads} KV heads (allowed: {', '.join(map(str, fits))})",
+                f"{tp} is not allowed; it must divide the model's {heads} attention heads, "
+                f"{kv_heads} KV heads and MLP width {inter} (allowed: {', '.join(map(str, fits))})",
             )
 
 

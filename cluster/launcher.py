@@ -11,12 +11,11 @@ starts; a failure while starting stops whatever had started.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.config import ClusterConfig
-from cluster.config_loader import ConfigError, check_model_shape, load_config
+from cluster.config_loader import check_model_shape, load_config
 from cluster.ray_env import NAMESPACE, RaySession
 
 log = logging.getLogger(__name__)
@@ -26,7 +25,9 @@ log = logging.getLogger(__name__)
 class Cluster:
     config: ClusterConfig
     session: RaySession
-    workers: dict = field(default_factory=dict)  # name -> actor handle
+    workers: dict = field(default_factory=dict)  # name -> rank 0's actor handle
+    ranks: list = field(default_factory=list)  # tensor-parallel ranks 1..N-1
+    groups: list = field(default_factory=list)  # their placement groups
     router: object = None  # actor handle
     address: str = ""  # host:port of the router's gRPC server
     instances: list[dict] = field(default_factory=list)  # each instance's ready() facts
@@ -62,10 +63,14 @@ class Cluster:
             log.warning("router did not stop cleanly: %s", e)
         finally:
             if ray.is_initialized():
-                for handle in [self.router, *self.workers.values()]:
+                for handle in [self.router, *self.workers.values(), *self.ranks]:
                     if handle is not None:
                         ray.kill(handle, no_restart=True)
-            self.router, self.workers = None, {}
+                from ray.util.placement_group import remove_placement_group
+
+                for group in self.groups:
+                    remove_placement_group(group)
+            self.router, self.workers, self.ranks, self.groups = None, {}, [], []
             self.session.stop()
 
     def __enter__(self):
@@ -85,7 +90,6 @@ def launch(
     from engine.checkpoint import resolve
 
     config = load_config(config, overrides)
-    refuse_unsupported(config)
     # Converts a GGUF once, here, before the instances look for it.
     check_model_shape(config, resolve(config.model))
     session = RaySession(config.ray)
@@ -99,47 +103,25 @@ def launch(
     return cluster
 
 
-def refuse_unsupported(config: ClusterConfig) -> None:
-    for role, pool in config.pools().items():
-        if pool.tensor_parallel > 1:
-            raise ConfigError(
-                f"{role}.tensor_parallel",
-                f"{pool.tensor_parallel}: tensor parallelism arrives with a later issue; "
-                "use 1 for now",
-            )
-
-
 def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
-    from decode_worker import DecodeWorker, EngineWorker
-    from prefill_worker import PrefillWorker
+    from cluster.placement import start_instance
     from router.server import RouterServer
 
     config = cluster.config
-    classes = {"colocated": EngineWorker, "prefill": PrefillWorker, "decode": DecodeWorker}
     kv = config.to_dict()["kv_transfer"]
     specs = []
     for role, pool in config.pools().items():
-        res = pool.resources
-        cpus, gpus = res.num_cpus * pool.tensor_parallel, res.num_gpus * pool.tensor_parallel
-        engine = pool.engine_config(
-            config.dtype, config.attention_backend, "cuda" if gpus > 0 else "cpu"
-        )
-        worker_cls = ray.remote(classes[role])
-        extra = () if role == "colocated" else (kv,)
+        device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
+        engine = pool.engine_config(config.dtype, config.attention_backend, device)
         for index in range(pool.instances):
-            name = f"{role}-{index}"
-            handle = worker_cls.options(
-                name=name,
-                namespace=NAMESPACE,
-                num_cpus=cpus,
-                num_gpus=gpus,
-                max_concurrency=8,  # poll, add, abort and stats overlap the step loop
-                max_restarts=0,
-            ).remote(name, config.model, engine, max(1, math.floor(cpus)), *extra)
-            cluster.workers[name] = handle
-            specs.append((name, role, handle))
+            inst = start_instance(role, index, pool, config.model, engine, kv)
+            cluster.workers[inst.name] = inst.worker
+            cluster.ranks += inst.ranks
+            if inst.group is not None:
+                cluster.groups.append(inst.group)
+            specs.append((inst.name, role, inst.worker))
     router_options = dict(name="router", namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000)
     if not str(config.ray.address or "").startswith("ray://"):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -39,13 +39,14 @@ class Reservation:
     deadline: float  # time.monotonic(): released when the KV is not complete by then
     reserved_at: float = field(default_factory=time.time)
     handoff: KVHandoff | None = None
+    rank_results: dict[int, tuple[int, str]] = field(default_factory=dict)  # other ranks
 
 
 class DecodeWorker(EngineWorker):
     role = "decode"
 
     def _setup(self, kv_config: dict) -> None:
-        self.layout = cache_layout(self.engine)
+        self.layout = cache_layout(self.engine.model, self.engine.blocks)
         self.transport = get_transport(kv_config["backend"])
         self.receiver = self.transport.receiver(
             self.layout, self.engine.runner.kv_cache, host=kv_host()
@@ -53,10 +54,17 @@ class DecodeWorker(EngineWorker):
         self.lease_s = kv_config["lease_s"]
         self.reservations: dict[str, Reservation] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id
+        self.addresses = [self.receiver.address]  # one KV receiver per tensor-parallel rank
+        if self.ranks:
+            import ray
+
+            self.addresses += [
+                i["kv_address"] for i in ray.get([r.ready.remote() for r in self.ranks])
+            ]
         self._totals.update(kv_bytes_total=0, leases_expired_total=0)
 
     def ready(self) -> dict:
-        return {**super().ready(), "kv_address": self.receiver.address}
+        return {**super().ready(), "kv_addresses": self.addresses}
 
     def reserve(
         self,
@@ -98,12 +106,19 @@ class DecodeWorker(EngineWorker):
         block_ids = e.blocks.allocate(request_id, num_prompt_tokens)
         src = replace(self.layout, tp_size=src_tp_size, tp_rank=0)
         self.receiver.expect(transfer_id, block_ids, src, self.lease_s)
+        if self.ranks:
+            import ray
+
+            ray.get([
+                r.expect.remote(transfer_id, block_ids, src_tp_size, self.lease_s)
+                for r in self.ranks
+            ])  # fmt: skip
         self.reservations[request_id] = Reservation(
             request_id, transfer_id, params, time.monotonic() + self.lease_s
         )
         self._by_transfer[transfer_id] = request_id
         self._consumer[request_id] = consumer
-        dst = KVDestination((self.receiver.address,), block_ids, self.layout, self.transport.name)
+        dst = KVDestination(self.addresses, block_ids, self.layout, self.transport.name)
         return dst.to_proto().SerializeToString()
 
     def _op_handoff(self, handoff: KVHandoff) -> list[Update]:
@@ -120,7 +135,7 @@ class DecodeWorker(EngineWorker):
     def _between_steps(self) -> list[Update]:
         out = []
         for r in list(self.reservations.values()):
-            if r.handoff is not None and self.receiver.ready(r.transfer_id):
+            if r.handoff is not None and self.receiver.ready(r.transfer_id) and self._ranks_done(r):
                 out += self._start_decoding(r)
         now = time.monotonic()
         for tid in self.receiver.reap_expired():
@@ -132,13 +147,29 @@ class DecodeWorker(EngineWorker):
                 out += self._lease_over(r)
         return out
 
+    def _ranks_done(self, r: Reservation) -> bool:
+        """Whether the transfer has landed (or failed) on every other rank too."""
+        missing = [i for i in range(len(self.ranks)) if i not in r.rank_results]
+        if missing:
+            import ray
+
+            found = ray.get([self.ranks[i].collect.remote([r.transfer_id]) for i in missing])
+            for i, got in zip(missing, found, strict=True):
+                if r.transfer_id in got:
+                    r.rank_results[i] = tuple(got[r.transfer_id])
+        return len(r.rank_results) == len(self.ranks)
+
     def _start_decoding(self, r: Reservation) -> list[Update]:
         self._drop(r)
         try:
             stats = self.receiver.wait(r.transfer_id, timeout=0)
+            error = next((e for _, e in r.rank_results.values() if e), None)
+            if error is not None:
+                raise KVTransferError(error)
         except KVTransferError as e:
             self.engine.blocks.free(r.request_id)
             return [Update(r.request_id, error=str(e), retryable=True)]
+        kv_bytes = stats.bytes + sum(b for b, _ in r.rank_results.values())
         h = r.handoff
         times = {**h.phase_times, "reserved": r.reserved_at, "transfer_end": time.time()}
         try:
@@ -154,11 +185,11 @@ class DecodeWorker(EngineWorker):
             return [Update(r.request_id, error=str(e))]
         times["decode_start"] = time.time()
         self._totals["requests_total"] += 1
-        self._totals["kv_bytes_total"] += stats.bytes
+        self._totals["kv_bytes_total"] += kv_bytes
         self._totals["tokens_total"] += 1
         info = {
             "phases": times,
-            "kv_bytes": stats.bytes,
+            "kv_bytes": kv_bytes,
             "transfer_s": stats.seconds,
             "prefill_instance": h.prefill_instance,
         }
@@ -185,6 +216,8 @@ class DecodeWorker(EngineWorker):
     def _drop(self, r: Reservation) -> None:
         del self.reservations[r.request_id]
         self._by_transfer.pop(r.transfer_id, None)
+        for rank in self.ranks:
+            rank.cancel.remote([r.transfer_id])
 
     def _owns(self, request_id: str) -> bool:
         return request_id in self.reservations or super()._owns(request_id)

@@ -26,17 +26,44 @@ import torch
 
 from decode_worker.updates import Update
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.parallel import SINGLE, TensorParallel, serve_store
+
+
+def _actor(name: str):
+    import ray
+
+    from cluster.ray_env import NAMESPACE
+
+    return ray.get_actor(name, namespace=NAMESPACE)
 
 
 class EngineWorker:
     engine_class = LLMEngine
     role = "colocated"
 
-    def __init__(self, name: str, model: str, engine_config: dict, num_threads: int, *setup):
-        """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts)."""
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        engine_config: dict,
+        num_threads: int,
+        *setup,
+        parallel: dict | None = None,
+    ):
+        """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts).
+        ``parallel``: ``{"size": N, "address": host:port}`` makes this rank 0 of a
+        tensor-parallel instance: it serves the world's store there, and ranks 1..N-1
+        are the ``RankWorker`` actors ``<name>-rank<r>``."""
         torch.set_num_threads(max(1, num_threads))
         self.name = name
-        self.engine = self.engine_class(model, EngineConfig(**engine_config))
+        config = EngineConfig(**engine_config)
+        tp, self.ranks = SINGLE, []
+        if parallel is not None and parallel["size"] > 1:
+            host, port = parallel["address"].rsplit(":", 1)
+            self._store, address = serve_store(host, int(port))
+            tp = TensorParallel.join(address, 0, parallel["size"], config.device)
+            self.ranks = [_actor(f"{name}-rank{r}") for r in range(1, parallel["size"])]
+        self.engine = self.engine_class(model, config, tp)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
         self._produced = threading.Condition(self._lock)  # poll waits here for updates
@@ -67,6 +94,7 @@ class EngineWorker:
             "num_blocks": e.blocks.num_blocks,
             "block_size": e.blocks.block_size,
             "max_batch_size": e.config.max_batch_size,
+            "tensor_parallel": e.model.tp.size,
         }
 
     def add(self, request_id: str, prompt_ids: list[int], params: dict, consumer: str) -> None:
@@ -115,6 +143,7 @@ class EngineWorker:
             self._work.notify_all()
             self._produced.notify_all()
         self._loop.join(timeout=10)
+        self.engine.close()
 
     # ---- the step loop (its own thread; the only code that touches the engine) ----
 

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import os
 
-from engine.llm_engine import LLMEngine
+from engine.block_manager import BlockManager
+from engine.model import LlamaModel
 from kv_transfer.layout import KVLayout, dtype_name
 
 
-def cache_layout(engine: LLMEngine) -> KVLayout:
-    """The ``KVLayout`` of ``engine``'s cache (one rank: pools run one rank for now)."""
-    cfg, blocks = engine.model_config, engine.blocks
+def cache_layout(model: LlamaModel, blocks: BlockManager) -> KVLayout:
+    """The ``KVLayout`` of this rank's cache: its tensor-parallel place, its KV heads."""
+    cfg = model.cfg
     return KVLayout(
         num_layers=cfg.num_layers,
         block_size=blocks.block_size,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        dtype=dtype_name(engine.model.dtype),
+        dtype=dtype_name(model.dtype),
+        tp_size=model.tp.size,
+        tp_rank=model.tp.rank,
     )
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import torch
+
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.parallel import SINGLE, check_degree
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -27,7 +30,11 @@ class LLM:
         attention_backend: str | None = None,
         device: str = "cpu",
         seed: int = 0,
+        tensor_parallel: int = 1,
     ):
+        """``tensor_parallel=N`` runs ranks 1..N-1 as local processes (gloo on CPU): each
+        process, this one included, holds 1/N of the heads, the MLP and the KV cache and
+        uses cpu_count/N torch threads. ``close()`` (or ``with LLM(...)``) stops them."""
         config = EngineConfig(
             dtype=dtype,
             block_size=block_size,
@@ -38,9 +45,45 @@ class LLM:
             device=device,
             seed=seed,
         )
-        self.engine = LLMEngine(model, config)
+        self._ranks = None
+        tp = SINGLE
+        if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel={tensor_parallel!r}: must be a positive integer")
+        if tensor_parallel > 1:
+            from engine.checkpoint import load_checkpoint
+            from engine.tp_rank import LocalRanks, threads_per_rank
+
+            config.validate()
+            check_degree(load_checkpoint(model).config, tensor_parallel)
+            threads = threads_per_rank(tensor_parallel)
+            torch.set_num_threads(threads)
+            self._ranks = LocalRanks(model, config, tensor_parallel, threads)
+            tp = self._ranks.tp
+        try:
+            self.engine = LLMEngine(model, config, tp)
+        except BaseException:
+            if self._ranks is not None:
+                self._ranks.join(timeout_s=0)
+            raise
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel rank processes (nothing to do with one rank)."""
+        if self._ranks is not None:
+            self.engine.close()
+            self._ranks.join()
+            self._ranks = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_ranks", None) is not None and hasattr(self, "engine"):
+            self.close()
 
     def generate(
         self,

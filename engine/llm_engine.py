@@ -20,21 +20,27 @@ from engine.parallel import SINGLE, TensorParallel
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.step_plan import StepPlan
+
+
+def load_model(model: str, config: EngineConfig, tp: TensorParallel = SINGLE):
+    """The checkpoint and this rank's shard of its model, weights sliced while loading."""
+    config.validate()
+    device = torch.device(config.device)
+    attn, ops = get_backend(config.attention_backend or default_backend_name(device))
+    ckpt = load_checkpoint(model)
+    with torch.device(device):
+        shard = LlamaModel(ckpt.config, attn, ops, config.torch_dtype, tp)
+    shard.load_weights(ckpt.weights(config.torch_dtype))
+    shard.prepare_weights()
+    return ckpt, shard
 
 
 class LLMEngine:
     def __init__(self, model: str, config: EngineConfig, tp: TensorParallel = SINGLE):
-        config.validate()
         self.config = config
-        device = torch.device(config.device)
-        backend = config.attention_backend or default_backend_name(device)
-        attn, ops = get_backend(backend)
-        ckpt = load_checkpoint(model)
+        ckpt, self.model = load_model(model, config, tp)
         self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
-        with torch.device(device):
-            self.model = LlamaModel(ckpt.config, attn, ops, config.torch_dtype, tp)
-        self.model.load_weights(ckpt.weights(config.torch_dtype))
-        self.model.prepare_weights()
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_size)
         self.runner = ModelRunner(self.model, self.blocks, config.seed)
@@ -130,6 +136,11 @@ class LLMEngine:
         self.scheduler.remove(request)
         self.detokenizers.pop(request_id, None)
         request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (they leave their step loop)."""
+        if self.model.tp.size > 1:
+            StepPlan.stop(self.model.tp)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -3,8 +3,10 @@
 Every layer holds its tensor-parallel shard only (local shapes); ``load_weights``
 slices full checkpoint tensors as they arrive. QKV and gate/up are fused
 column-parallel projections, O and down are row-parallel with one all-reduce each.
-The LM head is vocab-parallel (rows sliced, logits gathered); the embedding is
-replicated since a lookup reads only the rows of the batch.
+The LM head is vocab-parallel (rows sliced, logits gathered: each rank reads 1/N of
+the largest matrix per step), or replicated when the vocabulary does not divide by
+the degree. The embedding is replicated: a lookup reads only the batch's rows, so
+splitting it would save memory but cost an all-reduce per step for nothing else.
 """
 
 from __future__ import annotations
@@ -74,7 +76,12 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.cfg, self.attn, self.ops, self.tp, self.dtype = cfg, attn, ops, tp, dtype
-        v0, v1 = tp.shard(cfg.vocab_size, "vocab_size")
+        # The LM head is vocab-parallel (rows sliced, logits gathered) when the vocabulary
+        # divides evenly, else replicated; see the module docstring.
+        self.vocab_parallel = cfg.vocab_size % tp.size == 0
+        v0, v1 = (
+            tp.shard(cfg.vocab_size, "vocab_size") if self.vocab_parallel else (0, cfg.vocab_size)
+        )
         self.vocab_range = (v0, v1)
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
@@ -113,7 +120,8 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 logits [S, vocab] (gathered across ranks)."""
-        return self.tp.all_gather_last_dim(linear(hidden, self.lm_head).float())
+        logits = linear(hidden, self.lm_head).float()
+        return self.tp.all_gather_last_dim(logits) if self.vocab_parallel else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...),

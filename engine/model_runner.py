@@ -14,6 +14,7 @@ from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
+from engine.step_plan import StepPlan
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -75,13 +76,16 @@ class ModelRunner:
         return items, tensor(ids, torch.int64), tensor(positions, torch.int64), meta
 
     def run(
-        self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
+        self,
+        batch: ScheduledBatch,
+        on_layer: Callable[[int], None] | None = None,
+        extra: bytes = b"",
     ) -> list[tuple[Request, int]]:
         """One forward pass; returns (request, next token) for requests whose pass reached
         the end of their known tokens (the others are part-way through a prompt).
-        ``on_layer``: see ``LlamaModel.forward``."""
+        With tensor parallelism, this is rank 0: the plan goes to the other ranks first.
+        ``on_layer``: see ``LlamaModel.forward``; ``extra``: see ``StepPlan``."""
         items, input_ids, positions, meta = self.prepare(batch.items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer)
         rows, sampled = [], []
         end = 0
         for request, n in items:
@@ -89,9 +93,22 @@ class ModelRunner:
             if request.num_computed_tokens + n == request.num_tokens:
                 rows.append(end - 1)
                 sampled.append(request)
+        plan = StepPlan(input_ids, positions, meta, rows, extra)
+        if self.model.tp.size > 1:
+            plan.broadcast(self.model.tp)
+        logits = self.execute(plan, on_layer)
         for request, n in items:
             request.num_computed_tokens += n
         if not sampled:
             return []
-        logits = self.model.logits(hidden[rows])
         return list(zip(sampled, self.sampler(logits, sampled), strict=True))
+
+    def execute(
+        self, plan: StepPlan, on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor | None:
+        """The plan's forward pass on this rank's shard (KV written into this rank's
+        cache); the float32 logits [R, vocab] of its sample rows, None without rows."""
+        hidden = self.model(plan.input_ids, plan.positions, self.kv_caches, plan.meta, on_layer)
+        if not plan.rows:
+            return None
+        return self.model.logits(hidden[plan.rows])

@@ -1,15 +1,25 @@
-"""The tensor-parallel group of a model shard; every collective the model uses lives here."""
+"""The tensor-parallel group of a model shard; every collective the engine uses lives here.
+
+A tensor-parallel engine is its own torch.distributed world of ``size`` processes (gloo
+on CPU, NCCL on GPU), made from a ``TCPStore`` that rank 0 serves: no process-wide
+default group, so a process may also hold KV transfer groups (kv_transfer/) or belong
+to another world. Rank 0 schedules and broadcasts each step (engine/step_plan.py);
+every rank runs the forward pass on its shard.
+"""
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
 
+TIMEOUT = datetime.timedelta(minutes=30)  # an idle rank waits this long for the next step
+
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Rank ``rank`` of ``size``; ``group`` is the torch.distributed group (None when size is 1)."""
+    """Rank ``rank`` of ``size``; ``group`` is the process group (None when size is 1)."""
 
     rank: int = 0
     size: int = 1
@@ -18,26 +28,75 @@ class TensorParallel:
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """The [start, end) slice of ``total`` units this rank owns."""
         if total % self.size:
-            raise ValueError(f"{what}={total} is not divisible by tensor_parallel={self.size}")
+            raise ValueError(
+                f"{what}={total} is not divisible by tensor_parallel={self.size}: "
+                f"each rank must hold {what} / tensor_parallel of them"
+            )
         per = total // self.size
         return self.rank * per, (self.rank + 1) * per
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
-            return x
-        import torch.distributed as dist
-
-        dist.all_reduce(x, group=self.group)
+        """Sum ``x`` over the ranks, in place."""
+        if self.size > 1:
+            self.group.allreduce([x]).wait()
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along the last dim, in rank order."""
         if self.size == 1:
             return x
-        import torch.distributed as dist
-
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``src``'s ``x`` on every rank (same shape and dtype everywhere), in place."""
+        if self.size > 1:
+            self.group.broadcast(x, src).wait()
+        return x
+
+    @classmethod
+    def join(cls, address: str, rank: int, size: int, device: str = "cpu") -> TensorParallel:
+        """Rank ``rank`` of the world whose store (``serve_store``) is at ``address``."""
+        if size == 1:
+            return SINGLE
+        host, port = address.rsplit(":", 1)
+        store = torch.distributed.TCPStore(host, int(port), size, False, TIMEOUT)
+        return cls(rank, size, _group(store, rank, size, host, device))
+
+
+def check_degree(cfg, size: int, where: str = "tensor_parallel") -> None:
+    """Raise unless a model of shape ``cfg`` (``ModelConfig``) splits over ``size`` ranks."""
+    for what in ("num_heads", "num_kv_heads", "intermediate_size"):
+        total = getattr(cfg, what)
+        if total % size:
+            raise ValueError(
+                f"{where}={size}: the model's {what}={total} is not divisible by {size}; "
+                f"allowed degrees divide {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
+                f"and the MLP width {cfg.intermediate_size}"
+            )
+
+
+def serve_store(host: str = "127.0.0.1", port: int = 0) -> tuple[torch.distributed.TCPStore, str]:
+    """A store for a new world (kept alive by the caller) and its ``host:port``."""
+    store = torch.distributed.TCPStore(host, port, None, True, TIMEOUT, wait_for_workers=False)
+    return store, f"{host}:{store.port}"
+
+
+def _group(store, rank: int, size: int, host: str, device: str):
+    prefix = torch.distributed.PrefixStore("tp", store)
+    if device == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = TIMEOUT
+        return ProcessGroupNCCL(prefix, rank, size, opts)
+    from torch.distributed import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = TIMEOUT
+    return ProcessGroupGloo(prefix, rank, size, opts)
 
 
 SINGLE = TensorParallel()

@@ -18,8 +18,9 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledBatch
 
-# Given the requests whose prompt completes in this step, a per-layer callback or None.
-LastChunkHook = Callable[[list[Request]], Callable[[int], None] | None]
+# Given the requests whose prompt completes in this step: a per-layer callback (or None)
+# and bytes for the other tensor-parallel ranks (StepPlan.extra).
+LastChunkHook = Callable[[list[Request]], tuple[Callable[[int], None] | None, bytes]]
 
 
 @dataclass
@@ -45,8 +46,8 @@ class PrefillEngine(LLMEngine):
         for request, _ in batch.items:
             self.started.setdefault(request.request_id, now)
         last = [r for r, n in batch.items if r.num_computed_tokens + n == r.num_tokens]
-        on_layer = on_last_chunk(last) if on_last_chunk is not None and last else None
-        sampled = self.runner.run(batch, on_layer) if batch else []
+        on_layer, extra = on_last_chunk(last) if on_last_chunk is not None and last else (None, b"")
+        sampled = self.runner.run(batch, on_layer, extra) if batch else []
         return self._handoffs(batch, sampled)
 
     def release(self, request_id: str) -> None:

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from decode_worker.engine_worker import EngineWorker
+from decode_worker.engine_worker import EngineWorker, _actor
 from decode_worker.kv_setup import cache_layout, kv_host
 from decode_worker.updates import Update
 from engine import SamplingParams
@@ -48,7 +48,7 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def _setup(self, kv_config: dict) -> None:
-        self.layout = cache_layout(self.engine)
+        self.layout = cache_layout(self.engine.model, self.engine.blocks)
         transport = get_transport(kv_config["backend"])
         options = {"checksum": kv_config["checksum"], "name": self.name}
         if transport.name != "grpc":
@@ -58,7 +58,6 @@ class PrefillWorker(EngineWorker):
         self.ack_timeout_s = kv_config["lease_s"]
         self.jobs: dict[str, Job] = {}
         self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{self.name}-acks")
-        self._decoders: dict[str, object] = {}
         self._cuts_left, self._cut_after = 0, 0
         self._totals["kv_bytes_total"] = 0
 
@@ -134,7 +133,7 @@ class PrefillWorker(EngineWorker):
 
     def _step(self) -> list[Update]:
         try:
-            done = self.engine.step(self._layer_sender if self.layerwise else None)
+            done = self.engine.step(self._plan_sends)
         except Exception:
             return self._fail_all()
         self._totals["steps_total"] += 1
@@ -146,8 +145,10 @@ class PrefillWorker(EngineWorker):
             self.sender.abort(self.jobs.pop(u.request_id).transfer_id)
         return failed
 
-    def _layer_sender(self, last):
-        """The per-layer callback sending each finished layer of the requests in ``last``."""
+    def _plan_sends(self, last):
+        """For the requests in ``last`` (prompt complete in this step): the per-layer
+        callback sending each finished layer (layer-wise), and the ``SendList`` that
+        tells the other tensor-parallel ranks to send their heads."""
         jobs = [self.jobs[r.request_id] for r in last]
         tables = {j.request_id: self.engine.blocks.block_table(j.request_id) for j in jobs}
         caches = self.engine.runner.kv_caches
@@ -160,7 +161,15 @@ class PrefillWorker(EngineWorker):
                         j.transfer_id, layer, k_cache, v_cache, tables[j.request_id], j.destination
                     ))  # fmt: skip
 
-        return on_layer
+        extra = b""
+        if self.ranks:
+            msg = kv_pb.SendList(layerwise=self.layerwise)
+            for job in jobs:
+                h = msg.sends.add(transfer_id=job.transfer_id)
+                h.src_block_ids.extend(tables[job.request_id])
+                job.destination.to_proto(h.destination)
+            extra = msg.SerializeToString()
+        return (on_layer if self.layerwise else None), extra
 
     def _send(self, job: Job, send) -> None:
         if job.send_error is not None:
@@ -196,12 +205,13 @@ class PrefillWorker(EngineWorker):
                 sampler_state=p.sampler_state,
                 phase_times={**p.times, "transfer_start": job.transfer_start},
             )
-            self._decoder(job.decode).admit.remote(handoff.to_bytes())
+            _actor(job.decode).admit.remote(handoff.to_bytes())
         self._acks.submit(self._await_ack, job)
         return []
 
     def _await_ack(self, job: Job) -> None:
-        """On an ack thread: wait for the decode ranks' acknowledgement, report to the loop."""
+        """On an ack thread: wait for every decode rank's acknowledgement of the sends of
+        every rank of this instance, then report to the loop."""
         ack, error = None, job.send_error
         if job.cut_after is not None:  # injected: the link is down, no answer ever comes
             self.sender.abort(job.transfer_id)
@@ -214,9 +224,19 @@ class PrefillWorker(EngineWorker):
                 error = f"{type(e).__name__}: {e}"
         else:
             self.sender.abort(job.transfer_id)
-        self._post(("acked", job, ack, error))
+        nbytes = ack.bytes if ack is not None else 0
+        if self.ranks:
+            import ray
 
-    def _op_acked(self, job: Job, ack, error: str | None) -> list[Update]:
+            for rank_bytes, rank_error in ray.get(
+                [r.acked.remote(job.transfer_id) for r in self.ranks]
+            ):
+                nbytes += rank_bytes
+                error = error or rank_error or None
+        seconds = ack.seconds if ack is not None else 0.0
+        self._post(("acked", job, nbytes, seconds, error))
+
+    def _op_acked(self, job: Job, nbytes: int, seconds: float, error: str | None):
         self.engine.release(job.request_id)
         self.jobs.pop(job.request_id, None)
         if job.aborted:
@@ -224,18 +244,9 @@ class PrefillWorker(EngineWorker):
         if error is not None:
             why = f"KV transfer {job.transfer_id!r} {self.name} -> {job.decode} failed: {error}"
             return [Update(job.request_id, error=why, retryable=True)]
-        self._totals["kv_bytes_total"] += ack.bytes
-        info = {"kv_bytes": ack.bytes, "transfer_s": ack.seconds}
+        self._totals["kv_bytes_total"] += nbytes
+        info = {"kv_bytes": nbytes, "transfer_s": seconds}
         return [Update(job.request_id, handed_off=True, info=info)]
-
-    def _decoder(self, name: str):
-        if name not in self._decoders:
-            import ray
-
-            from cluster.ray_env import NAMESPACE
-
-            self._decoders[name] = ray.get_actor(name, namespace=NAMESPACE)
-        return self._decoders[name]
 
     def _stats(self) -> dict:
         stats = super()._stats()

@@ -139,28 +139,6 @@ def test_set_overrides(tmp_path, chat_model):
         load_config(path, ["router.port"])
 
 
-@pytest.mark.parametrize(
-    "overrides,key,needle",
-    [
-        (
-            ["colocated.tensor_parallel=2", "colocated.resources.num_cpus=0.5"],
-            "colocated.tensor_parallel",
-            "later issue",
-        ),
-    ],
-)
-def test_launch_refuses_what_is_not_built_yet(
-    tmp_path, monkeypatch, chat_model, overrides, key, needle
-):
-    path = write(tmp_path, "model: MODEL\n", chat_model)
-    monkeypatch.setenv("PDSERVE_RAY_TMPDIR", str(tmp_path))
-    load_config(path, overrides)  # the schema accepts it
-    with pytest.raises(ConfigError, match=needle) as err:
-        launch(path, overrides)
-    assert err.value.key == key
-    assert not ray.is_initialized() and ray_temp_dirs(tmp_path) == []
-
-
 def test_shipped_configs_are_valid():
     config = load_config(ROOT / "configs" / "local-colocated.yaml")
     assert config.mode == "colocated" and config.colocated.instances == 2

@@ -1,0 +1,90 @@
+"""Starting one engine instance on Ray: its actor, and for tensor parallelism its other
+ranks, all in one STRICT_PACK placement group (one bundle per rank, on one node).
+
+Rank 0 is the role's worker (``EngineWorker``, ``PrefillWorker``, ``DecodeWorker``),
+named ``<role>-<index>``; ranks 1..N-1 are ``RankWorker`` actors named
+``<role>-<index>-rank<r>``. They join one torch.distributed world whose store rank 0
+serves on a port picked on the group's node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cluster.config import PoolConfig
+from cluster.ray_env import NAMESPACE
+
+
+@dataclass
+class InstanceHandles:
+    name: str
+    role: str
+    worker: object  # rank 0's actor handle
+    ranks: list = field(default_factory=list)  # ranks 1..N-1
+    group: object = None  # the placement group (tensor-parallel instances)
+
+
+def _free_port() -> tuple[str, int]:
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def start_instance(
+    role: str, index: int, pool: PoolConfig, model: str, engine: dict, kv: dict
+) -> InstanceHandles:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from decode_worker import DecodeWorker, EngineWorker, RankWorker
+    from prefill_worker import PrefillWorker
+
+    classes = {"colocated": EngineWorker, "prefill": PrefillWorker, "decode": DecodeWorker}
+    name, size = f"{role}-{index}", pool.tensor_parallel
+    cpus, gpus = pool.resources.num_cpus, pool.resources.num_gpus
+    threads = max(1, math.floor(cpus))
+    options = dict(namespace=NAMESPACE, num_cpus=cpus, num_gpus=gpus, max_restarts=0)
+    setup = () if role == "colocated" else (kv,)
+    worker_cls = ray.remote(classes[role])
+    if size == 1:
+        handle = worker_cls.options(name=name, max_concurrency=8, **options).remote(
+            name, model, engine, threads, *setup
+        )
+        return InstanceHandles(name, role, handle)
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    group = placement_group([bundle] * size, strategy="STRICT_PACK", name=f"pdserve-{name}")
+    ray.get(group.ready())
+
+    def in_bundle(r: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
+
+    host, port = ray.get(
+        ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=in_bundle(0)).remote()
+    )
+    address = f"{host}:{port}"
+    handle = worker_cls.options(
+        name=name, max_concurrency=8, scheduling_strategy=in_bundle(0), **options
+    ).remote(name, model, engine, threads, *setup, parallel={"size": size, "address": address})
+    ranks = [
+        ray.remote(RankWorker)
+        .options(
+            name=f"{name}-rank{r}", max_concurrency=8, scheduling_strategy=in_bundle(r), **options
+        )
+        .remote(
+            f"{name}-rank{r}",
+            model,
+            engine,
+            threads,
+            role,
+            kv if role != "colocated" else None,
+            {"size": size, "rank": r, "address": address},
+        )
+        for r in range(1, size)
+    ]
+    return InstanceHandles(name, role, handle, ranks, group)

@@ -1,0 +1,96 @@
+"""One forward pass as plain tensors: what rank 0 broadcasts to the other ranks of a
+tensor-parallel engine each step.
+
+Two broadcasts per step, no pickle: a fixed int64 header, then one int64 payload of
+the concatenated inputs (and a third, of bytes, when the step carries ``extra``: what
+the serving worker wants its other ranks to do around the pass, e.g. the KV sends of
+the requests whose prompt completes, as protobuf). Every rank then runs the same
+forward pass on its shard and computes logits for the same rows (the LM head's gather
+is a collective).
+
+    header  [command, T tokens, B sequences, W block-table width, R sample rows,
+             num_decodes, max_query_len, max_seq_len, E extra bytes]
+    payload input_ids[T] positions[T] query_start_loc[B+1] seq_lens[B]
+            block_tables[B*W] slot_mapping[T] rows[R]
+    extra   uint8[E]
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.parallel import TensorParallel
+
+HEADER = 9
+
+
+class Command(enum.IntEnum):
+    STEP = 1
+    STOP = 2
+
+
+@dataclass
+class StepPlan:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    rows: list[int]  # hidden-state rows whose next token is sampled
+    extra: bytes = b""
+
+    def broadcast(self, tp: TensorParallel) -> None:
+        """Rank 0: send this plan to the other ranks."""
+        m = self.meta
+        b, w = m.block_tables.shape
+        header = [Command.STEP, len(self.input_ids), b, w, len(self.rows)]
+        header += [m.num_decodes, m.max_query_len, m.max_seq_len, len(self.extra)]
+        tp.broadcast(torch.tensor(header, dtype=torch.int64))
+        parts = [
+            self.input_ids,
+            self.positions,
+            m.query_start_loc,
+            m.seq_lens,
+            m.block_tables.flatten(),
+            m.slot_mapping,
+            torch.tensor(self.rows, dtype=torch.int64),
+        ]
+        tp.broadcast(torch.cat([p.to("cpu", torch.int64) for p in parts]))
+        if self.extra:
+            tp.broadcast(torch.frombuffer(bytearray(self.extra), dtype=torch.uint8))
+
+    @staticmethod
+    def stop(tp: TensorParallel) -> None:
+        """Rank 0: tell the other ranks to leave their loop."""
+        tp.broadcast(torch.tensor([Command.STOP] + [0] * (HEADER - 1), dtype=torch.int64))
+
+    @classmethod
+    def receive(cls, tp: TensorParallel, device: torch.device) -> StepPlan | None:
+        """Ranks > 0: the next plan, or None when rank 0 stops."""
+        header = tp.broadcast(torch.empty(HEADER, dtype=torch.int64)).tolist()
+        command, t, b, w, r, num_decodes, max_query_len, max_seq_len, e = header
+        if command == Command.STOP:
+            return None
+        payload = tp.broadcast(torch.empty(3 * t + 2 * b + 1 + b * w + r, dtype=torch.int64))
+        sizes = [t, t, b + 1, b, b * w, t, r]
+        ids, pos, qsl, lens, tables, slots, rows = payload.split(sizes)
+        qsl_host, lens_host = qsl.tolist(), lens.tolist()
+        extra = tp.broadcast(torch.empty(e, dtype=torch.uint8)).numpy().tobytes() if e else b""
+
+        def dev(x, dtype):
+            return x.to(device=device, dtype=dtype)
+
+        meta = AttentionMetadata(
+            query_start_loc=dev(qsl, torch.int32),
+            seq_lens=dev(lens, torch.int32),
+            block_tables=dev(tables.view(b, w), torch.int32),
+            slot_mapping=dev(slots, torch.int64),
+            num_decodes=num_decodes,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_lens_host=[qsl_host[i + 1] - qsl_host[i] for i in range(b)],
+            seq_lens_host=lens_host,
+        )
+        return cls(dev(ids, torch.int64), dev(pos, torch.int64), meta, rows.tolist(), extra)

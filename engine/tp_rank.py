@@ -1,0 +1,84 @@
+"""Ranks 1..N-1 of a tensor-parallel engine.
+
+``RankEngine`` holds one rank's shard of the weights and of the KV cache and runs the
+forward passes rank 0 broadcasts (engine/step_plan.py) until rank 0 stops it; it never
+schedules or samples. ``LocalRanks`` starts them as local processes for the offline
+``LLM(..., tensor_parallel=N)``; the cluster runs them as Ray actors instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.llm_engine import load_model
+from engine.model_runner import ModelRunner
+from engine.parallel import TensorParallel, serve_store
+from engine.step_plan import StepPlan
+
+StepHook = Callable[[StepPlan], tuple[Callable[[int], None] | None, Callable[[], None] | None]]
+
+
+class RankEngine:
+    def __init__(self, model: str, config: EngineConfig, tp: TensorParallel):
+        _, self.model = load_model(model, config, tp)
+        self.tp, self.device = tp, torch.device(config.device)
+        blocks = BlockManager(config.num_kv_blocks, config.block_size)  # for the cache shape
+        self.runner = ModelRunner(self.model, blocks, config.seed)
+
+    def serve(self, around: StepHook | None = None) -> int:
+        """Run broadcast steps until rank 0 stops; returns how many ran. ``around(plan)``
+        (for plans with ``extra``) gives a per-layer callback for the pass and a function
+        to call after it (the serving worker's KV sends)."""
+        steps = 0
+        while (plan := StepPlan.receive(self.tp, self.device)) is not None:
+            on_layer, after = around(plan) if around is not None and plan.extra else (None, None)
+            self.runner.execute(plan, on_layer)
+            if after is not None:
+                after()
+            steps += 1
+        return steps
+
+
+def _rank_main(model: str, config: dict, rank: int, size: int, address: str, threads: int):
+    torch.set_num_threads(threads)
+    config = EngineConfig(**config)
+    tp = TensorParallel.join(address, rank, size, config.device)
+    RankEngine(model, config, tp).serve()
+
+
+class LocalRanks:
+    """Ranks 1..size-1 as local processes (spawned), and rank 0's ``TensorParallel``."""
+
+    def __init__(self, model: str, config: EngineConfig, size: int, threads: int):
+        self.store, address = serve_store()
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(model, asdict(config), rank, size, address, threads),
+                name=f"pdserve-tp-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.tp = TensorParallel.join(address, 0, size, config.device)
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        """Wait for the ranks to leave (after ``LLMEngine.close``); kill stragglers."""
+        for p in self.procs:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+
+
+def threads_per_rank(size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // size)

@@ -1,0 +1,79 @@
+"""Tensor-parallel instances on a real cluster: N Ray actors in a STRICT_PACK placement
+group, one gloo world per instance. Outputs equal the offline engine's, co-located and
+disaggregated with different degrees on the two sides, over gloo and gRPC."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from tests.cluster.helpers import all_blocks_free, wait_until
+from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently, workload
+
+
+@pytest.fixture(scope="module")
+def kv4_model(tmp_path_factory) -> str:
+    from tests.tiny_models import TINY_SHAPES, save_byte_tokenizer, save_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-kv4")
+    save_tiny_llama(folder, **TINY_SHAPES["kv4"])
+    save_byte_tokenizer(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def expected(kv4_model):
+    work = workload(16, seed=3)
+    outs = LLM(kv4_model).generate(
+        [ids for ids, _ in work],
+        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work],
+    )
+    return work, [o.token_ids for o in outs]
+
+
+def _check(cluster, work, want) -> None:
+    client = cluster.client()
+    streams = run_concurrently(client, work)
+    for chunks, tokens in zip(streams, want, strict=True):
+        assert [t for c in chunks for t in c.token_ids] == tokens
+    assert wait_until(lambda: all_blocks_free(client.stats()), 10), client.stats()
+    check_pools(cluster)
+    client.close()
+
+
+def test_colocated_tp2(kv4_model, expected):
+    from cluster import launch
+
+    config = {
+        "model": kv4_model,
+        "mode": "colocated",
+        "router": {"port": 0},
+        "colocated": {
+            "instances": 1,
+            "tensor_parallel": 2,
+            "max_batch_tokens": 64,
+            "kv_blocks": 256,
+            "resources": {"num_cpus": 0.5},
+        },
+    }
+    with launch(config) as cluster:
+        assert len(cluster.ranks) == 1 and len(cluster.groups) == 1
+        info = cluster.instances[0]
+        assert info["tensor_parallel"] == 2
+        ranks = ray.util.placement_group_table(cluster.groups[0])
+        assert ranks["strategy"] == "STRICT_PACK" and len(ranks["bundles"]) == 2
+        _check(cluster, *expected)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "grpc"])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_disaggregated_with_different_degrees(kv4_model, expected, backend, prefill_tp, decode_tp):
+    from cluster import launch
+
+    # layer-wise sending over gloo, all layers after the pass over gRPC
+    config = disagg_config(kv4_model, backend, backend == "gloo", 1)
+    config["prefill"].update(tensor_parallel=prefill_tp, resources={"num_cpus": 0.5})
+    config["decode"].update(tensor_parallel=decode_tp, resources={"num_cpus": 0.5})
+    with launch(config) as cluster:
+        _check(cluster, *expected)
