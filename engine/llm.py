@@ -34,7 +34,8 @@ class LLM:
     ):
         """``tensor_parallel=N`` runs ranks 1..N-1 as local processes (gloo on CPU): each
         process, this one included, holds 1/N of the heads, the MLP and the KV cache and
-        uses cpu_count/N torch threads. ``close()`` (or ``with LLM(...)``) stops them."""
+        uses cpu_count/N torch threads (restored in this process at ``close()``).
+        ``close()`` (or ``with LLM(...)``) stops them."""
         config = EngineConfig(
             dtype=dtype,
             block_size=block_size,
@@ -56,6 +57,7 @@ class LLM:
             config.validate()
             check_degree(load_checkpoint(model).config, tensor_parallel)
             threads = threads_per_rank(tensor_parallel)
+            self._caller_threads = torch.get_num_threads()
             torch.set_num_threads(threads)
             self._ranks = LocalRanks(model, config, tensor_parallel, threads)
             tp = self._ranks.tp
@@ -64,6 +66,7 @@ class LLM:
         except BaseException:
             if self._ranks is not None:
                 self._ranks.join(timeout_s=0)
+                torch.set_num_threads(self._caller_threads)
             raise
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -74,6 +77,7 @@ class LLM:
             self.engine.close()
             self._ranks.join()
             self._ranks = None
+            torch.set_num_threads(self._caller_threads)
 
     def __enter__(self):
         return self

@@ -24,6 +24,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object | None = None
+    device: str = "cpu"  # where collectives' tensors live (NCCL: this rank's GPU)
 
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """The [start, end) slice of ``total`` units this rank owns."""
@@ -62,7 +63,10 @@ class TensorParallel:
             return SINGLE
         host, port = address.rsplit(":", 1)
         store = torch.distributed.TCPStore(host, int(port), size, False, TIMEOUT)
-        return cls(rank, size, _group(store, rank, size, host, device))
+        store.set(f"up/{rank}", "1")  # rank 0 waits for these, watching the processes
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+        return cls(rank, size, _group(store, rank, size, host, device), device)
 
 
 def check_degree(cfg, size: int, where: str = "tensor_parallel") -> None:

@@ -47,7 +47,7 @@ class StepPlan:
         b, w = m.block_tables.shape
         header = [Command.STEP, len(self.input_ids), b, w, len(self.rows)]
         header += [m.num_decodes, m.max_query_len, m.max_seq_len, len(self.extra)]
-        tp.broadcast(torch.tensor(header, dtype=torch.int64))
+        tp.broadcast(torch.tensor(header, dtype=torch.int64, device=tp.device))
         parts = [
             self.input_ids,
             self.positions,
@@ -57,27 +57,33 @@ class StepPlan:
             m.slot_mapping,
             torch.tensor(self.rows, dtype=torch.int64),
         ]
-        tp.broadcast(torch.cat([p.to("cpu", torch.int64) for p in parts]))
+        tp.broadcast(torch.cat([p.to(tp.device, torch.int64) for p in parts]))
         if self.extra:
-            tp.broadcast(torch.frombuffer(bytearray(self.extra), dtype=torch.uint8))
+            extra = torch.frombuffer(bytearray(self.extra), dtype=torch.uint8)
+            tp.broadcast(extra.to(tp.device))
 
     @staticmethod
     def stop(tp: TensorParallel) -> None:
         """Rank 0: tell the other ranks to leave their loop."""
-        tp.broadcast(torch.tensor([Command.STOP] + [0] * (HEADER - 1), dtype=torch.int64))
+        stop = [Command.STOP] + [0] * (HEADER - 1)
+        tp.broadcast(torch.tensor(stop, dtype=torch.int64, device=tp.device))
 
     @classmethod
     def receive(cls, tp: TensorParallel, device: torch.device) -> StepPlan | None:
         """Ranks > 0: the next plan, or None when rank 0 stops."""
-        header = tp.broadcast(torch.empty(HEADER, dtype=torch.int64)).tolist()
+        header = tp.broadcast(torch.empty(HEADER, dtype=torch.int64, device=tp.device)).tolist()
         command, t, b, w, r, num_decodes, max_query_len, max_seq_len, e = header
         if command == Command.STOP:
             return None
-        payload = tp.broadcast(torch.empty(3 * t + 2 * b + 1 + b * w + r, dtype=torch.int64))
+        n = 3 * t + 2 * b + 1 + b * w + r
+        payload = tp.broadcast(torch.empty(n, dtype=torch.int64, device=tp.device)).cpu()
         sizes = [t, t, b + 1, b, b * w, t, r]
         ids, pos, qsl, lens, tables, slots, rows = payload.split(sizes)
         qsl_host, lens_host = qsl.tolist(), lens.tolist()
-        extra = tp.broadcast(torch.empty(e, dtype=torch.uint8)).numpy().tobytes() if e else b""
+        extra = b""
+        if e:
+            extra = tp.broadcast(torch.empty(e, dtype=torch.uint8, device=tp.device))
+            extra = extra.cpu().numpy().tobytes()
 
         def dev(x, dtype):
             return x.to(device=device, dtype=dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -49,6 +50,8 @@ class RankEngine:
 def _rank_main(model: str, config: dict, rank: int, size: int, address: str, threads: int):
     torch.set_num_threads(threads)
     config = EngineConfig(**config)
+    if config.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     tp = TensorParallel.join(address, rank, size, config.device)
     RankEngine(model, config, tp).serve()
 
@@ -70,7 +73,22 @@ class LocalRanks:
         ]
         for p in self.procs:
             p.start()
+        self._wait_started(size)
         self.tp = TensorParallel.join(address, 0, size, config.device)
+
+    def _wait_started(self, size: int) -> None:
+        """Until every rank reached the store; a rank that died first is an error here,
+        not a hang in the group's formation."""
+        keys = [f"up/{r}" for r in range(1, size)]
+        while not self.store.check(keys):
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead:
+                self.join(timeout_s=0)
+                raise RuntimeError(
+                    f"tensor-parallel rank process {dead[0].name} exited with code "
+                    f"{dead[0].exitcode} before joining (its traceback is above)"
+                )
+            time.sleep(0.05)
 
     def join(self, timeout_s: float = 30.0) -> None:
         """Wait for the ranks to leave (after ``LLMEngine.close``); kill stragglers."""
@@ -81,4 +99,6 @@ class LocalRanks:
 
 
 def threads_per_rank(size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // size)
+    """Torch threads per rank: this process's CPUs shared evenly (at least one each, so
+    a degree above the CPU count oversubscribes them)."""
+    return max(1, len(os.sched_getaffinity(0)) // size)
