@@ -52,3 +52,39 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.02):
 
 def all_blocks_free(stats) -> bool:
     return stats.in_flight == 0 and all(i.free_blocks == i.total_blocks for i in stats.instances)
+
+
+def fill_then_refuse(client, prompt_ids: list[int], sent: int, max_queue: int, check) -> None:
+    """Start ``sent + max_queue`` long streams, wait until ``max_queue`` of them wait at
+    the router, run ``check(stats)``, and expect one more request to be refused with
+    RESOURCE_EXHAUSTED; then cancel them all."""
+    import asyncio
+
+    import grpc
+    import pytest
+
+    async def main():
+        streams = [
+            client.agenerate(prompt_token_ids=prompt_ids, max_tokens=900, ignore_eos=True)
+            for _ in range(sent + max_queue)
+        ]
+        readers = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        try:
+            for _ in range(500):
+                stats = await client.astats()
+                if stats.queued == max_queue:
+                    break
+                await asyncio.sleep(0.01)
+            assert stats.queued == max_queue and stats.in_flight == sent + max_queue, stats
+            check(stats)
+            with pytest.raises(grpc.RpcError) as err:
+                await client.acomplete(prompt_token_ids=prompt_ids, max_tokens=1)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "admission queue full" in err.value.details()
+        finally:
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+            await client.aclose()
+
+    asyncio.run(main())

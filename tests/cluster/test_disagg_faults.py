@@ -4,7 +4,6 @@ redone once on another pair or fails with a clear error; no block leaks anywhere
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -12,7 +11,7 @@ import pytest
 import ray
 
 from engine import SamplingParams
-from tests.cluster.helpers import all_blocks_free, wait_until
+from tests.cluster.helpers import all_blocks_free, fill_then_refuse, wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config
 
 LEASE_S = 2.0
@@ -99,30 +98,10 @@ def test_client_leaving_frees_blocks_on_both_pools(cluster, client):
 def test_full_decode_pool_queues_then_refuses(cluster, client):
     capacity, max_queue = 4, 4  # decode.max_batch_size, router.max_queue
 
-    async def main():
-        streams = [
-            client.agenerate(prompt_token_ids=PROMPT, max_tokens=400, ignore_eos=True)
-            for _ in range(capacity + max_queue)
-        ]
-        readers = [asyncio.ensure_future(s.__anext__()) for s in streams]
-        try:
-            for _ in range(500):
-                stats = await client.astats()
-                if stats.queued == max_queue:
-                    break
-                await asyncio.sleep(0.01)
-            assert stats.queued == max_queue, stats
-            decode = next(i for i in stats.instances if i.role == "decode")
-            assert decode.outstanding == capacity
-            with pytest.raises(grpc.RpcError) as err:
-                await client.acomplete(prompt_token_ids=PROMPT, max_tokens=2)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        finally:
-            for s in streams:
-                s.cancel()
-            await asyncio.gather(*readers, return_exceptions=True)
-            await client.aclose()
+    def check(stats):
+        decode = next(i for i in stats.instances if i.role == "decode")
+        assert decode.outstanding == capacity
 
-    asyncio.run(main())
+    fill_then_refuse(client, PROMPT, capacity, max_queue, check)
     settle(cluster, client)
     assert client.complete(prompt_token_ids=PROMPT, max_tokens=2).completion_tokens == 2

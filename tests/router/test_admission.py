@@ -3,12 +3,10 @@ when the admission queue is full; the server keeps serving after either."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
-from tests.cluster.helpers import all_blocks_free, wait_until
+from tests.cluster.helpers import all_blocks_free, fill_then_refuse, wait_until
 
 INVALID = [
     ("empty prompt", dict(prompt=""), "prompt: empty"),
@@ -44,32 +42,10 @@ def test_full_admission_queue_is_refused_then_serving_resumes(cluster, client):
     capacity = 2 * 8  # instances x max_batch_size: sent to instances
     max_queue = client.stats().max_queue  # waiting at the router
 
-    async def main():
-        streams = [
-            client.agenerate(prompt_token_ids=[7] * 20, max_tokens=900, ignore_eos=True)
-            for _ in range(capacity + max_queue)
-        ]
-        readers = [asyncio.ensure_future(s.__anext__()) for s in streams]
-        try:
-            for _ in range(500):
-                stats = await client.astats()
-                if stats.queued == max_queue:
-                    break
-                await asyncio.sleep(0.01)
-            assert stats.queued == max_queue and stats.in_flight == capacity + max_queue
-            assert all(i.outstanding == 8 for i in stats.instances)
-            with pytest.raises(grpc.RpcError) as err:
-                async for _ in client.agenerate(prompt="one too many", max_tokens=1):
-                    pass
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "admission queue full" in err.value.details()
-        finally:
-            for s in streams:
-                s.cancel()
-            await asyncio.gather(*readers, return_exceptions=True)
-            await client.aclose()
+    def check(stats):
+        assert all(i.outstanding == 8 for i in stats.instances)
 
-    asyncio.run(main())
+    fill_then_refuse(client, [7] * 20, capacity, max_queue, check)
     assert wait_until(lambda: all_blocks_free(client.stats()), timeout_s=2.0)
     done = client.complete("back to normal", max_tokens=3, ignore_eos=True)
     assert len(done.token_ids) == 3
