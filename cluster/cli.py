@@ -4,6 +4,7 @@ pdserve up CONFIG [--set key.sub=value ...] [--demo PROMPT]   serve until Ctrl-C
 pdserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--router ADDR]
 pdserve generate --offline "prompt" ...                        the engine in this process
 pdserve stats [--router ADDR]                                  queue and per-instance load
+pdserve bench CONFIG [--workload W] [--rates R1,R2] [--search]  goodput under SLOs
 """
 
 from __future__ import annotations
@@ -188,7 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     stats = sub.add_parser("stats", help="the router's queue and each instance's load")
     stats.add_argument("--router", default=DEFAULT_ROUTER, help="router address (host:port)")
 
+    from bench.runner import add_arguments
+
+    bench = sub.add_parser("bench", help="goodput under SLOs: a workload at several rates")
+    add_arguments(bench)
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from bench.runner import main as bench_main
+
+        return bench_main(args)
     if args.command == "up":
         return _up(args)
     if args.command == "stats":
