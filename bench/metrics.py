@@ -24,6 +24,10 @@ class SLO:
     tpot_ms: float = 150.0
     attainment: float = 0.9  # share of requests that must meet both
 
+    def scaled(self, factor: float) -> SLO:
+        """Both objectives times ``factor`` (DistServe's "SLO scale"), the same target."""
+        return SLO(self.ttft_ms * factor, self.tpot_ms * factor, self.attainment)
+
 
 @dataclass
 class Record:
@@ -62,6 +66,14 @@ class Record:
         for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
             d[key] = None if math.isinf(d[key]) else d[key]
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Record:
+        """The inverse of ``to_dict`` (a record read back from results.json)."""
+        d = dict(d)
+        for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            d[key] = math.inf if d.get(key) is None else d[key]
+        return cls(**d)
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -1,13 +1,14 @@
-"""``pdserve bench``: launch a cluster, replay a workload through the router at each
-rate, measure SLO attainment, find the goodput, write every request to a JSON file.
+"""``pdserve bench``: launch a cluster (or use an OpenAI-compatible ``--endpoint``),
+replay a workload at each rate, measure SLO attainment, find the goodput, write every
+request to a JSON file.
 
     pdserve bench configs/local-disagg.yaml --workload sharegpt --rates 0.5,1,2 [--search]
         --duration 60 --slo-ttft-ms 1000 --slo-tpot-ms 150 --out results.json
 
 Each rate sends ``round(rate * duration)`` requests (the same requests at every rate,
-only the arrival times scale) open-loop: a request is sent at its arrival time whether
-or not the earlier ones finished. Requests ask for ``output_len`` tokens with
-``ignore_eos`` and greedy sampling, so their lengths are the workload's.
+only the arrival times scale) open-loop (``bench.replay``). Requests ask for
+``output_len`` tokens with ``ignore_eos`` and greedy sampling, so their lengths are
+the workload's. ``pdserve compare`` (``bench.compare``) runs this for several configs.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from bench.metrics import SLO, GoodputResult, Record, search_goodput, summarize
-from bench.workloads import WORKLOADS, Request, WorkloadSpec, make_workload, model_info
+from bench.replay import replay
+from bench.workloads import WORKLOADS, WorkloadSpec, make_workload, model_info
 
 
 def devices(config) -> int:
@@ -33,71 +37,6 @@ def devices(config) -> int:
     if gpus:
         return math.ceil(gpus)
     return sum(p.instances * p.tensor_parallel for p in config.pools().values())
-
-
-async def _one(client, index: int, req: Request, start: float, timeout_s: float | None):
-    import grpc
-
-    sent = time.monotonic() - start
-    rec = Record(
-        index, sent, len(req.prompt_token_ids), req.output_len, lag_ms=(sent - req.arrival_s) * 1e3
-    )
-    try:
-        done = await client.acomplete(
-            prompt_token_ids=req.prompt_token_ids,
-            max_tokens=req.output_len,
-            temperature=0.0,
-            ignore_eos=True,
-            timeout=timeout_s,
-        )
-    except grpc.RpcError as e:
-        rec.error = f"{e.code().name}: {e.details()}"
-        return rec
-    rec.finish_reason, rec.completion_tokens = done.finish_reason, done.completion_tokens
-    t = done.timings
-    if t is None:
-        rec.error = "the stream ended without a final message"
-        return rec
-    rec.ttft_ms, rec.tpot_ms, rec.e2e_ms, rec.queue_ms = t.ttft_ms, t.tpot_ms, t.e2e_ms, t.queue_ms
-    rec.instances, rec.kv_bytes, rec.transfer_ms = list(t.instances), t.kv_bytes, t.transfer_ms
-    rec.phases = {k: v for k, v in t.phases.items() if k != "tokens"}
-    return rec
-
-
-async def replay(
-    client, requests: list[Request], label: str = "", timeout_s: float | None = None
-) -> list[Record]:
-    """Send each request at its arrival time; the records in request order."""
-    start = time.monotonic()
-    tasks: list[asyncio.Task] = []
-
-    def progress(end: str = "") -> None:
-        if label:
-            done = sum(t.done() for t in tasks)
-            sys.stderr.write(
-                f"\r{label}: sent {len(tasks)}/{len(requests)}, done {done}, "
-                f"{time.monotonic() - start:.1f} s{end}"
-            )
-            sys.stderr.flush()
-
-    async def ticker():  # a line redrawn each second on a terminal; else only the last
-        while sys.stderr.isatty():
-            progress()
-            await asyncio.sleep(1.0)
-
-    tick = asyncio.create_task(ticker())
-    try:
-        for i, req in enumerate(requests):
-            delay = start + req.arrival_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(client, i, req, start, timeout_s)))
-        records = await asyncio.gather(*tasks)
-    finally:
-        tick.cancel()
-        await client.aclose()
-    progress("\n")
-    return list(records)
 
 
 def describe(rate: float, s: dict) -> str:
@@ -114,6 +53,63 @@ def describe(rate: float, s: dict) -> str:
     )
 
 
+@contextmanager
+def serving(config, endpoint: str | None, log=print):
+    """A client of the server measured: ``endpoint`` (an OpenAI-compatible URL) when
+    given, else a cluster launched from ``config`` and shut down afterwards."""
+    if endpoint:
+        from bench.endpoint import EndpointClient
+
+        client = EndpointClient(endpoint)
+        log(f"bench: measuring {endpoint} (model {client.model})")
+        yield client
+        return
+    from cluster.launcher import launch
+
+    started = time.monotonic()
+    cluster = launch(config)
+    log(f"bench: cluster up at {cluster.address} in {time.monotonic() - started:.1f} s")
+    client = cluster.client()
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.shutdown(drain=False)
+
+
+def measure(
+    client,
+    model: str,
+    spec: WorkloadSpec,
+    rates: list[float],
+    duration_s: float,
+    slo: SLO,
+    *,
+    search: bool = False,
+    warmup: int = 2,
+    max_runs: int = 12,
+    timeout_s: float | None = None,
+    on_run: Callable[[float, dict, list[Record]], None] | None = None,
+) -> GoodputResult:
+    """Warm up, then sweep (or search) the rate against ``client``; ``on_run(rate,
+    summary, records)`` sees each rate."""
+    tokenizer, max_len = model_info(model)
+    if warmup:
+        reqs = make_workload(spec, tokenizer, warmup, math.inf, max_len)
+        asyncio.run(replay(client, reqs, timeout_s=timeout_s))
+
+    def run(rate: float) -> list[Record]:
+        n = max(1, round(rate * duration_s))
+        reqs = make_workload(spec, tokenizer, n, rate, max_len)
+        return asyncio.run(replay(client, reqs, f"rate {rate:g}/s", timeout_s))
+
+    def on_rate(rate: float, records: list[Record]) -> None:
+        if on_run is not None:
+            on_run(rate, summarize(records, slo), records)
+
+    return search_goodput(run, slo, rates, search=search, max_runs=max_runs, on_rate=on_rate)
+
+
 def run_bench(
     config,
     spec: WorkloadSpec,
@@ -127,21 +123,29 @@ def run_bench(
     max_runs: int = 12,
     timeout_s: float | None = None,
     overrides: list[str] = (),
+    endpoint: str | None = None,
+    model: str | None = None,
+    n_devices: int | None = None,
     log=print,
 ) -> dict:
     """Launch ``config`` (a path, dict or ClusterConfig), sweep or search the rate, and
-    return (and write to ``out``, after every rate) the results."""
+    return (and write to ``out``, after every rate) the results. With ``endpoint``
+    nothing is launched: that server is measured, ``config`` (optional) only gives
+    the model and the device count, else ``model`` and ``n_devices`` (default 1)."""
     from cluster.config_loader import load_config
-    from cluster.launcher import launch
 
     source = str(config) if isinstance(config, str | Path) else None
-    config = load_config(config, overrides)
-    tokenizer, max_len = model_info(config.model)
-    n_devices = devices(config)
+    config = load_config(config, overrides) if config is not None else None
+    model = model or (config.model if config else None)
+    if model is None:
+        raise ValueError("give a config or the model (its tokenizer makes the requests)")
+    n_devices = n_devices or (devices(config) if config else 1)
     results = {
         "config": source,
+        "endpoint": endpoint,
+        "model": model,
         "overrides": list(overrides),
-        "cluster": config.to_dict(),
+        "cluster": config.to_dict() if config else None,
         "workload": asdict(spec),
         "duration_s": duration_s,
         "slo": asdict(slo),
@@ -154,32 +158,27 @@ def run_bench(
         if out:
             Path(out).write_text(json.dumps(results, indent=1))
 
-    started = time.monotonic()
-    cluster = launch(config)
-    log(f"bench: cluster up at {cluster.address} in {time.monotonic() - started:.1f} s")
-    client = cluster.client()
-    try:
-        if warmup:
-            reqs = make_workload(spec, tokenizer, warmup, math.inf, max_len)
-            asyncio.run(replay(client, reqs, timeout_s=timeout_s))
+    def on_run(rate: float, summary: dict, records: list[Record]) -> None:
+        log(describe(rate, summary))
+        results["runs"].append(
+            {"rate": rate, "summary": summary, "records": [r.to_dict() for r in records]}
+        )
+        save()
 
-        def run(rate: float) -> list[Record]:
-            n = max(1, round(rate * duration_s))
-            reqs = make_workload(spec, tokenizer, n, rate, max_len)
-            return asyncio.run(replay(client, reqs, f"rate {rate:g}/s", timeout_s))
-
-        def on_rate(rate: float, records: list[Record]) -> None:
-            summary = summarize(records, slo)
-            log(describe(rate, summary))
-            results["runs"].append(
-                {"rate": rate, "summary": summary, "records": [r.to_dict() for r in records]}
-            )
-            save()
-
-        result = search_goodput(run, slo, rates, search=search, max_runs=max_runs, on_rate=on_rate)
-    finally:
-        client.close()
-        cluster.shutdown(drain=False)
+    with serving(config, endpoint, log) as client:
+        result = measure(
+            client,
+            model,
+            spec,
+            rates,
+            duration_s,
+            slo,
+            search=search,
+            warmup=warmup,
+            max_runs=max_runs,
+            timeout_s=timeout_s,
+            on_run=on_run,
+        )
     results["goodput"] = goodput_dict(result, n_devices)
     save()
     log(describe_goodput(result, slo, n_devices))
@@ -212,8 +211,8 @@ def describe_goodput(result: GoodputResult, slo: SLO, n_devices: int) -> str:
     )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML file (configs/local-disagg.yaml)")
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The options ``pdserve bench`` and ``pdserve compare`` share."""
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")
     p.add_argument("--workload", default="sharegpt", choices=WORKLOADS)
     p.add_argument("--trace", help="JSONL trace file (--workload trace)")
@@ -224,7 +223,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, help="default: the config's slo.ttft_ms")
     p.add_argument("--slo-tpot-ms", type=float, help="default: the config's slo.tpot_ms")
     p.add_argument("--attainment", type=float, help="default: the config's slo.attainment")
-    p.add_argument("--out", default="bench-results.json", help="results JSON file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 is Poisson")
     p.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths")
@@ -235,36 +233,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-output-mean", type=int, default=90, help="--workload longprompt")
     p.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
     p.add_argument("--timeout-s", type=float, help="per-request deadline")
+    p.add_argument("--model", help="with --endpoint and no config: tokenizes the requests")
+    p.add_argument("--devices", type=int, help="with --endpoint: the devices it uses (1)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML file (configs/local-disagg.yaml)")
+    p.add_argument("--endpoint", metavar="URL", help="measure this OpenAI-compatible server")
+    p.add_argument("--out", default="bench-results.json", help="results JSON file")
+    add_workload_arguments(p)
+
+
+def parse_common(args: argparse.Namespace, config) -> tuple[list[float], WorkloadSpec, SLO]:
+    """The rates, the workload and the SLO of the command line (``config``, a checked
+    ClusterConfig or None, gives the SLO's defaults); ValueError when they are wrong."""
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    if not rates or min(rates) <= 0:
+        raise ValueError("--rates: give positive rates, e.g. 0.5,1,2")
+    spec = WorkloadSpec(
+        args.workload,
+        seed=args.seed,
+        burstiness=args.burstiness,
+        prompt_scale=args.prompt_scale,
+        output_scale=args.output_scale,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        long_prompt_mean=args.long_prompt_mean,
+        long_output_mean=args.long_output_mean,
+        trace=args.trace,
+    )
+    default = config.slo if config is not None else SLO()
+    slo = SLO(
+        args.slo_ttft_ms or default.ttft_ms,
+        args.slo_tpot_ms or default.tpot_ms,
+        args.attainment or default.attainment,
+    )
+    return rates, spec, slo
 
 
 def main(args: argparse.Namespace) -> int:
     from cluster.config_loader import ConfigError, load_config
 
     try:
-        rates = [float(r) for r in args.rates.split(",") if r.strip()]
-        if not rates or min(rates) <= 0:
-            raise ValueError("--rates: give positive rates, e.g. 0.5,1,2")
-        config = load_config(args.config, args.set or [])
-        spec = WorkloadSpec(
-            args.workload,
-            seed=args.seed,
-            burstiness=args.burstiness,
-            prompt_scale=args.prompt_scale,
-            output_scale=args.output_scale,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_output_tokens=args.max_output_tokens,
-            long_prompt_mean=args.long_prompt_mean,
-            long_output_mean=args.long_output_mean,
-            trace=args.trace,
-        )
+        if args.config is None and not (args.endpoint and args.model):
+            raise ValueError("give a config, or --endpoint URL with --model")
+        config = load_config(args.config, args.set or []) if args.config else None
+        rates, spec, slo = parse_common(args, config)
     except (ValueError, ConfigError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
-    slo = SLO(
-        args.slo_ttft_ms or config.slo.ttft_ms,
-        args.slo_tpot_ms or config.slo.tpot_ms,
-        args.attainment or config.slo.attainment,
-    )
     run_bench(
         args.config,
         spec,
@@ -277,6 +294,9 @@ def main(args: argparse.Namespace) -> int:
         max_runs=args.max_runs,
         timeout_s=args.timeout_s,
         overrides=args.set or [],
+        endpoint=args.endpoint,
+        model=args.model,
+        n_devices=args.devices,
         log=lambda line: print(line, flush=True),
     )
     print(f"bench: results in {args.out}", flush=True)

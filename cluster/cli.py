@@ -5,6 +5,8 @@ pdserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--router 
 pdserve generate --offline "prompt" ...                        the engine in this process
 pdserve stats [--router ADDR]                                  queue and per-instance load
 pdserve bench CONFIG [--workload W] [--rates R1,R2] [--search]  goodput under SLOs
+pdserve bench --endpoint URL --model M ...                     of an OpenAI-compatible server
+pdserve compare A.yaml B.yaml [...] [--rates ...] --out DIR    the same requests, side by side
 """
 
 from __future__ import annotations
@@ -194,11 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="goodput under SLOs: a workload at several rates")
     add_arguments(bench)
 
+    from bench.compare import add_arguments as add_compare_arguments
+
+    compare = sub.add_parser("compare", help="several configs on the same requests: a report")
+    add_compare_arguments(compare)
+
     args = parser.parse_args(argv)
     if args.command == "bench":
         from bench.runner import main as bench_main
 
         return bench_main(args)
+    if args.command == "compare":
+        from bench.compare import main as compare_main
+
+        return compare_main(args)
     if args.command == "up":
         return _up(args)
     if args.command == "stats":

@@ -1,0 +1,58 @@
+"""The comparison's plots (matplotlib, Agg backend), as PNG bytes.
+
+- Attainment vs rate, a line per contender; per device (rate / devices) when the
+  contenders use different numbers of devices.
+- Attainment vs SLO scale at one rate (DistServe's figures): both objectives times
+  each factor, attainment recomputed from the records.
+"""
+
+from __future__ import annotations
+
+import io
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    return plt, fig, ax
+
+
+def _png(plt, fig, ax, target: float) -> bytes:
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:.0%}")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_ylabel("SLO attainment")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def attainment_vs_rate(results: dict) -> bytes:
+    plt, fig, ax = _figure()
+    per_device = not results["same_devices"]
+    for c in results["contenders"]:
+        points = sorted((run["rate"], run["summary"]["attainment"]) for run in c["runs"])
+        xs = [rate / c["devices"] if per_device else rate for rate, _ in points]
+        ax.plot(xs, [a for _, a in points], marker="o", label=c["name"])
+    ax.set_xlabel("requests / s per device" if per_device else "requests / s")
+    slo = results["slo"]
+    ax.set_title(f"TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms")
+    return _png(plt, fig, ax, slo["attainment"])
+
+
+def attainment_vs_slo_scale(results: dict) -> bytes:
+    plt, fig, ax = _figure()
+    curve = results["slo_scale"]
+    for name, values in curve["attainment"].items():
+        ax.plot(curve["scales"], values, marker="o", label=name)
+    slo = results["slo"]
+    ax.set_xlabel(f"SLO scale (1 = TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms)")
+    ax.set_title(f"at {curve['rate']:g} requests / s")
+    return _png(plt, fig, ax, slo["attainment"])
