@@ -8,7 +8,7 @@ configs in turn, then a side-by-side table, plots and a report.
 Each config is launched, measured as ``pdserve bench`` measures it, and shut down
 before the next one starts; ``--endpoint URL`` (repeatable) adds an external
 OpenAI-compatible server. The out folder gets results.json (everything, each
-request's record included), attainment-vs-rate.png, attainment-vs-slo-scale.png and
+request's record included), attainment-vs-rate.png, attainment-vs-slo-scale.png, tpot-cdf.png and
 report.html (self-contained).
 """
 

@@ -4,6 +4,8 @@
   contenders use different numbers of devices.
 - Attainment vs SLO scale at one rate (DistServe's figures): both objectives times
   each factor, attainment recomputed from the records.
+- TPOT distribution (CDF) of each contender at the highest rate, with the TPOT
+  objective: where prefill interference shows as a tail.
 """
 
 from __future__ import annotations
@@ -56,3 +58,26 @@ def attainment_vs_slo_scale(results: dict) -> bytes:
     ax.set_xlabel(f"SLO scale (1 = TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms)")
     ax.set_title(f"at {curve['rate']:g} requests / s")
     return _png(plt, fig, ax, slo["attainment"])
+
+
+def tpot_cdf(results: dict) -> bytes:
+    plt, fig, ax = _figure()
+    rate = max(results["rates"])
+    for c in results["contenders"]:
+        runs = [run for run in c["runs"] if run["rate"] == rate]
+        tpots = sorted(r["tpot_ms"] for run in runs for r in run["records"] if not r["error"])
+        if tpots:
+            ys = [(i + 1) / len(tpots) for i in range(len(tpots))]
+            ax.step(tpots, ys, where="post", label=c["name"])
+    slo = results["slo"]
+    ax.axvline(slo["tpot_ms"], color="red", linestyle="--", linewidth=1, label="TPOT objective")
+    ax.set_xlabel("TPOT ms")
+    ax.set_ylabel("share of requests")
+    ax.set_title(f"TPOT distribution at {rate:g} requests / s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

@@ -7,11 +7,12 @@ import base64
 import html
 from pathlib import Path
 
-from bench.plots import attainment_vs_rate, attainment_vs_slo_scale
+from bench.plots import attainment_vs_rate, attainment_vs_slo_scale, tpot_cdf
 
 PLOTS = {
     "attainment-vs-rate.png": attainment_vs_rate,
     "attainment-vs-slo-scale.png": attainment_vs_slo_scale,
+    "tpot-cdf.png": tpot_cdf,
 }
 
 

@@ -91,13 +91,13 @@ def test_compare_colocated_and_disaggregated(chat_model, tmp_path, capsys):
     # the plots are PNGs, and report.html embeds them and the table, nothing external
     page = (out / "report.html").read_text()
     embedded = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    for name in ("attainment-vs-rate.png", "attainment-vs-slo-scale.png"):
+    for name in ("attainment-vs-rate.png", "attainment-vs-slo-scale.png", "tpot-cdf.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and base64.b64encode(data).decode() in embedded
         with Image.open(out / name) as image:
             image.verify()
             assert image.size == (640, 420)
-    assert len(embedded) == 2 and "http" not in page.replace("http-equiv", "")
+    assert len(embedded) == 3 and "http" not in page.replace("http-equiv", "")
     for row in rows:
         assert all(f">{cell}</t" in page for cell in row if cell)
 
