@@ -7,6 +7,8 @@ pdserve stats [--router ADDR]                                  queue and per-ins
 pdserve bench CONFIG [--workload W] [--rates R1,R2] [--search]  goodput under SLOs
 pdserve bench --endpoint URL --model M ...                     of an OpenAI-compatible server
 pdserve compare A.yaml B.yaml [...] [--rates ...] --out DIR    the same requests, side by side
+pdserve profile CONFIG [--out profile.json]                    step and KV transfer times here
+pdserve plan --model M --devices N --workload W ...            placement search, writes a YAML
 """
 
 from __future__ import annotations
@@ -201,7 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     compare = sub.add_parser("compare", help="several configs on the same requests: a report")
     add_compare_arguments(compare)
 
+    from bench.planner.plan import add_arguments as add_plan_arguments
+    from bench.planner.profile import add_arguments as add_profile_arguments
+
+    profile = sub.add_parser("profile", help="measure this machine's step and KV transfer times")
+    add_profile_arguments(profile)
+    plan = sub.add_parser("plan", help="search the placement, write a config that up accepts")
+    add_plan_arguments(plan)
+
     args = parser.parse_args(argv)
+    if args.command in ("plan", "profile"):
+        from bench.planner import plan as plan_module
+        from bench.planner import profile as profile_module
+
+        return (plan_module if args.command == "plan" else profile_module).main(args)
     if args.command == "bench":
         from bench.runner import main as bench_main
 

@@ -1,0 +1,97 @@
+"""A cost model fitted to measurements (``bench.planner.profile``): linear in what each step
+does, per tensor-parallel degree, by least squares.
+
+    prefill_s = a + b x tokens + c x sum_sq      decode_s = a + b x batch + c x context
+    transfer_s = a + b x bytes
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+def fit_linear(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares of ``times`` on [1, *row]; a coefficient that comes out negative is
+    dropped (set to 0) and the rest refitted, so that no cost falls as work grows."""
+    x = np.array([[1.0, *r] for r in rows])
+    y = np.array(times)
+    keep = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        bad = [k for k, c in zip(keep, coef, strict=True) if c < 0 and k != 0]
+        if not bad:
+            out = [0.0] * x.shape[1]
+            for k, c in zip(keep, coef, strict=True):
+                out[k] = max(0.0, float(c))
+            return out
+        keep.remove(bad[0])
+
+
+@dataclass
+class FittedCost:
+    prefill: dict[int, list[float]]  # tp -> [a, per token, per sum_sq]
+    decode: dict[int, list[float]]  # tp -> [a, per sequence, per context token]
+    transfer: list[float]  # [a, per byte]
+    kv_bytes_per_token: int
+    kv_capacity: dict[int, int]  # tp -> KV tokens one instance holds
+    meta: dict = field(default_factory=dict)  # what was measured, how, and the points
+
+    def prefill_s(self, tokens: int, sum_sq: float, tp: int = 1) -> float:
+        if tokens <= 0:
+            return 0.0
+        a, b, c = self.prefill[tp]
+        return a + b * tokens + c * sum_sq
+
+    def decode_s(self, batch: int, context: int, tp: int = 1) -> float:
+        if batch <= 0:
+            return 0.0
+        a, b, c = self.decode[tp]
+        return a + b * batch + c * context
+
+    def transfer_s(self, nbytes: float) -> float:
+        a, b = self.transfer
+        return a + b * nbytes if nbytes > 0 else 0.0
+
+    def kv_capacity_tokens(self, tp: int) -> int:
+        """0 for a degree not profiled: the search skips it."""
+        return self.kv_capacity.get(tp, 0) if tp in self.prefill else 0
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> FittedCost:
+        d = json.loads(Path(path).read_text())
+        for key in ("prefill", "decode", "kv_capacity"):
+            d[key] = {int(k): v for k, v in d[key].items()}
+        return cls(**d)
+
+
+@dataclass
+class Scaled:
+    """Another cost model with each phase's step times multiplied: a calibration, e.g.
+    when serving runs a phase slower than the profile measured it alone."""
+
+    cost: object
+    prefill: float = 1.0
+    decode: float = 1.0
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.cost.kv_bytes_per_token
+
+    def prefill_s(self, tokens: int, sum_sq: float, tp: int = 1) -> float:
+        return self.prefill * self.cost.prefill_s(tokens, sum_sq, tp)
+
+    def decode_s(self, batch: int, context: int, tp: int = 1) -> float:
+        return self.decode * self.cost.decode_s(batch, context, tp)
+
+    def transfer_s(self, nbytes: float) -> float:
+        return self.cost.transfer_s(nbytes)
+
+    def kv_capacity_tokens(self, tp: int) -> int:
+        return self.cost.kv_capacity_tokens(tp)

@@ -1,0 +1,290 @@
+"""A discrete-event simulation of a pdserve cluster, co-located or disaggregated, on a
+cost model's step times (``bench.planner.roofline``, ``bench.planner.profile``).
+
+What it models, as the engine and router do it:
+- the router's FIFO queue: a request goes out when an instance has room (fewer than
+  ``max_batch_size`` outstanding and the KV blocks it needs), least loaded first;
+  disaggregated, the decode instance reserves first, then the prefill instance with the
+  fewest queued prompt tokens gets the prompt;
+- chunked prefill under the token budget, FCFS, several prompts per step;
+- continuous decode batching (one token per running request per step);
+- co-located mixed steps: decodes first, then prompt chunks, one step costing
+  prefill(chunks) + decode(batch);
+- the KV transfer past the prefill: layer-wise, only what the last chunk's step does
+  not hide, max(0, transfer - step); else all of it.
+Simplifications: a request reserves the blocks of its whole output at admission (no
+preemption); the first token is streamed when the request reaches its decode batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from bench.metrics import Record
+from bench.planner.cluster_spec import ClusterSpec, PoolSpec
+
+
+@dataclass
+class SimRequest:
+    index: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    blocks: int = 0
+    dispatched_s: float = math.nan
+    prefill_end_s: float = math.nan
+    exposed_transfer_s: float = 0.0
+    first_token_s: float = math.nan
+    finish_s: float = math.nan
+    instances: tuple[str, ...] = ()
+    done: int = 0  # prompt tokens computed
+    join_step: int = 0
+    decode_instance: object = None  # disaggregated: where its blocks are reserved
+
+    def record(self, kv_bytes_per_token: float) -> Record:
+        ttft = (self.first_token_s - self.arrival_s) * 1000
+        n = self.output_len
+        tpot = (self.finish_s - self.first_token_s) * 1000 / (n - 1) if n > 1 else 0.0
+        disagg = len(self.instances) == 2
+        return Record(
+            index=self.index,
+            sent_s=self.arrival_s,
+            prompt_tokens=self.prompt_len,
+            output_len=n,
+            completion_tokens=n,
+            ttft_ms=ttft,
+            tpot_ms=tpot,
+            e2e_ms=(self.finish_s - self.arrival_s) * 1000,
+            queue_ms=(self.dispatched_s - self.arrival_s) * 1000,
+            finish_reason="length",
+            instances=list(self.instances),
+            kv_bytes=int(self.prompt_len * kv_bytes_per_token) if disagg else 0,
+            transfer_ms=self.exposed_transfer_s * 1000,
+            phases={"prefill_end": (self.prefill_end_s - self.arrival_s) * 1000},
+        )
+
+
+class DecodeBatch:
+    """Running decodes: a step counter, finish steps in a heap, the context summed."""
+
+    def __init__(self):
+        self.k = 0
+        self.heap: list[tuple[int, int, SimRequest]] = []
+        self.context = 0
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def join(self, r: SimRequest) -> bool:
+        """False when the first token already finished the request."""
+        if r.output_len <= 1:
+            return False
+        r.join_step = self.k
+        heapq.heappush(self.heap, (self.k + r.output_len - 1, r.index, r))
+        self.context += r.prompt_len + 1
+        return True
+
+    def advance(self) -> list[SimRequest]:
+        """One step done: every running request has one more token; the finished leave."""
+        self.context += len(self.heap)
+        self.k += 1
+        out = []
+        while self.heap and self.heap[0][0] <= self.k:
+            _, _, r = heapq.heappop(self.heap)
+            self.context -= r.prompt_len + 1 + self.k - r.join_step
+            out.append(r)
+        return out
+
+
+class Instance:
+    def __init__(self, sim: Simulator, name: str, pool: PoolSpec, blocks: int):
+        self.sim, self.name, self.pool = sim, name, pool
+        self.role = name.rsplit("-", 1)[0]
+        self.free_blocks, self.total_blocks = blocks, blocks
+        self.outstanding = 0
+        self.busy = False
+        self.queued_tokens = 0
+        self.prompts: deque[SimRequest] = deque()  # admitted, prompt not done
+        self.waiting: deque[SimRequest] = deque()  # co-located: sent, not admitted
+        self.batch = DecodeBatch()
+        self.joining: list[SimRequest] = []  # disaggregated decode: landed, next step
+
+    def has_room(self, r: SimRequest) -> bool:
+        return self.outstanding < self.pool.max_batch_size and self.free_blocks >= r.blocks
+
+    def kick(self) -> None:
+        if not self.busy:
+            self.sim.at(self.sim.now, self.step)
+
+    def finish(self, r: SimRequest, t: float) -> None:
+        r.finish_s = t
+        self.free_blocks += r.blocks
+        self.outstanding -= 1
+        self.sim.done.append(r)
+        self.sim.dispatch()
+
+    def chunks(self, budget: int, admit: bool) -> tuple[list[tuple[SimRequest, int]], float]:
+        """Prompt chunks of one step, FCFS: (request, tokens) and the attention pairs x 2."""
+        items, sq = [], 0.0
+        for r in self.prompts:
+            if budget <= 0:
+                break
+            n = min(r.prompt_len - r.done, budget)
+            items.append((r, n))
+            sq += (r.done + n) ** 2 - r.done**2
+            budget -= n
+        while admit and self.waiting and budget > 0:
+            if len(self.prompts) + len(self.batch) >= self.pool.max_batch_size:
+                break
+            r = self.waiting.popleft()
+            self.prompts.append(r)
+            n = min(r.prompt_len, budget)
+            items.append((r, n))
+            sq += n**2
+            budget -= n
+        return items, sq
+
+    def step(self) -> None:
+        sim, now, tp = self.sim, self.sim.now, self.pool.tp
+        if self.busy:
+            return
+        for r in self.joining:
+            if not self.batch.join(r):
+                self.finish(r, now)
+        self.joining = []
+        decodes = len(self.batch)
+        budget = self.pool.max_batch_tokens - decodes
+        items, sq = self.chunks(budget, admit=self.role == "colocated")
+        tokens = sum(n for _, n in items)
+        if not decodes and not tokens:
+            return
+        prefill = sim.cost.prefill_s(tokens, sq, tp) if tokens else 0.0
+        duration = prefill + (sim.cost.decode_s(decodes, self.batch.context, tp) if decodes else 0)
+        self.busy = True
+        sim.at(now + duration, lambda: self.end_step(items, decodes, prefill))
+
+    def end_step(self, items, decodes: int, prefill_s: float) -> None:
+        sim, now = self.sim, self.sim.now
+        self.busy = False
+        finished = self.batch.advance() if decodes else []
+        for r, n in items:
+            r.done += n
+            self.queued_tokens -= n
+            if r.done == r.prompt_len:
+                self.prompts.remove(r)
+                r.prefill_end_s = now
+                sim.prefilled(self, r, prefill_s)
+        for r in finished:
+            self.finish(r, now)
+        self.step()
+
+
+class Simulator:
+    def __init__(self, cluster: ClusterSpec, cost):
+        self.cluster, self.cost = cluster, cost
+        self.events: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.queue: deque[SimRequest] = deque()
+        self.done: list[SimRequest] = []
+        if cluster.mode == "colocated":
+            self.front = self._pool("colocated", cluster.colocated)
+            self.prefill = []
+        else:
+            self.prefill = self._pool("prefill", cluster.prefill)
+            self.front = self._pool("decode", cluster.decode)
+
+    def _pool(self, role: str, pool: PoolSpec) -> list[Instance]:
+        blocks = pool.kv_blocks
+        if blocks is None:
+            blocks = self.cost.kv_capacity_tokens(pool.tp) // pool.block_size
+        return [Instance(self, f"{role}-{i}", pool, blocks) for i in range(pool.instances)]
+
+    def at(self, t: float, fn) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), fn))
+
+    def run(self, requests: list[tuple[float, int, int]]) -> list[Record]:
+        """(arrival_s, prompt_len, output_len) in arrival order -> one Record each."""
+        block = self.front[0].pool.block_size
+        sims = []
+        for i, (t, p, o) in enumerate(requests):
+            r = SimRequest(i, t, p, o, blocks=math.ceil((p + o) / block))
+            sims.append(r)
+            self.at(t, lambda r=r: self.arrive(r))
+        too_big = [r for r in sims if r.blocks > self.front[0].total_blocks]
+        while self.events:
+            self.now, _, fn = heapq.heappop(self.events)
+            fn()
+        kvb = self.cost.kv_bytes_per_token
+        out = [r.record(kvb) for r in sorted(self.done, key=lambda r: r.index)]
+        for r in too_big:
+            out.insert(
+                r.index,
+                Record(
+                    r.index,
+                    r.arrival_s,
+                    r.prompt_len,
+                    r.output_len,
+                    error="does not fit the KV cache",
+                ),
+            )
+        return out
+
+    def arrive(self, r: SimRequest) -> None:
+        if r.blocks > self.front[0].total_blocks:
+            return
+        self.queue.append(r)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        while self.queue:
+            r = self.queue[0]
+            room = [i for i in self.front if i.has_room(r)]
+            if not room:
+                return  # head-of-line: the next finish or landing tries again
+            inst = min(room, key=lambda i: (i.outstanding, -i.free_blocks))
+            self.queue.popleft()
+            r.dispatched_s = self.now
+            inst.outstanding += 1
+            inst.free_blocks -= r.blocks
+            if self.cluster.mode == "colocated":
+                r.instances = (inst.name,)
+                inst.waiting.append(r)
+                inst.kick()
+                continue
+            pre = min(self.prefill, key=lambda i: i.queued_tokens)
+            r.instances = (pre.name, inst.name)
+            r.decode_instance = inst
+            pre.prompts.append(r)
+            pre.queued_tokens += r.prompt_len
+            pre.kick()
+
+    def prefilled(self, inst: Instance, r: SimRequest, step_s: float) -> None:
+        """A prompt's last chunk is done: co-located, it decodes there from now;
+        disaggregated, its KV lands on the reserved decode instance."""
+        if self.cluster.mode == "colocated":
+            r.first_token_s = self.now
+            if not inst.batch.join(r):
+                inst.finish(r, self.now)
+            return
+        exposed = self.cluster.exposed_transfer_s
+        if exposed is None:
+            transfer = self.cost.transfer_s(r.prompt_len * self.cost.kv_bytes_per_token)
+            exposed = max(0.0, transfer - step_s) if self.cluster.layerwise else transfer
+        r.exposed_transfer_s = exposed
+        dec = r.decode_instance
+
+        def land():
+            r.first_token_s = self.now
+            dec.joining.append(r)
+            dec.kick()
+
+        self.at(self.now + exposed, land)
+
+
+def simulate(cluster: ClusterSpec, cost, requests: list[tuple[float, int, int]]) -> list[Record]:
+    return Simulator(cluster, cost).run(requests)

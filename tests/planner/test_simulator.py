@@ -1,0 +1,102 @@
+"""Hand-computable cases of the cluster simulator."""
+
+import pytest
+
+from bench.metrics import SLO, summarize
+from bench.planner.cluster_spec import ClusterSpec, PoolSpec
+from bench.planner.simulator import simulate
+from tests.planner.costs import LinearCost
+
+DISAGG = ClusterSpec("disaggregated", PoolSpec(), PoolSpec())
+COLOC = ClusterSpec("colocated", colocated=PoolSpec())
+
+
+def test_one_request_disaggregated_idle():
+    cost = LinearCost(transfer=0.05)
+    [r] = simulate(DISAGG, cost, [(1.0, 100, 11)])
+    prefill = 0.01 + 0.1
+    # layer-wise: the transfer's share not hidden by the last chunk's step
+    assert r.ttft_ms == pytest.approx((prefill + 0.0) * 1000)
+    assert r.tpot_ms == pytest.approx(20.0)
+    assert r.e2e_ms == pytest.approx((prefill + 10 * 0.02) * 1000)
+    assert r.queue_ms == 0 and r.instances == ["prefill-0", "decode-0"]
+    assert r.kv_bytes == 100 * 1000
+
+
+def test_transfer_not_hidden():
+    cost = LinearCost(transfer=0.5)
+    [r] = simulate(DISAGG, cost, [(0.0, 100, 2)])
+    assert r.ttft_ms == pytest.approx((0.11 + 0.5 - 0.11) * 1000)
+    whole = ClusterSpec("disaggregated", layerwise=False)
+    [r] = simulate(whole, cost, [(0.0, 100, 2)])
+    assert r.ttft_ms == pytest.approx((0.11 + 0.5) * 1000)
+
+
+def test_one_request_colocated_idle():
+    [r] = simulate(COLOC, LinearCost(), [(0.0, 1000, 5)])
+    # two chunks of 512 and 488 tokens, then 4 decode steps
+    assert r.ttft_ms == pytest.approx((0.01 + 0.512 + 0.01 + 0.488) * 1000)
+    assert r.tpot_ms == pytest.approx(20.0)
+
+
+def test_burst_serializes_prefill():
+    # 4 prompts of 512 tokens at once: one per prefill step (the token budget)
+    cost = LinearCost()
+    records = simulate(DISAGG, cost, [(0.0, 512, 2)] * 4)
+    step = 0.01 + 0.512
+    for i, r in enumerate(records):
+        assert r.ttft_ms == pytest.approx((i + 1) * step * 1000)
+
+
+def test_burst_shares_prefill_steps():
+    # 4 prompts of 128 tokens fit one step of 512 tokens: all get the first token at once
+    records = simulate(DISAGG, LinearCost(), [(0.0, 128, 2)] * 4)
+    assert {round(r.ttft_ms, 6) for r in records} == {round((0.01 + 0.512) * 1000, 6)}
+
+
+def test_decode_capacity_queues_at_router():
+    pool = PoolSpec(max_batch_size=2)
+    cluster = ClusterSpec("disaggregated", PoolSpec(), pool)
+    records = simulate(cluster, LinearCost(), [(0.0, 10, 101)] * 3)
+    # the third waits until a decode slot frees: 100 decode steps of 20 ms
+    assert records[0].queue_ms == records[1].queue_ms == 0
+    assert records[2].queue_ms == pytest.approx((0.02 + 100 * 0.02) * 1000, rel=0.02)
+
+
+def test_overload_ttft_grows_linearly():
+    # service: 0.522 s per 512-token prompt; arrivals every 0.261 s (twice the capacity)
+    cost = LinearCost()
+    gap = 0.261
+    reqs = [(i * gap, 512, 2) for i in range(40)]
+    records = simulate(DISAGG, cost, reqs)
+    ttft = [r.ttft_ms / 1000 for r in records]
+    # request i finishes prefill at (i+1) x 0.522: TTFT = (i+1) x 0.522 - i x 0.261
+    for i in (0, 10, 39):
+        assert ttft[i] == pytest.approx((i + 1) * 0.522 - i * gap)
+    slopes = [ttft[i + 1] - ttft[i] for i in range(39)]
+    assert min(slopes) == pytest.approx(max(slopes)) == pytest.approx(0.522 - gap)
+
+
+def test_colocated_prefill_interference():
+    # a long prompt arriving mid-decode makes the running request's step longer
+    records = simulate(COLOC, LinearCost(), [(0.0, 10, 50), (0.1, 2000, 2)])
+    alone = simulate(COLOC, LinearCost(), [(0.0, 10, 50)])
+    assert records[0].tpot_ms > alone[0].tpot_ms
+    s = summarize(records, SLO(1000, 25))
+    assert s["attainment_tpot"] < 1
+
+
+def test_request_larger_than_cache_fails():
+    cost = LinearCost(capacity_tokens=64)
+    records = simulate(COLOC, cost, [(0.0, 100, 5), (0.0, 10, 5)])
+    assert records[0].error and records[1].ok
+
+
+def test_simulate_bench_replays_the_bench_requests():
+    from bench.planner.validate import simulate_bench
+    from bench.workloads import WorkloadSpec
+
+    spec = WorkloadSpec("longprompt", long_prompt_mean=64, long_output_mean=8, dataset_limit=200)
+    out = simulate_bench("configs/local-disagg.yaml", LinearCost(), spec, [0.5, 2], 10, SLO())
+    assert [s["requests"] for s, _ in out.values()] == [5, 20]
+    assert all(r.instances == ["prefill-0", "decode-0"] for _, rs in out.values() for r in rs)
