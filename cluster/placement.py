@@ -2,9 +2,10 @@
 ranks, all in one STRICT_PACK placement group (one bundle per rank, on one node).
 
 Rank 0 is the role's worker (``EngineWorker``, ``PrefillWorker``, ``DecodeWorker``),
-named ``<role>-<index>``; ranks 1..N-1 are ``RankWorker`` actors named
-``<role>-<index>-rank<r>``. They join one torch.distributed world whose store rank 0
-serves on a port picked on the group's node.
+named ``<role>-<index>``; ranks 1..N-1 are the role's rank actors (``RankActor``,
+``PrefillRank``, ``DecodeRank``) named ``<role>-<index>-rank<r>``, started first so
+that rank 0 gets their handles. They join one torch.distributed world whose store
+rank 0 serves on a port picked on the group's node.
 """
 
 from __future__ import annotations
@@ -42,10 +43,13 @@ def start_instance(
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from decode_worker import DecodeWorker, EngineWorker, RankWorker
-    from prefill_worker import PrefillWorker
+    from decode_worker import DecodeRank, DecodeWorker
+    from engine.tp_rank import RankActor
+    from engine.worker import EngineWorker
+    from prefill_worker import PrefillRank, PrefillWorker
 
     classes = {"colocated": EngineWorker, "prefill": PrefillWorker, "decode": DecodeWorker}
+    rank_classes = {"colocated": RankActor, "prefill": PrefillRank, "decode": DecodeRank}
     name, size = f"{role}-{index}", pool.tensor_parallel
     cpus, gpus = pool.resources.num_cpus, pool.resources.num_gpus
     threads = max(1, math.floor(cpus))
@@ -68,23 +72,16 @@ def start_instance(
         ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=in_bundle(0)).remote()
     )
     address = f"{host}:{port}"
-    handle = worker_cls.options(
-        name=name, max_concurrency=8, scheduling_strategy=in_bundle(0), **options
-    ).remote(name, model, engine, threads, *setup, parallel={"size": size, "address": address})
+    parallel = {"size": size, "address": address}
     ranks = [
-        ray.remote(RankWorker)
+        ray.remote(rank_classes[role])
         .options(
             name=f"{name}-rank{r}", max_concurrency=8, scheduling_strategy=in_bundle(r), **options
         )
-        .remote(
-            f"{name}-rank{r}",
-            model,
-            engine,
-            threads,
-            role,
-            kv if role != "colocated" else None,
-            {"size": size, "rank": r, "address": address},
-        )
+        .remote(f"{name}-rank{r}", model, engine, threads, {**parallel, "rank": r}, *setup)
         for r in range(1, size)
     ]
+    handle = worker_cls.options(
+        name=name, max_concurrency=8, scheduling_strategy=in_bundle(0), **options
+    ).remote(name, model, engine, threads, *setup, parallel={**parallel, "ranks": ranks})
     return InstanceHandles(name, role, handle, ranks, group)

@@ -1,9 +1,7 @@
-"""The decode pool (``DecodeWorker``: reserve, receive KV, decode), the co-located
-instance it builds on (``EngineWorker``), and the other ranks of a tensor-parallel
-instance of any role (``RankWorker``)."""
+"""The decode pool: ``DecodeWorker`` (reserve blocks, receive KV, decode) and, for a
+tensor-parallel instance, ``DecodeRank`` (ranks 1..N-1: their share of the KV)."""
 
+from decode_worker.decode_rank import DecodeRank
 from decode_worker.decode_worker import DecodeWorker
-from decode_worker.engine_worker import EngineWorker
-from decode_worker.rank_worker import RankWorker
 
-__all__ = ["DecodeWorker", "EngineWorker", "RankWorker"]
+__all__ = ["DecodeRank", "DecodeWorker"]

@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from decode_worker.engine_worker import EngineWorker
-from decode_worker.kv_setup import cache_layout, kv_host
-from decode_worker.updates import Update
 from engine import SamplingParams
+from engine.updates import Update
+from engine.worker import EngineWorker
 from kv_transfer import KVDestination, KVHandoff, KVTransferError, get_transport
+from kv_transfer.endpoints import cache_layout, kv_host
 
 LEASE_CHECK_S = 0.05  # how often an idle loop with reservations looks at their leases
 ARRIVAL_CHECK_S = 0.002  # ... and at handoffs whose last layer is on its way

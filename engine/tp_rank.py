@@ -3,13 +3,15 @@
 ``RankEngine`` holds one rank's shard of the weights and of the KV cache and runs the
 forward passes rank 0 broadcasts (engine/step_plan.py) until rank 0 stops it; it never
 schedules or samples. ``LocalRanks`` starts them as local processes for the offline
-``LLM(..., tensor_parallel=N)``; the cluster runs them as Ray actors instead.
+``LLM(..., tensor_parallel=N)``; the cluster runs them as Ray actors (``RankActor``,
+and the pools' subclasses that add their share of the KV transfer).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -45,6 +47,37 @@ class RankEngine:
                 after()
             steps += 1
         return steps
+
+
+class RankActor:
+    """Rank r > 0 of a tensor-parallel instance as a Ray actor: the broadcast steps run
+    on a thread of its own. Rank 0 (the instance's worker) holds the handles and calls
+    the pools' subclasses for their part of the KV transfer; ``_setup`` builds it and
+    ``_around(plan)`` hooks the steps that carry ``extra`` (see ``RankEngine.serve``)."""
+
+    _around: StepHook | None = None
+
+    def __init__(
+        self, name: str, model: str, engine_config: dict, num_threads: int, parallel: dict, *setup
+    ):
+        torch.set_num_threads(max(1, num_threads))
+        self.name = name
+        config = EngineConfig(**engine_config)
+        tp = TensorParallel.join(
+            parallel["address"], parallel["rank"], parallel["size"], config.device
+        )
+        self.engine = RankEngine(model, config, tp)
+        self._setup(*setup)
+        self._loop = threading.Thread(
+            target=self.engine.serve, args=(self._around,), name=f"{name}-steps", daemon=True
+        )
+        self._loop.start()
+
+    def _setup(self) -> None:
+        """A pool's own state (its KV endpoint), before the steps start."""
+
+    def ready(self) -> dict:
+        return {"name": self.name}
 
 
 def _rank_main(model: str, config: dict, rank: int, size: int, address: str, threads: int):

@@ -17,11 +17,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from decode_worker.engine_worker import EngineWorker, _actor
-from decode_worker.kv_setup import cache_layout, kv_host
-from decode_worker.updates import Update
 from engine import SamplingParams
+from engine.updates import Update
+from engine.worker import EngineWorker
 from kv_transfer import KVDestination, KVHandoff, get_transport
+from kv_transfer.endpoints import cache_layout, kv_host
 from kv_transfer.proto import kv_transfer_pb2 as kv_pb
 from prefill_worker.prefill_engine import Prefilled, PrefillEngine
 
@@ -33,7 +33,8 @@ class Job:
     request_id: str
     transfer_id: str
     destination: KVDestination
-    decode: str  # the decode instance's actor name
+    decode: str  # the decode instance's name
+    decode_handle: object  # ... and its actor handle, for the handoff
     transfer_start: float | None = None  # wall clock, first layer handed to the transport
     send_error: str | None = None
     aborted: bool = False  # the client left while the KV was on its way
@@ -72,11 +73,14 @@ class PrefillWorker(EngineWorker):
         transfer_id: str,
         destination: bytes,
         decode: str,
+        decode_handle,
         consumer: str,
     ) -> None:
         """Prefill a prompt and send its KV to ``destination`` (a ``KVDestination`` as
-        protobuf bytes: the blocks ``decode`` reserved for it)."""
-        job = (request_id, prompt_ids, params, transfer_id, destination, decode, consumer)
+        protobuf bytes: the blocks the decode instance ``decode`` reserved for it); the
+        handoff goes to ``decode_handle``, that instance's actor."""
+        job = (request_id, prompt_ids, params, transfer_id, destination, (decode, decode_handle))
+        job += (consumer,)
         self._post(("prefill", *job))
 
     def debug_fault(self, kind: str, count: int = 1, after_layers: int = 0) -> None:
@@ -113,7 +117,7 @@ class PrefillWorker(EngineWorker):
             self.engine.add_request(request_id, prompt_ids, SamplingParams(**params))
         except ValueError as e:
             return [Update(request_id, error=str(e))]
-        job = self.jobs[request_id] = Job(request_id, transfer_id, dst, decode)
+        job = self.jobs[request_id] = Job(request_id, transfer_id, dst, *decode)
         if self._cuts_left:
             self._cuts_left -= 1
             job.cut_after = self._cut_after
@@ -205,7 +209,7 @@ class PrefillWorker(EngineWorker):
                 sampler_state=p.sampler_state,
                 phase_times={**p.times, "transfer_start": job.transfer_start},
             )
-            _actor(job.decode).admit.remote(handoff.to_bytes())
+            job.decode_handle.admit.remote(handoff.to_bytes())
         self._acks.submit(self._await_ack, job)
         return []
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from decode_worker.updates import Update
+from engine.updates import Update
 from kv_transfer.handoff import transfer_id_for
 from router.instances import CONSUMER, Instance
 from router.placement import Placement, params_dict
@@ -100,6 +100,7 @@ class Disaggregated(Placement):
             attempt_id,
             destination,
             decode.name,
+            decode.handle,
             CONSUMER,
         )
 

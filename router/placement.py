@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from decode_worker.updates import Update
+from engine.updates import Update
 from router.instances import CONSUMER, Instance
 from router.policies import RoutingPolicy
 from router.stream import Delta, RequestStream

@@ -1,16 +1,16 @@
-"""What both pools need to talk KV: their cache's layout and the host to listen on."""
+"""Where a worker's KV endpoints stand: its cache's layout and the host they listen on."""
 
 from __future__ import annotations
 
 import os
 
-from engine.block_manager import BlockManager
-from engine.model import LlamaModel
 from kv_transfer.layout import KVLayout, dtype_name
 
 
-def cache_layout(model: LlamaModel, blocks: BlockManager) -> KVLayout:
-    """The ``KVLayout`` of this rank's cache: its tensor-parallel place, its KV heads."""
+def cache_layout(model, blocks) -> KVLayout:
+    """The ``KVLayout`` of one rank's cache, from the engine's model shard
+    (``engine.model.LlamaModel``: its config, dtype and tensor-parallel place) and its
+    block manager (block size)."""
     cfg = model.cfg
     return KVLayout(
         num_layers=cfg.num_layers,

@@ -10,7 +10,9 @@ its consumer one call per step at most, never one per token.
 
 ``EngineWorker`` itself is the co-located instance: every step is the engine's mixed
 step, prompt chunks piggybacked on the running decodes (engine/scheduler.py). The
-disaggregated pools subclass it (``DecodeWorker``, ``prefill_worker.PrefillWorker``).
+disaggregated pools subclass it (``decode_worker.DecodeWorker``,
+``prefill_worker.PrefillWorker``); it lives here, in the runtime both pools share, so
+that the pools never import each other. No Ray import: the cluster wraps it.
 """
 
 from __future__ import annotations
@@ -24,17 +26,9 @@ from concurrent.futures import Future
 
 import torch
 
-from decode_worker.updates import Update
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.parallel import SINGLE, TensorParallel, serve_store
-
-
-def _actor(name: str):
-    import ray
-
-    from cluster.ray_env import NAMESPACE
-
-    return ray.get_actor(name, namespace=NAMESPACE)
+from engine.updates import Update
 
 
 class EngineWorker:
@@ -51,9 +45,10 @@ class EngineWorker:
         parallel: dict | None = None,
     ):
         """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts).
-        ``parallel``: ``{"size": N, "address": host:port}`` makes this rank 0 of a
-        tensor-parallel instance: it serves the world's store there, and ranks 1..N-1
-        are the ``RankWorker`` actors ``<name>-rank<r>``."""
+        ``parallel``: ``{"size": N, "address": host:port, "ranks": [handles]}`` makes
+        this rank 0 of a tensor-parallel instance: it serves the world's store there;
+        ranks 1..N-1 are the given actors (``engine.tp_rank.RankActor`` and the pools'
+        subclasses)."""
         torch.set_num_threads(max(1, num_threads))
         self.name = name
         config = EngineConfig(**engine_config)
@@ -62,7 +57,7 @@ class EngineWorker:
             host, port = parallel["address"].rsplit(":", 1)
             self._store, address = serve_store(host, int(port))
             tp = TensorParallel.join(address, 0, parallel["size"], config.device)
-            self.ranks = [_actor(f"{name}-rank{r}") for r in range(1, parallel["size"])]
+            self.ranks = list(parallel["ranks"])
         self.engine = self.engine_class(model, config, tp)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
