@@ -37,7 +37,7 @@ def config(model: str, mode: dict, backend: str) -> dict:
     }
     base = {
         "model": model,
-        "router": {"host": "127.0.0.1", "port": 0},
+        "router": {"host": "127.0.0.1", "port": 0, "http_port": 0},
         "prefill": dict(pool),
         "decode": dict(pool),
         "colocated": dict(pool),

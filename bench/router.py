@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         model = args.model or _tiny_model(Path(tmp))
         config = {
             "model": model,
-            "router": {"port": 0, "policy": "round_robin", "max_queue": 4096},
+            "router": {"port": 0, "http_port": 0, "policy": "round_robin", "max_queue": 4096},
             "colocated": {"instances": 2, "resources": {"num_cpus": 1}},
         }
         cluster = launch(config)

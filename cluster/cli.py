@@ -129,8 +129,8 @@ def _up(args: argparse.Namespace) -> int:
     try:
         print(
             f"pdserve: router listening on {cluster.address} "
-            f"(policy {config.router.policy}, ready in {time.monotonic() - started:.1f} s); "
-            "Ctrl-C to stop",
+            f"(policy {config.router.policy}, ready in {time.monotonic() - started:.1f} s), "
+            f"OpenAI-compatible HTTP on http://{cluster.http_address}/v1; Ctrl-C to stop",
             flush=True,
         )
         if args.demo:

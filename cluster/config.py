@@ -95,7 +95,7 @@ class RayConfig:
 class RouterConfig:
     host: str = spec("127.0.0.1", None, "address the gRPC server binds")
     port: int = spec(50051, tcp_port, "gRPC port (0: any free port)")
-    http_port: int = spec(8000, tcp_port, "HTTP (OpenAI-compatible) port; not served yet")
+    http_port: int = spec(8000, tcp_port, "OpenAI-compatible HTTP port (0: any free port)")
     policy: str = spec("least_loaded", one_of(*POLICIES), "routing policy")
     max_queue: int = spec(1024, at_least(0), "requests waiting for an instance before refusal")
     drain_timeout_s: float = spec(30.0, at_least(0), "how long shutdown waits for requests")

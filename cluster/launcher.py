@@ -30,6 +30,7 @@ class Cluster:
     groups: list = field(default_factory=list)  # their placement groups
     router: object = None  # actor handle
     address: str = ""  # host:port of the router's gRPC server
+    http_address: str = ""  # host:port of its OpenAI-compatible HTTP API
     instances: list[dict] = field(default_factory=list)  # each instance's ready() facts
 
     def client(self):
@@ -133,4 +134,5 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
         config.model, config.to_dict()["router"], specs, config.mode
     )
     cluster.address = ray.get(cluster.router.start.remote(), timeout=ready_timeout_s)
+    cluster.http_address = ray.get(cluster.router.get_http_address.remote())
     cluster.instances = ray.get(cluster.router.wait_ready.remote(), timeout=ready_timeout_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,13 +26,22 @@ from router.policies import make_policy
 from router.proto import pdserve_pb2 as pb
 from router.proto import pdserve_pb2_grpc as pb_grpc
 from router.stream import Delta, RequestStream
-from router.validation import ModelLimits, RequestValidator
+from router.validation import InvalidRequest, ModelLimits, RequestValidator
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # pdserve.v1.Router
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Refused(Exception):
+    """A request the router will not take: the gRPC status and why (the HTTP API maps
+    the status to its own)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class RouterServer:
@@ -46,6 +56,7 @@ class RouterServer:
         from engine.checkpoint import load_checkpoint
 
         self.config = router_config
+        self.model = model
         self.tokenizer = load_checkpoint(model).tokenizer
         self.instances = [Instance(n, r, h, i) for i, (n, r, h) in enumerate(workers)]
         self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
@@ -55,6 +66,8 @@ class RouterServer:
         self.validator: RequestValidator | None = None
         self.draining = False
         self.address = ""
+        self.http_address = ""  # host:port of the OpenAI-compatible HTTP API
+        self._http = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._ready: asyncio.Future | None = None
@@ -84,8 +97,16 @@ class RouterServer:
 
             shown = ray.util.get_node_ip_address()
         self.address = f"{shown}:{bound}"
+        from router.http_api import HttpApi
+
+        self._http = HttpApi(self, self.model)
+        http_port = await self._http.start(host, self.config["http_port"])
+        self.http_address = f"{shown}:{http_port}"
         self._ready = asyncio.get_running_loop().create_task(self._bring_up())
         return self.address
+
+    async def get_http_address(self) -> str:
+        return self.http_address
 
     async def wait_ready(self) -> list[dict]:
         """Every instance's ``ready()`` facts, once all have loaded the model."""
@@ -110,6 +131,8 @@ class RouterServer:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self._http is not None:
+            await self._http.stop()
         for inst in self.instances:
             await inst.stop_polling()
 
@@ -134,6 +157,34 @@ class RouterServer:
     @property
     def ready(self) -> bool:
         return self.validator is not None
+
+    def open_stream(self, request: pb.GenerateRequest, arrival: float) -> RequestStream:
+        """Validate, tokenize and admit a ``GenerateRequest`` (from gRPC or HTTP): its
+        stream, placed or queued; raises ``Refused``."""
+        if self.draining:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the router is draining")
+        if not self.ready:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the instances are still loading")
+        if not self.alive:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "every engine instance has failed")
+        try:
+            prompt_ids = self.validator.prompt_ids(request)
+            params = self.validator.sampling(request)
+        except InvalidRequest as e:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.streams:
+            raise Refused(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id={request_id!r}: already in flight"
+            )
+        stream = RequestStream(request_id, prompt_ids, params, arrival=arrival)
+        if not self.admit(stream):
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"admission queue full: {self.admission.max_size} requests are waiting "
+                "for an instance (router.max_queue); retry later",
+            )
+        return stream
 
     def admit(self, stream: RequestStream) -> bool:
         """Place the request now, or queue it; False when the queue is full."""

@@ -107,5 +107,15 @@ class RequestStream:
         return _ms(wall - self.arrival_wall) if wall else 0.0
 
 
+def merge_waiting(delta: Delta, queue) -> Delta:
+    """One message for every delta already waiting (a slow client gets fewer, larger ones)."""
+    while delta.finish_reason is None and not queue.empty():
+        more = queue.get_nowait()
+        delta = Delta(
+            delta.token_ids + more.token_ids, delta.text + more.text, more.finish_reason, more.error
+        )
+    return delta
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)

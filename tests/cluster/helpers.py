@@ -23,7 +23,7 @@ def small_cluster_config(model: str, **router) -> dict:
     return {
         "model": model,
         "mode": "colocated",
-        "router": {"host": "127.0.0.1", "port": 0, "max_queue": 16, **router},
+        "router": {"host": "127.0.0.1", "port": 0, "http_port": 0, "max_queue": 16, **router},
         "colocated": {
             "instances": 2,
             "max_batch_size": 8,

@@ -27,7 +27,7 @@ def disagg_config(model: str, backend: str, layerwise: bool, prefills: int, **kv
     return {
         "model": model,
         "mode": "disaggregated",
-        "router": {"host": "127.0.0.1", "port": 0, "max_queue": 64},
+        "router": {"host": "127.0.0.1", "port": 0, "http_port": 0, "max_queue": 64},
         "prefill": {"instances": prefills, **pool, "resources": {"num_cpus": 0.5}},
         "decode": {"instances": 1, **pool, "max_batch_size": 32, "resources": {"num_cpus": 1}},
         "kv_transfer": {"backend": backend, "layerwise": layerwise, "checksum": True, **kv},

@@ -48,7 +48,7 @@ def test_colocated_tp2(kv4_model, expected):
     config = {
         "model": kv4_model,
         "mode": "colocated",
-        "router": {"port": 0},
+        "router": {"port": 0, "http_port": 0},
         "colocated": {
             "instances": 1,
             "tensor_parallel": 2,

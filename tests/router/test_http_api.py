@@ -1,0 +1,104 @@
+"""The OpenAI-compatible HTTP API, checked with the official ``openai`` client against a
+real cluster: the same tokens as the offline engine, streaming and not, completions
+and chat; errors in OpenAI's shape; /health and /metrics; ``pdserve bench``'s endpoint
+client measuring our own server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+
+IDS = [5, 9, 33, 81, 17, 4, 60]
+
+
+@pytest.fixture(scope="module")
+def offline(chat_model):
+    return LLM(chat_model)
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
+    yield client
+    client.close()
+
+
+def test_models_lists_the_served_model(api, chat_model):
+    assert [m.id for m in api.models.list().data] == [chat_model]
+
+
+def test_completion_equals_offline_greedy(api, chat_model, offline):
+    want = offline.generate(IDS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    got = api.completions.create(
+        model=chat_model, prompt=IDS, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(IDS), 8)
+    chunks = list(
+        api.completions.create(
+            model=chat_model,
+            prompt=IDS,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+
+
+def test_chat_equals_offline_chat(api, chat_model, offline):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = offline.chat(messages, params)[0].text
+    kw = dict(model=chat_model, messages=messages, max_tokens=10, temperature=0)
+    got = api.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    stream = api.chat.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+
+
+def test_invalid_requests_are_400_in_openai_shape(api, chat_model):
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0"):
+        api.completions.create(model=chat_model, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="temperature=-1"):
+        api.chat.completions.create(
+            model=chat_model, messages=[{"role": "user", "content": "hi"}], temperature=-1
+        )
+    with pytest.raises(openai.BadRequestError, match="one string or one list of token ids"):
+        api.completions.create(model=chat_model, prompt=["a", "b"], max_tokens=2)
+
+
+def test_health_and_prometheus_metrics(cluster):
+    base = f"http://{cluster.http_address}"
+    assert httpx.get(f"{base}/health").status_code == 200
+    text = httpx.get(f"{base}/metrics").text
+    assert "# TYPE pdserve_router_in_flight gauge" in text
+    assert 'pdserve_instance_up{instance="colocated-0",role="colocated"} 1' in text
+    assert 'pdserve_instance_total_blocks{instance="colocated-1",role="colocated"} 512' in text
+
+
+def test_bench_endpoint_client_measures_our_server(cluster):
+    from bench.endpoint import EndpointClient
+    from bench.metrics import Record
+    from bench.workloads import Request
+
+    client = EndpointClient(f"http://{cluster.http_address}")
+    record = Record(index=0, sent_s=0.0, prompt_tokens=len(IDS), output_len=6)
+
+    async def run():
+        try:
+            await client.fill(record, Request(0.0, IDS, 6), timeout_s=60)
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+    assert record.error is None and record.completion_tokens == 6
+    assert 0 < record.ttft_ms <= record.e2e_ms and record.finish_reason == "length"
