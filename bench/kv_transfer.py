@@ -10,15 +10,18 @@ over -> receiver's acknowledgement that everything landed):
 
 * ``copy``: a same-process tensor copy of the same bytes (the memory floor);
 * ``raw gloo``: one tensor, plain ``ProcessGroupGloo`` send/recv into a ready tensor;
-* ``gloo``: ``kv_transfer`` gloo backend, paged cache to paged cache, layer by layer;
+* ``raw gloo, 60 msgs``: the same bytes as 60 messages (K and V of every layer);
+* ``gloo``: ``kv_transfer`` gloo backend, paged cache to paged cache (``send_all``);
 * ``raw grpc``: the same bytes over one gRPC stream in chunks of the same size as the
   backend's, copied into a ready tensor at the receiver;
 * ``grpc``: ``kv_transfer`` grpc backend, paged cache to paged cache.
 
-GB/s are payload bytes per second (1e9). The ratio is backend / raw transport.
-Source and destination block ids are a random scatter of a larger cache by default
-(``--blocks contiguous`` sends runs of consecutive ids, which the backends send without
-gathering first). Do not run it beside the tests: the machine has 2 cores.
+The cells of one size are timed round by round (each cell once per round, medians over
+``--repeats`` rounds), so that the machine's slow drifts hit every cell alike. GB/s are
+payload bytes per second (1e9); the ratio is backend / raw transport. Source and
+destination block ids are a random scatter of a larger cache by default (``--blocks
+contiguous`` sends runs of consecutive ids, which the backends send without gathering
+first). Do not run it beside the tests: the machine has 2 cores.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _receiver(args) -> None:
     from torch.distributed import PrefixStore, TCPStore
 
     from kv_transfer import get_transport
-    from kv_transfer.gloo import _Group
+    from kv_transfer.gloo.group import GlooGroup
 
     torch.set_num_threads(1)
     layout = _layout()
@@ -107,15 +110,14 @@ def _receiver(args) -> None:
         elif op == "raw_gloo":
             print(json.dumps(reply), flush=True)  # ready: the group (once) and recvs follow
             if raw_pg is None:
-                raw_pg = _Group.make_group(
+                raw_pg = GlooGroup.make_group(
                     PrefixStore("raw", raw_store), 1, "127.0.0.1", datetime.timedelta(seconds=60)
                 )
             ack = torch.zeros(1, dtype=torch.int64)
             bufs = _slices(raw_dst[: cmd["nbytes"]], cmd["parts"])
-            for _ in range(cmd["repeats"] + 1):
-                for work in [raw_pg.recv([b], 0, 0) for b in bufs]:  # all posted at once
-                    work.wait()
-                raw_pg.send([ack], 0, 1).wait()
+            for work in [raw_pg.recv([b], 0, 0) for b in bufs]:  # all posted at once
+                work.wait()
+            raw_pg.send([ack], 0, 1).wait()
             continue
         elif op == "quit":
             break
@@ -165,20 +167,29 @@ class Peer:
             self.proc.kill()
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (pair formation, first-touch of buffers)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def _interleaved(cells: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each cell (a function timing one transfer), measured round by
+    round (every cell once per round, after one warm-up each), so that the machine's
+    slow drifts hit every cell alike."""
+    times: dict[str, list[float]] = {name: [] for name in cells}
+    for fn in cells.values():
+        fn()  # warm-up: pairs and channels formed, buffers touched
+    for _ in range(rounds):
+        for name, fn in cells.items():
+            times[name].append(fn())
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_copy(nbytes: int, repeats: int) -> float:
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def copy_cell(nbytes: int):
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return _median_time(lambda: dst.copy_(src), repeats)
+    return lambda: _timed(lambda: dst.copy_(src))
 
 
 def _slices(buf: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -186,41 +197,42 @@ def _slices(buf: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [buf[i : i + step] for i in range(0, buf.numel(), step)]
 
 
-def bench_raw_gloo(peer: Peer, nbytes: int, repeats: int, state: dict, parts: int = 1) -> float:
+def raw_gloo_cell(peer: Peer, nbytes: int, state: dict, parts: int = 1):
     """Plain send/recv of ``nbytes`` as ``parts`` messages (the receiver posts all first)."""
     from torch.distributed import PrefixStore, TCPStore
 
-    from kv_transfer.gloo import _Group
+    from kv_transfer.gloo.group import GlooGroup
 
-    peer.ask(op="raw_gloo", nbytes=nbytes, repeats=repeats, parts=parts)
-    if "raw_pg" not in state:
-        store = TCPStore(
-            "127.0.0.1", peer.addresses["raw_gloo"], None, False, datetime.timedelta(seconds=60)
-        )
-        state["raw_pg"] = _Group.make_group(
-            PrefixStore("raw", store), 0, "127.0.0.1", datetime.timedelta(seconds=60)
-        )
-    pg = state["raw_pg"]
     srcs = _slices(torch.ones(nbytes, dtype=torch.uint8), parts)
     ack = torch.zeros(1, dtype=torch.int64)
 
-    def once():
+    def once() -> float:
+        peer.ask(op="raw_gloo", nbytes=nbytes, parts=parts)
+        if "raw_pg" not in state:
+            store = TCPStore(
+                "127.0.0.1", peer.addresses["raw_gloo"], None, False, datetime.timedelta(seconds=60)
+            )
+            state["raw_pg"] = GlooGroup.make_group(
+                PrefixStore("raw", store), 0, "127.0.0.1", datetime.timedelta(seconds=60)
+            )
+        pg = state["raw_pg"]
+        t = time.perf_counter()
         for work in [pg.send([s], 1, 0) for s in srcs]:
             work.wait()
         pg.recv([ack], 1, 1).wait()
+        return time.perf_counter() - t
 
-    return _median_time(once, repeats)
+    return once
 
 
-def bench_raw_grpc(peer: Peer, nbytes: int, repeats: int, state: dict) -> float:
+def raw_grpc_cell(peer: Peer, nbytes: int, state: dict):
     import grpc
 
     if "raw_call" not in state:
         channel = grpc.insecure_channel(peer.addresses["raw_grpc"])
         state["raw_call"] = channel.stream_unary("/bench.Raw/Push")
     call = state["raw_call"]
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    view = src.numpy()
+    view = torch.ones(nbytes, dtype=torch.uint8).numpy()
 
     def chunks():
         for off in range(0, nbytes, CHUNK):
@@ -230,16 +242,16 @@ def bench_raw_grpc(peer: Peer, nbytes: int, repeats: int, state: dict) -> float:
         got = int.from_bytes(call(chunks()), "little")
         assert got == nbytes, (got, nbytes)
 
-    return _median_time(once, repeats)
+    return lambda: _timed(once)
 
 
-def bench_backend(name: str, peer: Peer, sender, cache, src_ids, dst_ids, repeats: int) -> float:
+def backend_cell(name: str, peer: Peer, sender, cache, src_ids, dst_ids):
     from kv_transfer import KVDestination
 
     dst = KVDestination([peer.addresses[name]], dst_ids, _layout(), name)
     counter = iter(range(1 << 30))
 
-    def once():
+    def once() -> float:
         tid = f"{name}-{next(counter)}"
         peer.ask(op="expect", backend=name, tid=tid, dst=list(dst_ids))
         t = time.perf_counter()
@@ -249,8 +261,7 @@ def bench_backend(name: str, peer: Peer, sender, cache, src_ids, dst_ids, repeat
         peer.ask(op="wait", backend=name, tid=tid)
         return elapsed
 
-    once()
-    return statistics.median(once() for _ in range(repeats))
+    return once
 
 
 def _ids(count: int, cache_blocks: int, scattered: bool, seed: int) -> list[int]:
@@ -296,22 +307,21 @@ def main(argv: list[str] | None = None) -> None:
         for size in sizes:
             n = blocks[size]
             nbytes = n * per_block
-            reps = args.repeats or (20 if size <= 4 else 8 if size <= 64 else 3)
+            reps = args.repeats or (20 if size <= 4 else 12 if size <= 64 else 5)
             scattered = args.blocks == "scattered"
             src_ids = _ids(n, cache_blocks, scattered, seed=size)
             dst_ids = _ids(n, cache_blocks, scattered, seed=size + 1)
+            parts = 2 * layout.num_layers  # K and V of every layer, one message each
+            cells = {
+                "copy": copy_cell(nbytes),
+                "raw gloo": raw_gloo_cell(peer, nbytes, state),
+                "raw gloo parts": raw_gloo_cell(peer, nbytes, state, parts),
+                "gloo": backend_cell("gloo", peer, senders["gloo"], cache, src_ids, dst_ids),
+                "raw grpc": raw_grpc_cell(peer, nbytes, state),
+                "grpc": backend_cell("grpc", peer, senders["grpc"], cache, src_ids, dst_ids),
+            }
             row = {"MiB": nbytes / MiB, "blocks": n}
-            row["copy"] = nbytes / bench_copy(nbytes, reps)
-            row["raw gloo"] = nbytes / bench_raw_gloo(peer, nbytes, reps, state)
-            parts = 2 * layout.num_layers  # K and V of every layer, as the backend sends them
-            row["raw gloo parts"] = nbytes / bench_raw_gloo(peer, nbytes, reps, state, parts)
-            row["gloo"] = nbytes / bench_backend(
-                "gloo", peer, senders["gloo"], cache, src_ids, dst_ids, reps
-            )
-            row["raw grpc"] = nbytes / bench_raw_grpc(peer, nbytes, reps, state)
-            row["grpc"] = nbytes / bench_backend(
-                "grpc", peer, senders["grpc"], cache, src_ids, dst_ids, reps
-            )
+            row.update({k: nbytes / v for k, v in _interleaved(cells, reps).items()})
             rows.append(row)
             print(_table(rows[-1:], header=len(rows) == 1), flush=True)
     finally:

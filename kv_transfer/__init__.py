@@ -1,8 +1,8 @@
 """KV cache transfer between the prefill and decode pools (docs/kv_transfer.md).
 
-One interface (``base.KVSender`` / ``base.KVReceiver``), backends picked by name with
-``get_transport("gloo" | "nccl" | "grpc")``, the block and KV-head mapping between pools
-(``blocks``, ``head_map``), and the handoff type that travels between them.
+One interface (``KVSender`` / ``KVReceiver``, the contract in ``base``), backends picked
+by name with ``get_transport("gloo" | "nccl" | "grpc")``, the block and KV-head mapping
+between pools (``blocks``, ``head_map``), and the handoff type that travels between them.
 """
 
 from kv_transfer.base import (
@@ -14,7 +14,6 @@ from kv_transfer.base import (
     Transport,
     get_transport,
 )
-from kv_transfer.book import Status, TransferStats
 from kv_transfer.errors import (
     KVChecksumError,
     KVLayoutError,
@@ -25,6 +24,7 @@ from kv_transfer.errors import (
 from kv_transfer.handoff import KVDestination, KVHandoff, transfer_id_for
 from kv_transfer.head_map import HeadRoute, all_routes, routes_from, routes_into
 from kv_transfer.layout import KVLayout
+from kv_transfer.pending import Status, TransferStats
 
 __all__ = [
     "BACKENDS",

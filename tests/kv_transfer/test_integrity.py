@@ -4,6 +4,7 @@ the next transfer), leases, pairs rebuilt after either side restarts (gloo)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -159,8 +160,9 @@ def test_lease_expiry_releases_and_late_bytes_never_land(peer, side):
 
 
 def test_gloo_receives_straight_into_the_cache():
-    """Parts of any size sent unpacked: the contiguous run lands without staging (tp 1 ->
-    1, all heads), the strays and the head-split ranks (1 -> 2) through staging."""
+    """Runs sent on their own whatever their size (``pack_below=0``): the contiguous run
+    lands without staging (tp 1 -> 1, all heads), the head-split ranks (1 -> 2) through
+    staging; the strays come packed."""
     tr = get_transport("gloo")
     full = reference(layout(), NUM_BLOCKS, 61)
     for dst_tp in (1, 2):
@@ -178,11 +180,37 @@ def test_gloo_receives_straight_into_the_cache():
             side.close()
 
 
-def test_gloo_pair_rebuilt_after_the_receiver_restarts():
-    """The receiver process restarts on the same address: the sender (here) notices the
-    new incarnation and forms a new pair on its next transfer."""
+@pytest.mark.parametrize("dst_tp, pack_below", [(1, 0), (2, 0), (1, 1 << 20), (2, 1 << 20)])
+def test_gloo_layer_by_layer(dst_tp, pack_below):
+    """``send_layer`` once per layer, in any order, as the forward pass does (layer-wise):
+    bit-exact with checksums, runs sent on their own or packed."""
     tr = get_transport("gloo")
-    sender = tr.sender(layout(), checksum=True, name="steady")
+    cache = shard(reference(layout(), NUM_BLOCKS, 91), layout())
+    side = Side("gloo", tp=dst_tp)
+    sender = tr.sender(layout(), checksum=True, pack_below=pack_below)
+    try:
+        side.expect("layerwise")
+        for layer in (2, 0, 1):
+            k, v = cache[layer, 0], cache[layer, 1]
+            sender.send_layer("layerwise", layer, k, v, SRC_IDS, side.dst)
+        assert [a.status.name for a in sender.finish("layerwise").acks] == ["OK"] * dst_tp
+        for r in side.receivers:
+            assert r.wait("layerwise", timeout=20).bytes == 2 * 3 * len(SRC_IDS) * (
+                r.layout.block_bytes()
+            )
+        side.check(91)
+    finally:
+        sender.close()
+        side.close()
+
+
+@pytest.mark.parametrize("verify_idle_s", [0.0, 600.0])
+def test_gloo_pair_rebuilt_after_the_receiver_restarts(verify_idle_s):
+    """The receiver process restarts on the same address: the sender (here) forms a new
+    pair on its next transfer, having asked the store for the receiver's incarnation
+    (the pair was idle) or found the old pair closed on its first send (recently used)."""
+    tr = get_transport("gloo")
+    sender = tr.sender(layout(), checksum=True, name="steady", verify_idle_s=verify_idle_s)
     full = reference(layout(), NUM_BLOCKS, 71)
     cache = shard(full, layout())
     peers = []
@@ -228,3 +256,30 @@ def test_mismatched_block_sizes_are_refused_by_name():
             sender.send_all("x", cache, SRC_IDS, dst)
     finally:
         sender.close()
+
+
+def test_gloo_abort_keeps_the_pair_in_step():
+    """A transfer aborted with its messages still on the way: they go anyway (and land,
+    the receiver still expects them), and the next transfer on the same pair lands in its
+    own blocks, bit for bit."""
+    tr = get_transport("gloo")
+    side = Side("gloo")
+    sender = tr.sender(layout(), checksum=True, pack_below=0)
+    try:
+        first, second = reference(layout(), NUM_BLOCKS, 81), reference(layout(), NUM_BLOCKS, 82)
+        other_ids = [1, 2, 3, 4, 6, 13, 14]
+        for r in side.receivers:
+            r.expect("dropped", other_ids, layout(), lease_s=30)
+        side.expect("kept")
+        dropped = dataclasses.replace(side.dst, block_ids=other_ids)
+        sender.send_all("dropped", shard(first, layout()), SRC_IDS, dropped)
+        sender.abort("dropped")
+        sender.send_all("kept", shard(second, layout()), SRC_IDS, side.dst)
+        assert sender.finish("kept", timeout=20).acks[0].status.name == "OK"
+        side.receivers[0].wait("kept", timeout=20)
+        side.check(82)
+        side.receivers[0].wait("dropped", timeout=20)
+        assert torch.equal(side.caches[0][:, :, other_ids], shard(first, layout())[:, :, SRC_IDS])
+    finally:
+        sender.close()
+        side.close()

@@ -11,6 +11,7 @@ import torch
 from kv_transfer import KVDestination, KVHandoff, KVLayout, KVLayoutError, get_transport
 from kv_transfer.blocks import gather, plan_segments, scatter
 from kv_transfer.checksum import checksum
+from kv_transfer.gloo.wire import layer_spans
 from kv_transfer.head_map import all_routes, routes_from, routes_into
 
 
@@ -97,6 +98,32 @@ def test_gather_scatter_between_different_block_ids():
             dst[dst_ids][:, :, heads[0] : heads[1]], src[src_ids][:, :, slice(*heads)]
         )
     assert gather(src, [3, 4, 5], (0, 4)).data_ptr() == src[3].data_ptr()  # a view, no copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gather_scatter_several_layers_at_once(dtype):
+    """K and V of consecutive layers in one copy (``[layers, 2, blocks, ...]``, how the
+    gloo backend fills and empties a pack), 2-byte dtypes and head slices included."""
+    torch.manual_seed(0)
+    src = torch.randn(5, 2, 12, 4, 4, 8).to(dtype)
+    dst = torch.zeros_like(src)
+    for src_ids, dst_ids in (([3, 4, 5, 9], [0, 7, 8, 2]), ([3, 4, 5, 6], [7, 8, 9, 10])):
+        for heads in ((0, 4), (1, 3)):
+            data = gather(src[1:4], src_ids, heads)
+            assert data.is_contiguous()
+            assert data.shape == (3, 2, len(src_ids), 4, heads[1] - heads[0], 8)
+            scatter(dst[1:4], dst_ids, heads, data)
+            h = slice(*heads)
+            assert torch.equal(dst[1:4, :, dst_ids][..., h, :], src[1:4, :, src_ids][..., h, :])
+    assert not dst[0].any() and not dst[4].any()
+
+
+def test_pack_spans_group_consecutive_layers():
+    n = 96  # bytes of K (and V) of each packed row: (layer, start, count, head0, offset, n)
+    rows = [(0, 0, 2, 0, 0, n), (1, 0, 2, 0, 2 * n, n), (2, 0, 2, 0, 4 * n, n)]
+    rows += [(3, 2, 1, 0, 6 * n, n // 2), (5, 2, 1, 0, 7 * n, n // 2)]  # a layer skipped
+    rows += [(6, 2, 1, 0, 9 * n, n // 2)]  # not right after the previous row in the pack
+    assert layer_spans(rows) == [(0, 3), (3, 4), (4, 5), (5, 6)]
 
 
 def test_handoff_round_trips_through_protobuf():
