@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.kv_transfer [--sizes 1,16,256] [--checksum]
                                           [--blocks scattered|contiguous] [--repeats N]
+                                          [--layerwise]
 
 Two processes on loopback: this one sends, a child process receives. For each size of
 KV (the embedded model's layout: 30 layers, 3 KV heads x 64, blocks of 16 tokens,
@@ -22,6 +23,9 @@ payload bytes per second (1e9); the ratio is backend / raw transport. Source and
 destination block ids are a random scatter of a larger cache by default (``--blocks
 contiguous`` sends runs of consecutive ids, which the backends send without gathering
 first). Do not run it beside the tests: the machine has 2 cores.
+
+``--layerwise`` then measures, on the embedded model through real clusters, how much
+of the transfer layer-wise sending hides from TTFT (``bench/layerwise.py``).
 """
 
 from __future__ import annotations
@@ -278,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", choices=("scattered", "contiguous"), default="scattered")
     p.add_argument("--checksum", action="store_true", help="backends checksum every chunk")
     p.add_argument("--repeats", type=int, default=0, help="timed runs per cell (0: by size)")
+    p.add_argument("--layerwise", action="store_true", help="then TTFT with layer-wise sending")
     p.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     p.add_argument("--cache-blocks", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--max-bytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -333,6 +338,11 @@ def main(argv: list[str] | None = None) -> None:
         f"blocks: {args.blocks}; checksum: {'on' if args.checksum else 'off'}; "
         f"GB/s = payload bytes / s (1e9); ratio = backend / raw transport"
     )
+    if args.layerwise:
+        from bench.layerwise import main as layerwise
+
+        print("\nlayer-wise sending on the embedded model (bench/layerwise.py):", flush=True)
+        layerwise([])
 
 
 def _table(rows: list[dict], header: bool = True) -> str:
