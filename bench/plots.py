@@ -27,6 +27,10 @@ def _png(plt, fig, ax, target: float) -> bytes:
     ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:.0%}")
     ax.set_ylim(-0.03, 1.03)
     ax.set_ylabel("SLO attainment")
+    return _save(plt, fig, ax)
+
+
+def _save(plt, fig, ax) -> bytes:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -74,10 +78,4 @@ def tpot_cdf(results: dict) -> bytes:
     ax.set_xlabel("TPOT ms")
     ax.set_ylabel("share of requests")
     ax.set_title(f"TPOT distribution at {rate:g} requests / s")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return _save(plt, fig, ax)
