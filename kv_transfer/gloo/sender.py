@@ -166,10 +166,14 @@ class GlooSender(KVSender):
         seg.gather_into(k, v)
         return k, v
 
-    def _send(self, t: Outgoing, pair: SendPair, messages: list) -> None:
+    def _send(self, t: Outgoing, pair: SendPair, messages: list, ack: torch.Tensor | None = None):
         """Post ``(tensor, tag, pack buffer or None)`` sends. Sends of one tag on a pair
         complete in order, so only packs (to reuse their buffers) and, at the end, the
-        last send of each tag are waited for (once each: gloo counts completions)."""
+        last send of each tag are waited for (once each: gloo counts completions).
+        With ``ack``, also post the receive of the acknowledgement and return its work,
+        under the same lock: receivers answer in the order ENDs arrive, and gloo matches
+        receives of a tag in the order they were posted, so concurrent ``finish`` calls
+        on one pair must post theirs in the order of their ENDs."""
         sends = t.extra.setdefault("sends", [])
         packs = t.extra.setdefault("packs", collections.deque())
         with pair.lock:
@@ -184,8 +188,11 @@ class GlooSender(KVSender):
                         sends.append((pair, tag, work, tensor))
                     else:
                         packs.append((pair, work, tensor, pack))
+                if ack is not None:
+                    return pair.pg.recv([ack], 1, wire.TAG_ACK)
             except Exception as e:  # noqa: BLE001
                 raise self._broken(pair, e) from e
+        return None
 
     def _take_pack(self, t: Outgoing, nbytes: int) -> torch.Tensor:
         """A pooled buffer for a pack. With ``pack_window`` packs of this transfer still on
@@ -251,12 +258,8 @@ class GlooSender(KVSender):
             h = wire.header(Kind.END, t.key, self.layout.tp_rank, t.segments.get(address, 0))
             end = torch.tensor(h, dtype=torch.int64, device=self.device_type)
             ack = torch.empty(wire.HDR_LEN, dtype=torch.int64, device=self.device_type)
-            self._send(t, pair, [(end, wire.TAG_HDR, None)])
-            with pair.lock:
-                try:
-                    pending.append((pair, pair.pg.recv([ack], 1, wire.TAG_ACK), ack))
-                except Exception as e:  # noqa: BLE001
-                    raise self._broken(pair, e) from e
+            work = self._send(t, pair, [(end, wire.TAG_HDR, None)], ack=ack)
+            pending.append((pair, work, ack))
         self._all_sent(t, wait_for)
         acks = []
         for pair, work, ack in pending:

@@ -283,3 +283,32 @@ def test_gloo_abort_keeps_the_pair_in_step():
     finally:
         sender.close()
         side.close()
+
+
+def test_gloo_concurrent_finishes_on_one_pair_get_their_own_acks():
+    """Several transfers in flight on one pair, finished from as many threads at once
+    (the prefill worker's ack threads): each gets its own acknowledgement and lands in
+    its own blocks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tr = get_transport("gloo")
+    side = Side("gloo")
+    sender = tr.sender(layout(), checksum=True)
+    src_ids = [3, 4]
+    dst_sets = [[2 * i, 2 * i + 1] for i in range(8)]
+    caches = [shard(reference(layout(), NUM_BLOCKS, 90 + i), layout()) for i in range(8)]
+    try:
+        for rounds in range(20):
+            tids = [f"t{rounds}-{i}" for i in range(8)]
+            for tid, ids, cache in zip(tids, dst_sets, caches, strict=True):
+                side.receivers[0].expect(tid, ids, layout(), lease_s=30)
+                sender.send_all(tid, cache, src_ids, dataclasses.replace(side.dst, block_ids=ids))
+            with ThreadPoolExecutor(8) as pool:
+                acks = list(pool.map(lambda t: sender.finish(t, timeout=20), tids))
+            assert [a.acks[0].status.name for a in acks] == ["OK"] * 8
+            for tid, ids, cache in zip(tids, dst_sets, caches, strict=True):
+                side.receivers[0].wait(tid, timeout=20)
+                assert torch.equal(side.caches[0][:, :, ids], cache[:, :, src_ids])
+    finally:
+        sender.close()
+        side.close()
