@@ -54,6 +54,7 @@ class DecodeWorker(EngineWorker):
         self.lease_s = kv_config["lease_s"]
         self.reservations: dict[str, Reservation] = {}
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id
+        self._next_lease_check = 0.0
         self.addresses = [self.receiver.address]  # one KV receiver per tensor-parallel rank
         if self.ranks:
             import ray
@@ -133,11 +134,19 @@ class DecodeWorker(EngineWorker):
         return LEASE_CHECK_S if self.reservations else None
 
     def _between_steps(self) -> list[Update]:
+        """Admit handed-off requests whose KV has landed; every LEASE_CHECK_S, release
+        reservations whose lease ran out. Free when nothing is reserved (most decode
+        steps)."""
+        if not self.reservations:
+            return []
         out = []
         for r in list(self.reservations.values()):
             if r.handoff is not None and self.receiver.ready(r.transfer_id) and self._ranks_done(r):
                 out += self._start_decoding(r)
         now = time.monotonic()
+        if now < self._next_lease_check:
+            return out
+        self._next_lease_check = now + LEASE_CHECK_S
         for tid in self.receiver.reap_expired():
             if tid in self._by_transfer:
                 out += self._lease_over(self.reservations[self._by_transfer[tid]])

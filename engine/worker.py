@@ -151,8 +151,9 @@ class EngineWorker:
         while True:
             with self._lock:
                 while not (self._inbox or self._stopping or self._has_work()):
-                    self._work.wait(self._idle_wait_s())
-                    if self._idle_wait_s() is not None:
+                    idle_s = self._idle_wait_s()
+                    self._work.wait(idle_s)
+                    if idle_s is not None:
                         break  # waiting on something outside the engine: look again
                 if self._stopping:
                     return

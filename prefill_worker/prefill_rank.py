@@ -12,6 +12,7 @@ from engine.tp_rank import RankActor
 from kv_transfer import KVDestination, get_transport
 from kv_transfer.endpoints import cache_layout, kv_host
 from kv_transfer.proto import kv_transfer_pb2 as kv_pb
+from prefill_worker.prefill_worker import ack_timeout_s
 
 
 class PrefillRank(RankActor):
@@ -22,7 +23,7 @@ class PrefillRank(RankActor):
         if transport.name != "grpc":
             options["host"] = kv_host()
         self.sender = transport.sender(self.layout, **options)
-        self.ack_timeout_s = kv_config["lease_s"]
+        self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self._acks: dict[str, Future] = {}
         self._acks_posted = threading.Condition()
         self._ack_pool = ThreadPoolExecutor(4, thread_name_prefix=f"{self.name}-acks")

@@ -26,6 +26,13 @@ from kv_transfer.proto import kv_transfer_pb2 as kv_pb
 from prefill_worker.prefill_engine import Prefilled, PrefillEngine
 
 
+def ack_timeout_s(lease_s: float) -> float:
+    """How long a sender waits for the acknowledgement: past the decode lease, so that a
+    transfer that never completes is reported by the decode instance, which owns the
+    reservation (and releases it), not by whichever side's timer fires first."""
+    return 1.5 * lease_s
+
+
 @dataclass(eq=False)
 class Job:
     """A request in this instance: where its KV goes and how its transfer stands."""
@@ -56,7 +63,7 @@ class PrefillWorker(EngineWorker):
             options["host"] = kv_host()
         self.sender = transport.sender(self.layout, **options)
         self.layerwise = kv_config["layerwise"]
-        self.ack_timeout_s = kv_config["lease_s"]
+        self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self.jobs: dict[str, Job] = {}
         self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{self.name}-acks")
         self._cuts_left, self._cut_after = 0, 0
