@@ -19,7 +19,7 @@ from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler, StepShape
 from engine.step_plan import StepPlan
 
 
@@ -46,6 +46,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.blocks, config.seed)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
+        self.last_shape: StepShape | None = None  # of the latest step's batch
 
     @property
     def max_context(self) -> int:
@@ -147,6 +148,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.last_shape = batch.shape() if batch else None
         sampled = self.runner.run(batch) if batch else []
         return self._postprocess(batch, sampled)
 

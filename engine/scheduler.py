@@ -34,6 +34,29 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.items)
 
+    def shape(self) -> StepShape:
+        """What the step costs depend on (the planner's cost models fit step times to it).
+        A decode is one new token of a request past its prompt; the rest are prompt
+        chunks (a recomputation after preemption counts as prompt)."""
+        tokens = sum_sq = decodes = context = 0
+        for r, n in self.items:
+            done = r.num_computed_tokens
+            if n == 1 and done >= r.num_prompt_tokens:
+                decodes += 1
+                context += done + 1
+            else:
+                tokens += n
+                sum_sq += (done + n) ** 2 - done**2
+        return StepShape(tokens, sum_sq, decodes, context)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    prefill_tokens: int
+    sum_sq: int  # of the prompt chunks: (offset + n)^2 - offset^2 each (attention pairs x 2)
+    decodes: int
+    context: int  # KV tokens the decodes attend to, summed
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_size: int):

@@ -28,6 +28,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.parallel import SINGLE, TensorParallel, serve_store
+from engine.step_log import StepLog
 from engine.updates import Update
 
 
@@ -68,6 +69,7 @@ class EngineWorker:
         # aborts that arrived before their request (a threaded actor may reorder calls)
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
+        self._steps = StepLog()
         self._setup(*setup)
         self._snapshot = self._stats()
         self._stopping = False
@@ -116,6 +118,11 @@ class EngineWorker:
         with self._lock:
             return dict(self._snapshot)
 
+    def step_log(self) -> list[list[float]]:
+        """The steps served since the last call: ``[prefill_tokens, sum_sq, decodes,
+        context, seconds]`` each (``engine.step_log``)."""
+        return self._steps.take()
+
     def check_integrity(self) -> dict:
         """Run the block manager's ``check_integrity()`` between steps; the block counts."""
 
@@ -159,9 +166,11 @@ class EngineWorker:
                     return
                 ops = list(self._inbox)
                 self._inbox.clear()
+            started = time.perf_counter()
             produced = [u for op in ops for u in self._apply(op)]
             produced += self._between_steps()
-            if self.engine.has_unfinished_requests():
+            stepped = self.engine.has_unfinished_requests()
+            if stepped:
                 produced += self._step()
             with self._lock:
                 for update in produced:
@@ -172,6 +181,8 @@ class EngineWorker:
                         self._consumer.pop(update.request_id, None)
                 self._snapshot = self._stats()
                 self._produced.notify_all()
+            if stepped and self.engine.last_shape is not None:
+                self._steps.record(self.engine.last_shape, time.perf_counter() - started)
 
     def _setup(self) -> None:
         """A role's own state (the KV transfer endpoints), before the step loop starts."""

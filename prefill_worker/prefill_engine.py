@@ -42,6 +42,7 @@ class PrefillEngine(LLMEngine):
 
     def step(self, on_last_chunk: LastChunkHook | None = None) -> list[Prefilled]:
         batch = self.scheduler.schedule()
+        self.last_shape = batch.shape() if batch else None
         now = time.time()
         for request, _ in batch.items:
             self.started.setdefault(request.request_id, now)
