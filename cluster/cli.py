@@ -8,6 +8,7 @@ pdserve bench CONFIG [--workload W] [--rates R1,R2] [--search]  goodput under SL
 pdserve bench --endpoint URL --model M ...                     of an OpenAI-compatible server
 pdserve compare A.yaml B.yaml [...] [--rates ...] --out DIR    the same requests, side by side
 pdserve profile CONFIG [--out profile.json]                    step and KV transfer times here
+pdserve profile --served A.yaml [B.yaml] [--rate R]            ... as the clusters serve them
 pdserve plan --model M --devices N --workload W ...            placement search, writes a YAML
 """
 

@@ -11,8 +11,8 @@ from engine.scheduler import StepShape
 
 class StepLog:
     """The latest ``capacity`` steps as ``[prefill_tokens, sum_sq, decodes, context,
-    seconds]``; seconds span one turn of the serving loop (calls applied, the role's work
-    between steps, the step, its updates published), i.e. what a request waits per step."""
+    seconds]``; seconds span one turn of the serving loop up to its updates (calls applied,
+    the role's work between steps, the step), i.e. what a request waits per step."""
 
     def __init__(self, capacity: int = 50_000):
         self._rows: deque[list[float]] = deque(maxlen=capacity)

@@ -169,9 +169,10 @@ class EngineWorker:
             started = time.perf_counter()
             produced = [u for op in ops for u in self._apply(op)]
             produced += self._between_steps()
-            stepped = self.engine.has_unfinished_requests()
-            if stepped:
+            if self.engine.has_unfinished_requests():
                 produced += self._step()
+                if self.engine.last_shape is not None:  # recorded before its updates go out
+                    self._steps.record(self.engine.last_shape, time.perf_counter() - started)
             with self._lock:
                 for update in produced:
                     consumer = self._consumer.get(update.request_id)
@@ -181,8 +182,6 @@ class EngineWorker:
                         self._consumer.pop(update.request_id, None)
                 self._snapshot = self._stats()
                 self._produced.notify_all()
-            if stepped and self.engine.last_shape is not None:
-                self._steps.record(self.engine.last_shape, time.perf_counter() - started)
 
     def _setup(self) -> None:
         """A role's own state (the KV transfer endpoints), before the step loop starts."""

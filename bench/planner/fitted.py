@@ -3,6 +3,11 @@ does, per tensor-parallel degree, by least squares.
 
     prefill_s = a + b x tokens + c x sum_sq      decode_s = a + b x batch + c x context
     transfer_s = a + b x bytes
+    mixed_s = a + b x tokens + c x sum_sq + d x batch + e x context   (co-located steps)
+
+Without a ``mixed`` fit (an offline profile), a co-located step is ``prefill_s +
+decode_s``; a served profile (``bench.planner.served``) fits the steps an instance
+actually mixed.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class FittedCost:
     kv_bytes_per_token: int
     kv_capacity: dict[int, int]  # tp -> KV tokens one instance holds
     meta: dict = field(default_factory=dict)  # what was measured, how, and the points
+    mixed: dict[int, list[float]] = field(default_factory=dict)  # tp -> [a, b, c, d, e]
 
     def prefill_s(self, tokens: int, sum_sq: float, tp: int = 1) -> float:
         if tokens <= 0:
@@ -51,6 +57,14 @@ class FittedCost:
             return 0.0
         a, b, c = self.decode[tp]
         return a + b * batch + c * context
+
+    def mixed_s(self, tokens: int, sum_sq: float, batch: int, context: int, tp: int = 1) -> float:
+        if tp not in self.mixed:
+            return self.prefill_s(tokens, sum_sq, tp) + self.decode_s(batch, context, tp)
+        if tokens <= 0 and batch <= 0:
+            return 0.0
+        a, b, c, d, e = self.mixed[tp]
+        return a + b * tokens + c * sum_sq + d * batch + e * context
 
     def transfer_s(self, nbytes: float) -> float:
         a, b = self.transfer
@@ -66,32 +80,6 @@ class FittedCost:
     @classmethod
     def load(cls, path: str | Path) -> FittedCost:
         d = json.loads(Path(path).read_text())
-        for key in ("prefill", "decode", "kv_capacity"):
-            d[key] = {int(k): v for k, v in d[key].items()}
+        for key in ("prefill", "decode", "kv_capacity", "mixed"):
+            d[key] = {int(k): v for k, v in d.get(key, {}).items()}
         return cls(**d)
-
-
-@dataclass
-class Scaled:
-    """Another cost model with each phase's step times multiplied: a calibration, e.g.
-    when serving runs a phase slower than the profile measured it alone."""
-
-    cost: object
-    prefill: float = 1.0
-    decode: float = 1.0
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        return self.cost.kv_bytes_per_token
-
-    def prefill_s(self, tokens: int, sum_sq: float, tp: int = 1) -> float:
-        return self.prefill * self.cost.prefill_s(tokens, sum_sq, tp)
-
-    def decode_s(self, batch: int, context: int, tp: int = 1) -> float:
-        return self.decode * self.cost.decode_s(batch, context, tp)
-
-    def transfer_s(self, nbytes: float) -> float:
-        return self.cost.transfer_s(nbytes)
-
-    def kv_capacity_tokens(self, tp: int) -> int:
-        return self.cost.kv_capacity_tokens(tp)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from bench.planner.fitted import FittedCost, fit_linear
+from bench.workloads import WORKLOADS, WorkloadSpec
 
 
 @dataclass
@@ -188,21 +189,52 @@ def from_cluster_config(path: str, overrides=()) -> ProfileConfig:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML file: model, dtype, pools' tensor_parallel and CPUs")
+    p.add_argument(
+        "config",
+        nargs="+",
+        help="YAML file: model, dtype, pools' tensor_parallel and CPUs (--served: several)",
+    )
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")
     p.add_argument("--out", default="profile.json")
+    served = p.add_argument_group("--served: fit the steps the configs' clusters serve")
+    served.add_argument("--served", action="store_true", help="launch each config, replay load")
+    served.add_argument("--workload", default="longprompt", choices=WORKLOADS)
+    served.add_argument("--rate", type=float, default=0.4, help="requests per second")
+    served.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    served.add_argument("--seed", type=int, default=1)
+    served.add_argument("--long-prompt-mean", type=int, default=384)
+    served.add_argument("--long-output-mean", type=int, default=96)
+    served.add_argument("--max-prompt-tokens", type=int)
+    served.add_argument("--max-output-tokens", type=int)
 
 
 def main(args: argparse.Namespace) -> int:
     from cluster.config_loader import ConfigError
 
-    try:
-        cfg = from_cluster_config(args.config, args.set or [])
-    except ConfigError as e:
-        print(f"pdserve profile: {args.config}: {e}", file=sys.stderr)
-        return 2
+    log = lambda line: print(line, flush=True)  # noqa: E731
     started = time.monotonic()
-    cost = profile(cfg, log=lambda line: print(line, flush=True))
+    try:
+        if args.served:
+            from bench.planner.served import profile_served
+
+            spec = WorkloadSpec(
+                args.workload,
+                seed=args.seed,
+                long_prompt_mean=args.long_prompt_mean,
+                long_output_mean=args.long_output_mean,
+                max_prompt_tokens=args.max_prompt_tokens,
+                max_output_tokens=args.max_output_tokens,
+            )
+            cost = profile_served(
+                args.config, args.set or [], spec, args.rate, args.duration, log=log
+            )
+        else:
+            if len(args.config) > 1:
+                raise ValueError("give one config (several only with --served)")
+            cost = profile(from_cluster_config(args.config[0], args.set or []), log=log)
+    except (ConfigError, ValueError) as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return 2
     cost.save(args.out)
     print(
         f"profile: wrote {args.out} in {time.monotonic() - started:.0f} s ({os.cpu_count()} CPUs)"

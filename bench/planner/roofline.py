@@ -10,8 +10,9 @@ Inference"): a step takes max(compute, memory) plus its communication.
   hidden] (after attention's output projection and after the MLP), a ring moving
   2 (t-1)/t of the data per device.
 
-Every cost model (this one, ``bench.planner.profile.FittedCost``) answers the same calls:
-``prefill_s``, ``decode_s``, ``transfer_s``, ``kv_bytes_per_token``, ``kv_capacity_tokens``.
+Every cost model (this one, ``bench.planner.fitted.FittedCost``) answers the same calls:
+``prefill_s``, ``decode_s``, ``mixed_s`` (a co-located step: prompt chunks beside
+decodes), ``transfer_s``, ``kv_bytes_per_token``, ``kv_capacity_tokens``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ class RooflineCost:
         flops = 2 * m.params * batch + self._attn_flops_per_pair() * context
         nbytes = m.weight_bytes + (context + batch) * m.kv_bytes_per_token
         return self._step(batch, flops, nbytes, tp)
+
+    def mixed_s(self, tokens: int, sum_sq: float, batch: int, context: int, tp: int = 1) -> float:
+        """Prompt chunks and decodes in one pass: the FLOPs add up, the weights are read
+        once."""
+        if tokens <= 0 or batch <= 0:
+            return self.prefill_s(tokens, sum_sq, tp) + self.decode_s(batch, context, tp)
+        m = self.model
+        flops = 2 * m.params * (tokens + batch)
+        flops += self._attn_flops_per_pair() * (sum_sq / 2 + context)
+        nbytes = m.weight_bytes + (tokens + context + batch) * m.kv_bytes_per_token
+        return self._step(tokens + batch, flops, nbytes, tp)
 
     def transfer_s(self, nbytes: float) -> float:
         return nbytes / self.hw.kv_bandwidth + self.hw.kv_latency_s if nbytes > 0 else 0.0

@@ -67,6 +67,9 @@ class PhaseOnly:
     def decode_s(self, batch, context, tp=1):
         return self.cost.decode_s(batch, context, tp) if self.phase == "decode" else 0.0
 
+    def mixed_s(self, tokens, sum_sq, batch, context, tp=1):
+        return self.prefill_s(tokens, sum_sq, tp) + self.decode_s(batch, context, tp)
+
     def transfer_s(self, nbytes):
         return self.cost.transfer_s(nbytes) if self.phase == "prefill" else 0.0
 

@@ -8,8 +8,8 @@ What it models, as the engine and router do it:
   fewest queued prompt tokens gets the prompt;
 - chunked prefill under the token budget, FCFS, several prompts per step;
 - continuous decode batching (one token per running request per step);
-- co-located mixed steps: decodes first, then prompt chunks, one step costing
-  prefill(chunks) + decode(batch);
+- co-located mixed steps: decodes first, then prompt chunks, one step costing the cost
+  model's ``mixed_s`` (its own fit of served mixed steps, or prefill + decode);
 - the KV transfer past the prefill: layer-wise, only what the last chunk's step does
   not hide, max(0, transfer - step); else all of it.
 Simplifications: a request reserves the blocks of its whole output at admission (no
@@ -163,7 +163,10 @@ class Instance:
         if not decodes and not tokens:
             return
         prefill = sim.cost.prefill_s(tokens, sq, tp) if tokens else 0.0
-        duration = prefill + (sim.cost.decode_s(decodes, self.batch.context, tp) if decodes else 0)
+        if self.role == "colocated":
+            duration = sim.cost.mixed_s(tokens, sq, decodes, self.batch.context, tp)
+        else:
+            duration = prefill + sim.cost.decode_s(decodes, self.batch.context, tp)
         self.busy = True
         sim.at(now + duration, lambda: self.end_step(items, decodes, prefill))
 

@@ -4,37 +4,45 @@ counts, same arrival times) and SLO, on a cost model, to set beside measured res
     python -m bench.planner.validate configs/local-colocated.yaml configs/local-disagg.yaml \\
         --profile profile.json --workload longprompt --long-prompt-mean 512 \\
         --long-output-mean 64 --rates 0.2,0.4,0.6 --duration 60 \\
-        --slo-ttft-ms 4000 --slo-tpot-ms 150
+        --slo-ttft-ms 4000 --slo-tpot-ms 150 [--search]
+
+With ``--search`` the goodput is bracketed and bisected as ``pdserve bench --search``
+does, on simulated runs.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench.metrics import SLO, summarize
+from bench.metrics import SLO, search_goodput, summarize
 from bench.planner.cluster_spec import from_cluster_config
 from bench.planner.simulator import simulate
 from bench.planner.workload import _tokenizer
 from bench.workloads import WorkloadSpec, make_workload
 
 
-def simulate_bench(config_path: str, cost, spec: WorkloadSpec, rates, duration_s, slo: SLO):
-    """rate -> (summary, records), as ``pdserve bench`` would measure them."""
+def simulate_bench(
+    config_path: str, cost, spec: WorkloadSpec, rates, duration_s, slo: SLO, search=False
+):
+    """(rate -> (summary, records), goodput result), as ``pdserve bench`` would measure."""
     from cluster.config_loader import load_config
+    from engine.checkpoint import load_checkpoint
 
     config = load_config(config_path)
     cluster = from_cluster_config(config)
     tokenizer = _tokenizer(config.model)
-    from engine.checkpoint import load_checkpoint
-
     max_len = load_checkpoint(config.model).config.max_position
     out = {}
-    for rate in rates:
+
+    def run(rate: float):
         n = max(1, round(rate * duration_s))
         reqs = make_workload(spec, tokenizer, n, rate, max_len)
         records = simulate(cluster, cost, [(r.arrival_s, len(r[1]), r.output_len) for r in reqs])
         out[rate] = (summarize(records, slo), records)
-    return out
+        return records
+
+    result = search_goodput(run, slo, rates, search=search)
+    return dict(sorted(out.items())), result
 
 
 def prefill_ms(records) -> float:
@@ -44,22 +52,19 @@ def prefill_ms(records) -> float:
 
 
 def main(argv=None) -> None:
-    from bench.planner.fitted import FittedCost, Scaled
+    from bench.planner.fitted import FittedCost
     from bench.runner import add_workload_arguments, parse_common
 
     p = argparse.ArgumentParser(prog="bench.planner.validate")
     p.add_argument("configs", nargs="+")
     p.add_argument("--profile", required=True)
-    p.add_argument("--prefill-scale", type=float, default=1.0, help="calibrate prefill steps")
-    p.add_argument("--decode-scale", type=float, default=1.0, help="calibrate decode steps")
     add_workload_arguments(p)
     args = p.parse_args(argv)
     rates, spec, slo = parse_common(args, None)
-    cost = Scaled(FittedCost.load(args.profile), args.prefill_scale, args.decode_scale)
+    cost = FittedCost.load(args.profile)
     for path in args.configs:
-        for rate, (s, records) in simulate_bench(
-            path, cost, spec, rates, args.duration, slo
-        ).items():
+        runs, result = simulate_bench(path, cost, spec, rates, args.duration, slo, args.search)
+        for rate, (s, records) in runs.items():
             print(
                 f"{path} @ {rate:g}/s: attainment {s['attainment']:.2f} "
                 f"(TTFT {s['attainment_ttft']:.2f}, TPOT {s['attainment_tpot']:.2f}), "
@@ -67,6 +72,8 @@ def main(argv=None) -> None:
                 f"TPOT p50/p90 {s['p50_tpot_ms']:.0f}/{s['p90_tpot_ms']:.0f} ms, "
                 f"prefill {prefill_ms(records):.0f} ms"
             )
+        goodput = f"{result.goodput:.3g} req/s" if result.met else "none"
+        print(f"{path}: simulated goodput {goodput}")
 
 
 if __name__ == "__main__":

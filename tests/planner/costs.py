@@ -19,6 +19,9 @@ class LinearCost:
     def decode_s(self, batch, context, tp=1):
         return self.decode_base + self.decode_per_seq * batch if batch else 0.0
 
+    def mixed_s(self, tokens, sum_sq, batch, context, tp=1):
+        return self.prefill_s(tokens, sum_sq, tp) + self.decode_s(batch, context, tp)
+
     def transfer_s(self, nbytes):
         return self.transfer
 

@@ -97,6 +97,9 @@ def test_simulate_bench_replays_the_bench_requests():
     from bench.workloads import WorkloadSpec
 
     spec = WorkloadSpec("longprompt", long_prompt_mean=64, long_output_mean=8, dataset_limit=200)
-    out = simulate_bench("configs/local-disagg.yaml", LinearCost(), spec, [0.5, 2], 10, SLO())
-    assert [s["requests"] for s, _ in out.values()] == [5, 20]
+    out, result = simulate_bench(
+        "configs/local-disagg.yaml", LinearCost(), spec, [2, 0.5], 10, SLO(ttft_ms=1e6)
+    )
+    assert list(out) == [0.5, 2] and [s["requests"] for s, _ in out.values()] == [5, 20]
+    assert result.met and result.goodput == 2  # no search: the rates given
     assert all(r.instances == ["prefill-0", "decode-0"] for _, rs in out.values() for r in rs)
