@@ -150,6 +150,8 @@ def profile_served(
         load_checkpoint(config.model).config, config.model, config.dtype
     )
     meta = {
+        "model": config.model,
+        "dtype": config.dtype,
         "served": configs,
         "workload": spec.name,
         "rate": rate,

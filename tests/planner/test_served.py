@@ -83,7 +83,9 @@ def test_profile_served_colocated_and_disaggregated(chat_model, tmp_path, capsys
     reqs = make_workload(spec, tokenizer, 16, 8, max_len)
     prompt_tokens = sum(len(r[1]) for r in reqs)
     decodes = sum(r.output_len - 1 for r in reqs)
-    points = json.loads(out.read_text())["meta"]["points"]
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["model"] == chat_model and meta["dtype"] == "float32"  # what plan reads
+    points = meta["points"]
     for role in ("colocated tp 1", "prefill tp 1"):
         assert sum(row[0] for row in points[role]) == prompt_tokens
     for role in ("colocated tp 1", "decode tp 1"):
