@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.cpu_kernel import DecodeKernel, decode_kernel
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -22,10 +23,15 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Prefill chunks one sequence at a time, decodes as one masked batch, both through
-    ``scaled_dot_product_attention`` on K/V gathered from the blocks."""
+    """Prefill chunks one sequence at a time through ``scaled_dot_product_attention``
+    on K/V gathered from the blocks. Decodes run as one batch: in float32 on CPU through
+    the C kernel (``cpu_kernel.py``), which reads the blocks in place; elsewhere, or
+    with ``use_kernel=False`` or no compiler, as one masked SDPA call on gathered K/V."""
 
     name = "torch"
+
+    def __init__(self, use_kernel: bool = True):
+        self.use_kernel = use_kernel
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -58,8 +64,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """One query token per sequence; padding past each length is masked out."""
+        first = meta.num_prefills
+        if self.use_kernel and DecodeKernel.supports(q, k_cache, v_cache):
+            kernel = decode_kernel()
+            if kernel is not None:
+                tables, lens = meta.block_tables[first:], meta.seq_lens[first:]
+                return kernel(q, k_cache, v_cache, tables, lens, scale)
         if "decode" not in meta.derived:
-            first = meta.num_prefills
             max_len = max(meta.seq_lens_host[first:])
             tables = meta.block_tables[first:, : -(-max_len // k_cache.shape[1])]
             width = tables.shape[1] * k_cache.shape[1]
