@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.block_manager import BlockManager
@@ -39,6 +41,69 @@ def test_integrity_catches_corruption():
     with pytest.raises(AssertionError, match="reference counts"):
         bm.check_integrity()
     bm.ref_counts[bm.tables["a"][0]] = 1
-    bm.free_blocks.append(bm.tables["a"][1])
-    with pytest.raises(AssertionError, match="free list"):
+    bm.free_map[bm.tables["a"][1]] = 1
+    with pytest.raises(AssertionError, match="free map"):
         bm.check_integrity()
+    bm.free_map[bm.tables["a"][1]] = 0
+    bm.num_free_blocks += 1
+    with pytest.raises(AssertionError, match="3 blocks counted free, 2 are"):
+        bm.check_integrity()
+
+
+def _runs(ids: list[int]) -> int:
+    return 1 + sum(1 for a, b in zip(ids, ids[1:], strict=False) if b != a + 1)
+
+
+def test_tables_stay_physically_consecutive():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    assert bm.allocate("a", 8) == [0, 1]
+    assert bm.allocate("b", 8) == [2, 3]
+    bm.free("a")
+    assert bm.allocate("c", 12) == [4, 5, 6]  # the first free run that holds it
+    assert bm.allocate("d", 4) == [0]
+    assert bm.allocate("d", 8) == [1]  # grows into the block after its last
+    assert bm.allocate("b", 12) == [7]  # 4 is taken: the first free run of one
+    assert bm.allocate("e", 4 * 8) == [8, 9, 10, 11, 12, 13, 14, 15]
+    bm.check_integrity()
+
+
+def test_no_run_long_enough_takes_the_lowest_free_ids():
+    bm = BlockManager(num_blocks=8, block_size=1)
+    for i in range(8):
+        bm.allocate(f"r{i}", 1)
+    for i in (1, 3, 4, 6):
+        bm.free(f"r{i}")
+    assert bm.allocate("x", 3) == [1, 3, 4]  # no free run of three: the lowest ids
+    bm.free("x")
+    assert bm.allocate("y", 4) == [1, 3, 4, 6]
+    bm.check_integrity()
+    assert bm.num_free_blocks == 0
+
+
+def test_churn_keeps_new_tables_in_one_run_and_the_books_right():
+    """Requests arrive with prompts, grow a block at a time while they decode (their
+    growth interleaves) and leave: new requests still get one run of blocks."""
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=256, block_size=16)
+    running: dict[str, list[int]] = {}  # id -> [tokens, tokens left to decode]
+    runs = []
+    for step in range(6000):
+        if rng.random() < 0.03:
+            rid, prompt = f"r{step}", rng.randint(100, 700)
+            if bm.can_allocate(rid, prompt):
+                runs.append(_runs(bm.allocate(rid, prompt)))
+                running[rid] = [prompt, rng.randint(16, 80)]
+        for rid, state in list(running.items()):
+            if state[1] == 0 or not bm.can_allocate(rid, state[0] + 1):
+                bm.free(rid)
+                del running[rid]
+                continue
+            bm.allocate(rid, state[0] + 1)
+            state[0], state[1] = state[0] + 1, state[1] - 1
+        if step % 500 == 0:
+            bm.check_integrity()
+    assert len(runs) > 100 and sum(r == 1 for r in runs) / len(runs) > 0.9
+    for rid in list(running):
+        bm.free(rid)
+    bm.check_integrity()
+    assert bm.num_free_blocks == 256
