@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_ops import CpuOps, cpu_ops
+
 
 class Ops(ABC):
     """Contract (shapes are for T tokens):
@@ -47,31 +49,59 @@ class Ops(ABC):
 
 
 class TorchOps(Ops):
+    """Plain torch, and in float32 on CPU the one-pass C ops of ``engine/cpu_ops.py``
+    (unless ``use_kernel=False`` or they cannot be built). ``rotary`` rotates q and k
+    in place (the decoder passes views of its fresh QKV projection). ``rms_norm``
+    spells out HF's formula: ``F.rms_norm`` takes 2.2 ms for 2048 x 576 floats here,
+    these ops 0.25 ms."""
+
+    def __init__(self, use_kernel: bool = True):
+        self.use_kernel = use_kernel
+
+    def _native(self, x: torch.Tensor) -> CpuOps | None:
+        return cpu_ops() if self.use_kernel and CpuOps.supports(x) else None
+
     def rms_norm(self, x, w, eps):
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, w.shape, w, eps)
+        native = self._native(x)
+        if native is not None:
+            return native.add_rms_norm(x, None, w, eps)[0]
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+        inv = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        out = torch.mul(xf, inv).mul_(w.float())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def add_rms_norm(self, x, residual, w, eps):
+        native = self._native(x)
+        if native is not None:
+            return native.add_rms_norm(x, residual, w, eps)
         residual = x + residual
         return self.rms_norm(residual, w, eps), residual
 
     def rope(self, positions, cos, sin):
-        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: four ops a tensor, no cat
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: four ops a tensor, no cat;
+        # the C rotary reads the tables at the positions itself
         c, s = cos[positions], sin[positions]
-        return torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
+        c, s = torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
+        return c, s, positions.to(torch.int64).contiguous(), cos.contiguous(), sin.contiguous()
 
     def rotary(self, q, k, rope):
-        c, s = rope
-        return _rotate(q, c, s), _rotate(k, c, s)
+        c, s, positions, cos, sin = rope
+        native = self._native(q)
+        out = []
+        for x in (q, k):
+            if native is None or not native.rotary_(x, positions, cos, sin):
+                x = _rotate(x, c, s)
+            out.append(x)
+        return out[0], out[1]
 
     def silu_and_mul(self, x):
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    out = xf * c + xf.roll(x.shape[-1] // 2, dims=-1) * s
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    if x.dtype != torch.float32:
+        xf = x.float()
+        return (xf * c + xf.roll(x.shape[-1] // 2, dims=-1) * s).to(x.dtype)
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)
+    return x.mul_(c).addcmul_(rolled, s)

@@ -8,8 +8,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.backend import AttentionMetadata
-from engine.attention.cpu_kernel import build, decode_kernel
+from engine.attention.cpu_kernel import SOURCE, decode_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.native import build
 from tests.engine_utils import hf_greedy
 
 KERNEL = decode_kernel()
@@ -101,24 +102,25 @@ def test_kernel_uses_the_given_thread_count():
 def test_build_without_a_compiler_raises(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(FileNotFoundError):
-        build(cache=tmp_path)
+        build(SOURCE, cache=tmp_path)
 
 
 @needs_kernel
 def test_build_is_cached_by_source(tmp_path):
-    first = build(cache=tmp_path)
-    assert build(cache=tmp_path) == first
+    first = build(SOURCE, cache=tmp_path)
+    assert build(SOURCE, cache=tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_engine_decodes_like_hf_either_way(tiny_model, use_kernel):
+    """The C kernels (attention and ops) and their plain-torch fallbacks, end to end."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model("gqa3")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, max_batch_tokens=64, num_kv_blocks=64)
-    llm.engine.model.attn.use_kernel = use_kernel
+    llm.engine.model.attn.use_kernel = llm.engine.model.ops.use_kernel = use_kernel
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 20, 33)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))

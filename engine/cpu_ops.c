@@ -1,0 +1,54 @@
+/* The decoder's element-wise float32 ops on CPU, one pass each (engine/ops.py).
+ * Rows are split over the threads when there are enough of them to pay for it. */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define PARALLEL_ELEMENTS 32768
+
+/* out[t] = r / sqrt(mean(r^2) + eps) * w with r = x[t] + residual[t], written to
+ * sum[t], or r = x[t] when residual is NULL. Rows are contiguous, hidden floats each. */
+void add_rms_norm_f32(const float *x, const float *residual, const float *w, float *out,
+                      float *sum, int64_t rows, int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows * hidden >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *r = x + t * hidden;
+        if (residual != NULL) {
+            const float *a = x + t * hidden, *b = residual + t * hidden;
+            float *s = sum + t * hidden;
+#pragma omp simd
+            for (int64_t d = 0; d < hidden; d++) s[d] = a[d] + b[d];
+            r = s;
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t d = 0; d < hidden; d++) squares += r[d] * r[d];
+        float inv = 1.0f / sqrtf(squares / (float)hidden + eps);
+        float *o = out + t * hidden;
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; d++) o[d] = r[d] * inv * w[d];
+    }
+}
+
+/* Rotate-half rotary in place: for each row t and head h of x (heads of head_dim floats,
+ * contiguous within a row; rows row_stride floats apart), with c, s the tables' rows at
+ * positions[t] ([head_dim / 2] each): x1, x2 -> x1 c - x2 s, x2 c + x1 s. */
+void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                const int64_t *positions, const float *cos, const float *sin, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows * heads * head_dim >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + t * row_stride + h * head_dim, *b = a + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}

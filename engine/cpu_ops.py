@@ -1,0 +1,75 @@
+"""``TorchOps``' float32 CPU ops in C (``cpu_ops.c``), built on first use by
+``engine/native.py``: one pass and one call each where plain torch takes four to six
+ops (an RMS norm) or four ops and a copy (rotary, per tensor)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from engine import native
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class CpuOps:
+    def __init__(self, lib: ctypes.CDLL):
+        self._norm = lib.add_rms_norm_f32
+        self._norm.argtypes = [_P] * 5 + [_I] * 2 + [ctypes.c_float, ctypes.c_int]
+        self._norm.restype = None
+        self._rotary = lib.rotary_f32
+        self._rotary.argtypes = [_P] + [_I] * 4 + [_P] * 3 + [ctypes.c_int]
+        self._rotary.restype = None
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype == torch.float32
+
+    def add_rms_norm(self, x, residual, w, eps):
+        """(rms_norm(x + residual) * w, x + residual); residual None: (rms_norm(x) * w, None)."""
+        x, w = x.contiguous(), w.contiguous()
+        out = torch.empty_like(x)
+        total = None if residual is None else torch.empty_like(x)
+        res_ptr = None if residual is None else residual.contiguous().data_ptr()
+        rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
+        self._norm(
+            x.data_ptr(),
+            res_ptr,
+            w.data_ptr(),
+            out.data_ptr(),
+            None if total is None else total.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out, total
+
+    def rotary_(self, x: torch.Tensor, positions, cos, sin) -> bool:
+        """Rotate x [T, H, D] in place; False (nothing done) unless its heads are packed."""
+        t, h, d = x.shape
+        if x.stride(2) != 1 or x.stride(1) != d:
+            return False
+        self._rotary(
+            x.data_ptr(),
+            x.stride(0),
+            t,
+            h,
+            d,
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return True
+
+
+@functools.cache
+def cpu_ops() -> CpuOps | None:
+    """The built ops, or None when they cannot be built or loaded."""
+    lib = native.load(SOURCE)
+    return None if lib is None else CpuOps(lib)

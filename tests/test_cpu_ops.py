@@ -1,0 +1,52 @@
+"""The C ops of ``TorchOps`` (float32 on CPU) against its plain-torch ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cpu_ops import cpu_ops
+from engine.ops import TorchOps
+from engine.rope import rope_tables
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="no C compiler: the fallback runs")
+NATIVE, PLAIN = TorchOps(), TorchOps(use_kernel=False)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("hidden", [64, 576, 100])
+def test_rms_norms_match(tokens, hidden):
+    x, residual, w = torch.randn(tokens, hidden), torch.randn(tokens, hidden), torch.randn(hidden)
+    torch.testing.assert_close(NATIVE.rms_norm(x, w, 1e-5), PLAIN.rms_norm(x, w, 1e-5))
+    normed, total = NATIVE.add_rms_norm(x, residual, w, 1e-6)
+    ref_normed, ref_total = PLAIN.add_rms_norm(x, residual, w, 1e-6)
+    torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    torch.testing.assert_close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 700])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_rotary_matches_on_qkv_views(tokens, heads, head_dim):
+    hq, hkv = heads
+    cos, sin = rope_tables(head_dim, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (tokens,))
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim)
+
+    def rotated(ops):
+        q, k, v = qkv.clone().split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1)
+        rope = ops.rope(positions, cos, sin)
+        return ops.rotary(q.view(tokens, hq, head_dim), k.view(tokens, hkv, head_dim), rope)
+
+    for got, want in zip(rotated(NATIVE), rotated(PLAIN), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_unpacked_heads_fall_back_to_torch():
+    cos, sin = rope_tables(64, 128, 10000.0, None)
+    positions = torch.arange(3)
+    x = torch.randn(3, 64, 4).transpose(1, 2)  # heads not packed: stride(2) != 1
+    rope = NATIVE.rope(positions, cos, sin)
+    got, _ = NATIVE.rotary(x.clone(), x.clone(), rope)
+    want, _ = PLAIN.rotary(x.clone(), x.clone(), PLAIN.rope(positions, cos, sin))
+    torch.testing.assert_close(got, want)
