@@ -1,7 +1,8 @@
 """KV transfer throughput: each backend next to its raw transport, in one run.
 
     .venv/bin/python -m bench.kv_transfer [--sizes 1,16,256] [--checksum]
-                                          [--blocks scattered|contiguous] [--repeats N]
+                                          [--blocks scattered|contiguous|allocated]
+                                          [--repeats N]
                                           [--layerwise]
 
 Two processes on loopback: this one sends, a child process receives. For each size of
@@ -20,9 +21,12 @@ over -> receiver's acknowledgement that everything landed):
 The cells of one size are timed round by round (each cell once per round, medians over
 ``--repeats`` rounds), so that the machine's slow drifts hit every cell alike. GB/s are
 payload bytes per second (1e9); the ratio is backend / raw transport. Source and
-destination block ids are a random scatter of a larger cache by default (``--blocks
-contiguous`` sends runs of consecutive ids, which the backends send without gathering
-first). Do not run it beside the tests: the machine has 2 cores.
+destination block ids are a random scatter of a larger cache by default, the worst
+case; ``--blocks contiguous`` sends one run of consecutive ids on each side, which the
+backends send without gathering first; ``--blocks allocated`` takes the ids the
+engine's block manager hands out after churn (``engine/block_manager.py`` keeps tables
+in runs), as serving does. The "runs" column counts the runs of consecutive ids of the
+source and the destination. Do not run it beside the tests: the machine has 2 cores.
 
 ``--layerwise`` then measures, on the embedded model through real clusters, how much
 of the transfer layer-wise sending hides from TTFT (``bench/layerwise.py``).
@@ -137,18 +141,55 @@ def backend_cell(name: str, peer: Peer, sender, cache, src_ids, dst_ids):
     return once
 
 
-def _ids(count: int, cache_blocks: int, scattered: bool, seed: int) -> list[int]:
-    if not scattered:
+def _ids(count: int, cache_blocks: int, blocks: str, seed: int) -> list[int]:
+    if blocks == "contiguous":
         start = (seed * 7) % (cache_blocks - count + 1)
         return list(range(start, start + count))
+    if blocks == "allocated":
+        return _allocated_ids(count, cache_blocks, seed)
     g = torch.Generator().manual_seed(seed)
     return torch.randperm(cache_blocks, generator=g)[:count].tolist()
+
+
+def _allocated_ids(count: int, cache_blocks: int, seed: int) -> list[int]:
+    """The ids the engine's block manager gives a request of ``count`` blocks after churn:
+    requests of 2-40 blocks arrive while more than ``1.25 x count`` blocks stay free, grow a
+    block at a time (interleaved, as decodes do) and leave; then the request is
+    allocated."""
+    import random
+
+    from engine.block_manager import BlockManager
+
+    rng = random.Random(seed)
+    bm = BlockManager(cache_blocks, 1)
+    running: list[str] = []
+    for step in range(3000):
+        size = rng.randint(2, 40)
+        if rng.random() < 0.3 and bm.num_free_blocks - size > count * 5 // 4:
+            running.append(f"r{step}")
+            bm.allocate(running[-1], size)
+        for rid in list(running):
+            if rng.random() < 0.05:
+                bm.free(rid)
+                running.remove(rid)
+            elif rng.random() < 0.5 and bm.num_free_blocks > count * 5 // 4:
+                bm.allocate(rid, len(bm.block_table(rid)) + 1)
+    return bm.allocate("transfer", count)
+
+
+def _runs(ids: list[int]) -> int:
+    return 1 + sum(1 for a, b in zip(ids, ids[1:], strict=False) if b != a + 1)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1,16,256", help="MiB of KV per transfer")
-    p.add_argument("--blocks", choices=("scattered", "contiguous"), default="scattered")
+    p.add_argument(
+        "--blocks",
+        choices=("scattered", "contiguous", "allocated"),
+        default="scattered",
+        help="random ids, runs of consecutive ids, or the engine allocator's after churn",
+    )
     p.add_argument("--checksum", action="store_true", help="backends checksum every chunk")
     p.add_argument("--repeats", type=int, default=0, help="timed runs per cell (0: by size)")
     p.add_argument("--layerwise", action="store_true", help="then TTFT with layer-wise sending")
@@ -175,9 +216,8 @@ def main(argv: list[str] | None = None) -> None:
             n = blocks[size]
             nbytes = n * per_block
             reps = args.repeats or (20 if size <= 4 else 12 if size <= 64 else 5)
-            scattered = args.blocks == "scattered"
-            src_ids = _ids(n, cache_blocks, scattered, seed=size)
-            dst_ids = _ids(n, cache_blocks, scattered, seed=size + 1)
+            src_ids = _ids(n, cache_blocks, args.blocks, seed=size)
+            dst_ids = _ids(n, cache_blocks, args.blocks, seed=size + 1)
             parts = 2 * layout.num_layers  # K and V of every layer, one message each
             cells = {
                 "copy": copy_cell(nbytes),
@@ -187,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                 "raw grpc": raw_grpc_cell(peer, nbytes, state),
                 "grpc": backend_cell("grpc", peer, senders["grpc"], cache, src_ids, dst_ids),
             }
-            row = {"MiB": nbytes / MiB, "blocks": n}
+            row = {"MiB": nbytes / MiB, "blocks": n, "runs": (_runs(src_ids), _runs(dst_ids))}
             row.update({k: nbytes / v for k, v in _interleaved(cells, reps).items()})
             rows.append(row)
             print(_table(rows[-1:], header=len(rows) == 1), flush=True)
@@ -212,14 +252,15 @@ def _table(rows: list[dict], header: bool = True) -> str:
     lines = []
     if header:
         lines.append(
-            "| KV MiB | blocks | copy GB/s | raw gloo GB/s | raw gloo, 60 msgs GB/s "
+            "| KV MiB | blocks | runs src/dst | copy GB/s | raw gloo GB/s | raw gloo, 60 msgs GB/s "
             "| gloo GB/s | gloo/raw | raw grpc GB/s | grpc GB/s | grpc/raw |"
         )
-        lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         g = {c: r[c] / 1e9 for c in cols}
         lines.append(
-            f"| {r['MiB']:.1f} | {r['blocks']} | {g['copy']:.2f} | {g['raw gloo']:.2f} "
+            f"| {r['MiB']:.1f} | {r['blocks']} | {r['runs'][0]}/{r['runs'][1]} "
+            f"| {g['copy']:.2f} | {g['raw gloo']:.2f} "
             f"| {g['raw gloo parts']:.2f} | {g['gloo']:.2f} | {g['gloo'] / g['raw gloo']:.0%} "
             f"| {g['raw grpc']:.2f} | {g['grpc']:.2f} | {g['grpc'] / g['raw grpc']:.0%} |"
         )
