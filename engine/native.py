@@ -31,8 +31,18 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 
 
 def _cache_dir() -> Path:
-    default = Path.home() / ".cache" / "pdserve" / "kernels"
-    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default))
+    """$PDSERVE_KERNEL_CACHE, else ~/.cache/pdserve/kernels, else (not writable) a
+    folder in the temporary directory."""
+    if "PDSERVE_KERNEL_CACHE" in os.environ:
+        return Path(os.environ["PDSERVE_KERNEL_CACHE"])
+    home = Path.home() / ".cache" / "pdserve" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
 
 
 def _cpu_id() -> str:

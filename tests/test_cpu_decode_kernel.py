@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, native
 from engine.attention.backend import AttentionMetadata
 from engine.attention.cpu_kernel import SOURCE, decode_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -126,3 +126,8 @@ def test_engine_decodes_like_hf_either_way(tiny_model, use_kernel):
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     for ids, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(hf, ids, 40)
+
+
+def test_load_without_a_compiler_is_none(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.load.__wrapped__(SOURCE) is None
