@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -18,11 +18,16 @@ from engine.step_plan import StepPlan
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on CPU from calloc'd memory, so untouched pages cost nothing."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+    """A zeroed tensor; on CPU from an anonymous mapping, so untouched pages cost nothing,
+    asking for transparent huge pages: decode reads every sequence's blocks each step,
+    and with 4 KiB pages the TLB misses cost the decode attention at batch 32 ~15% here."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class ModelRunner:
