@@ -57,10 +57,12 @@ def serve_steps(
     try:
         warm = make_workload(spec, tokenizer, 2, math.inf, max_len)
         asyncio.run(replay(client, warm))
+        settle(cluster.workers.values())
         ray.get([w.step_log.remote() for w in cluster.workers.values()])
         reqs = make_workload(spec, tokenizer, max(1, round(rate * duration_s)), rate, max_len)
         records = asyncio.run(replay(client, reqs, f"calibration {rate:g}/s"))
         failed = sum(1 for r in records if not r.ok)
+        settle(cluster.workers.values())
         samples: Samples = defaultdict(list)
         pools = config.pools()
         for name, worker in cluster.workers.items():
@@ -72,6 +74,16 @@ def serve_steps(
     counts = ", ".join(f"{role} tp {tp}: {len(rows)}" for (role, tp), rows in samples.items())
     log(f"profile: {len(records)} requests ({failed} failed); steps {counts}")
     return dict(samples)
+
+
+def settle(workers) -> None:
+    """Wait until every instance's loop has come round once more: a step logs itself just
+    after it runs, so a step whose tokens the client already has may not be logged yet
+    (a prefill step's request can finish on the decode instance first). The loop runs
+    ``check_integrity`` between steps, after the previous step's record."""
+    import ray
+
+    ray.get([w.check_integrity.remote() for w in workers])
 
 
 def _fit(rows: list[list[float]], columns: list[int], what: str) -> list[float]:
