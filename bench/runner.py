@@ -244,24 +244,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
 
 
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The workload of the command line; options a command does not offer keep the
+    defaults."""
+    given = {f: getattr(args, f) for f in WorkloadSpec.__dataclass_fields__ if hasattr(args, f)}
+    return WorkloadSpec(args.workload, **{k: v for k, v in given.items() if k != "name"})
+
+
 def parse_common(args: argparse.Namespace, config) -> tuple[list[float], WorkloadSpec, SLO]:
     """The rates, the workload and the SLO of the command line (``config``, a checked
     ClusterConfig or None, gives the SLO's defaults); ValueError when they are wrong."""
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if not rates or min(rates) <= 0:
         raise ValueError("--rates: give positive rates, e.g. 0.5,1,2")
-    spec = WorkloadSpec(
-        args.workload,
-        seed=args.seed,
-        burstiness=args.burstiness,
-        prompt_scale=args.prompt_scale,
-        output_scale=args.output_scale,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_output_tokens=args.max_output_tokens,
-        long_prompt_mean=args.long_prompt_mean,
-        long_output_mean=args.long_output_mean,
-        trace=args.trace,
-    )
+    spec = workload_spec(args)
     default = config.slo if config is not None else SLO()
     slo = SLO(
         args.slo_ttft_ms or default.ttft_ms,

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from bench.planner.fitted import FittedCost, fit_linear
-from bench.workloads import WORKLOADS, WorkloadSpec
+from bench.workloads import WORKLOADS
 
 
 @dataclass
@@ -216,17 +216,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.served:
             from bench.planner.served import profile_served
+            from bench.runner import workload_spec
 
-            spec = WorkloadSpec(
-                args.workload,
-                seed=args.seed,
-                long_prompt_mean=args.long_prompt_mean,
-                long_output_mean=args.long_output_mean,
-                max_prompt_tokens=args.max_prompt_tokens,
-                max_output_tokens=args.max_output_tokens,
-            )
             cost = profile_served(
-                args.config, args.set or [], spec, args.rate, args.duration, log=log
+                args.config, args.set or [], workload_spec(args), args.rate, args.duration, log=log
             )
         else:
             if len(args.config) > 1:
