@@ -131,3 +131,25 @@ def test_engine_decodes_like_hf_either_way(tiny_model, use_kernel):
 def test_load_without_a_compiler_is_none(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert native.load.__wrapped__(SOURCE) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"v_cache": torch.zeros(4, 16, 2, 32)}, "the same"),
+        ({"q": torch.zeros(2, 3, 64)}, "does not fit the cache"),
+        ({"block_tables": torch.zeros(2, 4, dtype=torch.int64)}, "must be int32"),
+        ({"seq_lens": torch.ones(3, dtype=torch.int32)}, "2 sequences"),
+    ],
+)
+def test_kernel_refuses_shapes_it_would_read_past(bad, message):
+    args = {
+        "q": torch.zeros(2, 4, 64),
+        "k_cache": torch.zeros(4, 16, 2, 64),
+        "v_cache": torch.zeros(4, 16, 2, 64),
+        "block_tables": torch.zeros(2, 4, dtype=torch.int32),
+        "seq_lens": torch.ones(2, dtype=torch.int32),
+    }
+    with pytest.raises(ValueError, match=message):
+        KERNEL(**{**args, **bad}, scale=0.125)

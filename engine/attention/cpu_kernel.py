@@ -35,13 +35,13 @@ class DecodeKernel:
 
     def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float):
         """q [B, Hq, D] float32 -> [B, Hq, D]; see cpu_decode.c for the layouts."""
+        _check(q, k_cache, v_cache, block_tables, seq_lens)
         q = q.contiguous()
         out = torch.empty_like(q)
         b, hq, d = q.shape
         if block_tables.stride(1) != 1:
             block_tables = block_tables.contiguous()
         seq_lens = seq_lens.contiguous()
-        assert block_tables.dtype == seq_lens.dtype == torch.int32
         rc = self.fn(
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -61,6 +61,31 @@ class DecodeKernel:
         if rc != 0:
             raise MemoryError("paged_decode_f32: could not allocate its score buffers")
         return out
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+    """The C kernel trusts these shapes (a mismatch reads outside the buffers)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"decode: q {tuple(q.shape)} must be [B, Hq, D], the caches "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)} the same [N, block, Hkv, D]"
+        )
+    b, hq, d = q.shape
+    if k_cache.shape[3] != d or hq % k_cache.shape[2]:
+        raise ValueError(
+            f"decode: q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} "
+            "(head dim equal, query heads a multiple of KV heads)"
+        )
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError(
+            f"decode: block tables and lengths must be int32, not "
+            f"{block_tables.dtype} and {seq_lens.dtype}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or seq_lens.shape != (b,):
+        raise ValueError(
+            f"decode: {b} sequences but block tables {tuple(block_tables.shape)} and "
+            f"lengths {tuple(seq_lens.shape)}"
+        )
 
 
 @functools.cache
