@@ -4,6 +4,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cpu_kernels.h"
+
 #define PARALLEL_ELEMENTS 32768
 
 /* out[t] = r / sqrt(mean(r^2) + eps) * w with r = x[t] + residual[t], written to

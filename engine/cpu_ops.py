@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from engine import native
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -71,5 +69,5 @@ class CpuOps:
 @functools.cache
 def cpu_ops() -> CpuOps | None:
     """The built ops, or None when they cannot be built or loaded."""
-    lib = native.load(SOURCE)
+    lib = native.library()
     return None if lib is None else CpuOps(lib)

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.cpu_layer import CpuDecodeLayers
 from engine.linear import linear, prepare
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -91,6 +92,8 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # decode-only steps in float32 on CPU run each layer as two C calls
+        self.cpu_decode = CpuDecodeLayers.build(self)
 
     @torch.inference_mode()
     def forward(
@@ -107,11 +110,17 @@ class LlamaModel(nn.Module):
         prefill pool sends that layer's KV from there while later layers compute)."""
         h = F.embedding(input_ids, self.embed)
         residual = None
-        rope = self.ops.rope(positions, self.cos, self.sin)
+        step = (
+            None if self.cpu_decode is None else self.cpu_decode.begin(positions, kv_caches, meta)
+        )
+        rope = None if step is not None else self.ops.rope(positions, self.cos, self.sin)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            h, residual = layer(
-                h, residual, rope, k_cache, v_cache, meta, self.attn, self.ops, self.tp
-            )
+            if step is not None:
+                h, residual = self.cpu_decode.forward(i, step, h, residual, self.tp)
+            else:
+                h, residual = layer(
+                    h, residual, rope, k_cache, v_cache, meta, self.attn, self.ops, self.tp
+                )
             if on_layer is not None:
                 on_layer(i)
         h, _ = self.ops.add_rms_norm(h, residual, self.norm, self.cfg.rms_eps)

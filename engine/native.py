@@ -1,12 +1,13 @@
 """C sources of the engine's CPU kernels, built on first use and loaded with ctypes.
 
-A source is compiled with the system C compiler (``$CC``, else ``cc``) into a shared
-library under ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), named by
-a hash of the source, the flags and the CPU: a fraction of a second once per machine,
-no torch headers. Its OpenMP is the libgomp torch has already loaded, so it shares
-torch's thread pool instead of competing with it.
+The sources (``SOURCES``, with the headers beside them) are compiled together with the
+system C compiler (``$CC``, else ``cc``) into one shared library under
+``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), named by a hash of the
+sources, the headers, the flags and the CPU: a second or two once per machine, no
+torch headers. Its OpenMP is the libgomp torch has already loaded, so it shares torch's
+thread pool instead of competing with it.
 
-When there is no compiler or the build fails, ``load()`` returns None (with one
+When there is no compiler or the build fails, ``library()`` returns None (with one
 warning) and the callers keep their plain-torch paths.
 """
 
@@ -28,6 +29,14 @@ import torch  # noqa: F401  (loads libgomp before any library here needs it)
 log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
+_HERE = Path(__file__).parent
+SOURCES = (
+    _HERE / "cpu_ops.c",
+    _HERE / "cpu_gemm.c",
+    _HERE / "attention" / "cpu_decode.c",
+    _HERE / "cpu_layer.c",
+)
+HEADERS = (_HERE / "cpu_vec.h", _HERE / "cpu_kernels.h")
 
 
 def _cache_dir() -> Path:
@@ -53,16 +62,17 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def build(source: Path, cache: Path | None = None) -> Path:
-    """The compiled library for ``source`` (built now unless cached); raises on failure."""
+def build(sources: tuple[Path, ...] = SOURCES, cache: Path | None = None) -> Path:
+    """The library compiled from ``sources`` (built now unless cached); raises on failure."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise FileNotFoundError(f"no C compiler: {cc!r} is not on PATH")
+    text = b"".join(p.read_bytes() for p in (*sources, *HEADERS))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join([cc, *FLAGS, platform.machine(), _cpu_id()]).encode()
+        text + " ".join([cc, *FLAGS, platform.machine(), _cpu_id()]).encode()
     ).hexdigest()[:16]
     cache = cache or _cache_dir()
-    target = cache / f"{source.stem}-{key}.so"
+    target = cache / f"pdserve-cpu-{key}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -71,7 +81,7 @@ def build(source: Path, cache: Path | None = None) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *FLAGS, str(source), "-o", tmp, "-lm"],
+            [cc, *FLAGS, f"-I{_HERE}", *map(str, sources), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -85,11 +95,11 @@ def build(source: Path, cache: Path | None = None) -> Path:
 
 
 @functools.cache
-def load(source: Path) -> ctypes.CDLL | None:
-    """The loaded library of ``source``, or None (warned once) when it cannot be built."""
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (warned once) when they cannot be built."""
     try:
-        return ctypes.CDLL(str(build(source)))
+        return ctypes.CDLL(str(build()))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or ""
-        log.warning("C kernels of %s unavailable, using plain torch: %s %s", source.name, e, detail)
+        log.warning("C kernels unavailable, using plain torch: %s %s", e, detail)
         return None

@@ -8,7 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams, native
 from engine.attention.backend import AttentionMetadata
-from engine.attention.cpu_kernel import SOURCE, decode_kernel
+from engine.attention.cpu_kernel import decode_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.native import build
 from tests.engine_utils import hf_greedy
@@ -102,13 +102,13 @@ def test_kernel_uses_the_given_thread_count():
 def test_build_without_a_compiler_raises(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(FileNotFoundError):
-        build(SOURCE, cache=tmp_path)
+        build(cache=tmp_path)
 
 
 @needs_kernel
 def test_build_is_cached_by_source(tmp_path):
-    first = build(SOURCE, cache=tmp_path)
-    assert build(SOURCE, cache=tmp_path) == first
+    first = build(cache=tmp_path)
+    assert build(cache=tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
@@ -130,7 +130,7 @@ def test_engine_decodes_like_hf_either_way(tiny_model, use_kernel):
 
 def test_load_without_a_compiler_is_none(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert native.load.__wrapped__(SOURCE) is None
+    assert native.library.__wrapped__() is None
 
 
 @needs_kernel

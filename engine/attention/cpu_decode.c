@@ -9,41 +9,11 @@
  * Layouts (contiguous): q, out [B, num_heads, head_dim]; k_cache, v_cache
  * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables rows of
  * table_stride int32; seq_lens [B] int32, each >= 1. head_dim is a multiple of 16.
- *
- * Written with GCC/Clang vector extensions (16 floats a vector): the compiler maps
- * them to AVX-512, AVX2 or SSE as -march allows.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define LANES 16
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
-static inline vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-static inline vf splat(float x) { return (vf){0} + x; }
-
-#ifdef __clang__
-#define PERMUTE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define PERMUTE(v, ...) __builtin_shuffle(v, (vi){__VA_ARGS__})
-#endif
-
-/* the sum of the lanes, in registers (halves folded onto each other) */
-static inline float hsum(vf v) {
-    v += PERMUTE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += PERMUTE(v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-    v += PERMUTE(v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-    return v[0] + v[1];
-}
+#include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 /* e^x for x <= 0, lane-wise (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in
  * r, times 2^n); within 2 ulp of expf. */

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from engine import native
-
-SOURCE = Path(__file__).with_name("cpu_decode.c")
 
 
 class DecodeKernel:
@@ -91,5 +88,5 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
 @functools.cache
 def decode_kernel() -> DecodeKernel | None:
     """The built kernel, or None when it cannot be built or loaded."""
-    lib = native.load(SOURCE)
+    lib = native.library()
     return None if lib is None else DecodeKernel(lib)

@@ -1,0 +1,23 @@
+/* The float32 CPU kernels that call one another across files (engine/native.py builds
+ * them into one library); each is documented where it is defined. */
+#ifndef PDSERVE_CPU_KERNELS_H
+#define PDSERVE_CPU_KERNELS_H
+
+#include <stdint.h>
+
+void gemm_nt_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y,
+                 int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads);
+
+void add_rms_norm_f32(const float *x, const float *residual, const float *w, float *out,
+                      float *sum, int64_t rows, int64_t hidden, float eps, int num_threads);
+
+void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                const int64_t *positions, const float *cos, const float *sin, int num_threads);
+
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                     const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, int64_t table_stride, float scale,
+                     int num_threads);
+
+#endif

@@ -1,0 +1,95 @@
+/* A decoder layer's decode step in C: a batch of sequences, one new token each.
+ *
+ * The layer runs as two calls, split where tensor parallelism all-reduces (the caller
+ * sums `out` over the ranks between them):
+ *
+ *   h, residual --add+RMS norm--> x --qkv--> q, k, v --rotary(q, k)--> k, v into the
+ *   cache slots --paged attention--> o --o proj--> out              (decode_attention_f32)
+ *   h, residual --add+RMS norm--> x --gate_up--> silu(g) * u --down--> out (decode_mlp_f32)
+ *
+ * with residual_out = h + residual (h itself when residual is NULL, the first layer).
+ * The kernels are the ones the torch path calls one by one (cpu_gemm.c, cpu_ops.c,
+ * attention/cpu_decode.c): the same arithmetic, without a Python call and a tensor per
+ * op. Shapes are this rank's (tensor-parallel shards); every row is contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+/* what stays fixed for a layer: its weights ([out, in]), its caches and sizes */
+struct decode_layer {
+    const float *input_norm, *qkv, *o, *post_norm, *gate_up, *down;
+    float *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+};
+
+/* what a step sets: num_seqs tokens, their positions and cache slots, the sequences'
+ * block tables and lengths (after this token), the rotary tables [max_pos, head_dim / 2]
+ * and a scratch buffer of decode_scratch_floats() floats */
+struct decode_batch {
+    const int64_t *positions, *slots;
+    const float *cos, *sin;
+    const int32_t *block_tables, *seq_lens;
+    int64_t num_seqs, table_stride;
+    float *scratch;
+    int num_threads;
+};
+
+int64_t decode_scratch_floats(const struct decode_layer *l, int64_t num_seqs) {
+    const int64_t qkv = (l->num_heads + 2 * l->num_kv_heads) * l->head_dim;
+    const int64_t attention = qkv + 2 * l->num_heads * l->head_dim;
+    const int64_t mlp = 3 * l->intermediate;
+    return num_seqs * (l->hidden + (attention > mlp ? attention : mlp));
+}
+
+static void norm(const struct decode_layer *l, const struct decode_batch *b, const float *h,
+                 const float *residual, const float *w, float *x, float *residual_out) {
+    add_rms_norm_f32(h, residual, w, x, residual_out, b->num_seqs, l->hidden, l->eps,
+                     b->num_threads);
+    if (residual == NULL) memcpy(residual_out, h, sizeof(float) * b->num_seqs * l->hidden);
+}
+
+/* Returns 0, or -1 when the attention could not allocate its score buffers. */
+int decode_attention_f32(const struct decode_layer *l, const struct decode_batch *b,
+                         const float *h, const float *residual, float *out,
+                         float *residual_out) {
+    const int64_t B = b->num_seqs, H = l->hidden, D = l->head_dim;
+    const int64_t q_width = l->num_heads * D, kv_width = l->num_kv_heads * D;
+    const int64_t width = q_width + 2 * kv_width;
+    float *x = b->scratch, *qkv = x + B * H, *q = qkv + B * width, *o = q + B * q_width;
+    norm(l, b, h, residual, l->input_norm, x, residual_out);
+    gemm_nt_f32(x, H, l->qkv, H, qkv, width, B, width, H, b->num_threads);
+    rotary_f32(qkv, width, B, l->num_heads, D, b->positions, b->cos, b->sin, b->num_threads);
+    rotary_f32(qkv + q_width, width, B, l->num_kv_heads, D, b->positions, b->cos, b->sin,
+               b->num_threads);
+    for (int64_t s = 0; s < B; s++) {
+        const float *row = qkv + s * width;
+        memcpy(q + s * q_width, row, sizeof(float) * q_width);
+        memcpy(l->k_cache + b->slots[s] * kv_width, row + q_width, sizeof(float) * kv_width);
+        memcpy(l->v_cache + b->slots[s] * kv_width, row + q_width + kv_width,
+               sizeof(float) * kv_width);
+    }
+    if (paged_decode_f32(q, l->k_cache, l->v_cache, b->block_tables, b->seq_lens, o, B,
+                         l->num_heads, l->num_kv_heads, D, l->block_size, b->table_stride,
+                         l->scale, b->num_threads) != 0)
+        return -1;
+    gemm_nt_f32(o, q_width, l->o, q_width, out, H, B, H, q_width, b->num_threads);
+    return 0;
+}
+
+void decode_mlp_f32(const struct decode_layer *l, const struct decode_batch *b, const float *h,
+                    const float *residual, float *out, float *residual_out) {
+    const int64_t B = b->num_seqs, H = l->hidden, I = l->intermediate;
+    float *x = b->scratch, *gate_up = x + B * H, *act = gate_up + B * 2 * I;
+    norm(l, b, h, residual, l->post_norm, x, residual_out);
+    gemm_nt_f32(x, H, l->gate_up, H, gate_up, 2 * I, B, 2 * I, H, b->num_threads);
+    for (int64_t s = 0; s < B; s++) {
+        const float *g = gate_up + s * 2 * I, *u = g + I;
+        float *a = act + s * I;
+        for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    gemm_nt_f32(act, I, l->down, I, out, H, B, H, I, b->num_threads);
+}

@@ -1,0 +1,154 @@
+"""The decode step of every decoder layer in two C calls (``cpu_layer.c``) instead of a
+dozen torch ops: the path of a decode-only batch in float32 on CPU.
+
+A decode step at small batch streams every weight once and does little else; in plain
+torch the rest is ~15 Python-level ops per layer, a quarter of a batch-1 step here. The
+C layer runs the same kernels the torch path calls one by one (``cpu_gemm.c``,
+``cpu_ops.c``, ``attention/cpu_decode.c``), so both paths compute the same function.
+``LlamaModel`` takes this path when ``CpuDecodeLayers.begin`` returns a step, else the
+per-op layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from engine import native
+from engine.attention import AttentionMetadata
+from engine.cpu_gemm import MAX_ROWS
+
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = (
+        [
+            (name, _P)
+            for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k", "v")
+        ]
+        + [
+            (name, ctypes.c_int64)
+            for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")
+        ]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    )
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("positions", "slots", "cos", "sin", "tables", "lens")] + [
+        ("num_seqs", ctypes.c_int64),
+        ("table_stride", ctypes.c_int64),
+        ("scratch", _P),
+        ("threads", ctypes.c_int),
+    ]
+
+
+@dataclass
+class DecodeStep:
+    """One step's batch (its tensors kept alive while the C calls read them)."""
+
+    batch: _Batch
+    tensors: tuple
+
+
+class CpuDecodeLayers:
+    """The C decode path of a model's layers; ``build`` returns None where it cannot run
+    (not float32 on CPU, head_dim not a multiple of 16, no compiler)."""
+
+    def __init__(self, lib: ctypes.CDLL, model):
+        self.model = model
+        self._attention = lib.decode_attention_f32
+        self._mlp = lib.decode_mlp_f32
+        self._scratch_floats = lib.decode_scratch_floats
+        self._scratch_floats.restype = ctypes.c_int64
+        for fn in (self._attention, self._mlp):
+            fn.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Batch)] + [_P] * 4
+        self._scratch_floats.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64]
+        self._attention.restype = ctypes.c_int
+        self._mlp.restype = None
+        self.layers: list[_Layer] = []
+        self.scratch = torch.empty(0)
+
+    @staticmethod
+    def build(model) -> CpuDecodeLayers | None:
+        if model.dtype != torch.float32 or model.embed.device.type != "cpu":
+            return None
+        if model.cfg.head_dim % 16:
+            return None
+        lib = native.library()
+        return None if lib is None else CpuDecodeLayers(lib, model)
+
+    def begin(
+        self, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata
+    ) -> DecodeStep | None:
+        """The step's C batch when it is decode-only, small enough and both the backend
+        and the ops run their C kernels; else None (the torch layers run)."""
+        attn, ops = self.model.attn, self.model.ops
+        if meta.num_prefills or meta.num_seqs > MAX_ROWS:
+            return None
+        if not (getattr(attn, "use_kernel", False) and getattr(ops, "use_kernel", False)):
+            return None
+        if attn.name != "torch":
+            return None
+        if not self.layers or self.layers[0].k != kv_caches[0][0].data_ptr():
+            self.layers = [self._layer(i, k, v) for i, (k, v) in enumerate(kv_caches)]
+        b = meta.num_seqs
+        need = self._scratch_floats(ctypes.byref(self.layers[0]), b)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need)
+        positions = positions.contiguous()
+        tables, lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+        cos, sin = self.model.cos.contiguous(), self.model.sin.contiguous()
+        batch = _Batch(
+            positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            b,
+            tables.stride(0),
+            self.scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return DecodeStep(batch, (positions, meta.slot_mapping, cos, sin, tables, lens))
+
+    def forward(self, i: int, step: DecodeStep, h: torch.Tensor, residual, tp):
+        """Layer ``i`` on hidden states h [B, hidden] -> (h, residual) as the torch layer."""
+        layer, batch = ctypes.byref(self.layers[i]), ctypes.byref(step.batch)
+        out, res = torch.empty_like(h), torch.empty_like(h)
+        rc = self._attention(
+            layer, batch, h.data_ptr(), None if residual is None else residual.data_ptr(),
+            out.data_ptr(), res.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("decode_attention_f32: could not allocate its score buffers")
+        h = tp.all_reduce(out)
+        out, residual = torch.empty_like(h), torch.empty_like(h)
+        self._mlp(layer, batch, h.data_ptr(), res.data_ptr(), out.data_ptr(), residual.data_ptr())
+        return tp.all_reduce(out), residual
+
+    def _layer(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
+        layer = self.model.layers[i]
+        weights = [
+            layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down,
+        ]  # fmt: skip
+        for w in (*weights, k_cache, v_cache):
+            if not w.is_contiguous():
+                raise ValueError(f"layer {i}: the C decode path needs contiguous tensors")
+        return _Layer(
+            *(w.data_ptr() for w in weights),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            self.model.cfg.hidden_size,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            layer.down.shape[1],
+            k_cache.shape[1],
+            layer.eps,
+            layer.scale,
+        )
