@@ -140,8 +140,8 @@ class LlamaModel(nn.Module):
         assign_weights(self, weights)
 
     def prepare_weights(self) -> None:
-        """Store the projection weights in the device's fastest layout (engine/linear.py);
-        called once after loading."""
+        """Store the projection weights as ``engine/linear.py`` reads them (contiguous
+        [out, in] rows); called once after loading."""
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(layer, name, nn.Parameter(prepare(getattr(layer, name).data), False))
