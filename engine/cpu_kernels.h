@@ -11,6 +11,9 @@ void gemm_nt_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, float
 void add_rms_norm_f32(const float *x, const float *residual, const float *w, float *out,
                       float *sum, int64_t rows, int64_t hidden, float eps, int num_threads);
 
+void silu_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t I,
+                  int num_threads);
+
 void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
                 const int64_t *positions, const float *cos, const float *sin, int num_threads);
 
@@ -19,5 +22,11 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t block_size, int64_t table_stride, float scale,
                      int num_threads);
+
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
+                      const float *v_cache, const int32_t *block_table, int64_t num_tokens,
+                      int64_t context, float *out, int64_t out_stride, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                      int num_threads);
 
 #endif

@@ -12,7 +12,6 @@
  * attention/cpu_decode.c): the same arithmetic, without a Python call and a tensor per
  * op. Shapes are this rank's (tensor-parallel shards); every row is contiguous.
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -86,10 +85,6 @@ void decode_mlp_f32(const struct decode_layer *l, const struct decode_batch *b, 
     float *x = b->scratch, *gate_up = x + B * H, *act = gate_up + B * 2 * I;
     norm(l, b, h, residual, l->post_norm, x, residual_out);
     gemm_nt_f32(x, H, l->gate_up, H, gate_up, 2 * I, B, 2 * I, H, b->num_threads);
-    for (int64_t s = 0; s < B; s++) {
-        const float *g = gate_up + s * 2 * I, *u = g + I;
-        float *a = act + s * I;
-        for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    silu_mul_f32(gate_up, 2 * I, act, B, I, b->num_threads);
     gemm_nt_f32(act, I, l->down, I, out, H, B, H, I, b->num_threads);
 }

@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 #define PARALLEL_ELEMENTS 32768
 
@@ -52,5 +53,23 @@ void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
                 b[i] = x2 * c[i] + x1 * s[i];
             }
         }
+    }
+}
+
+/* out[t, i] = silu(g) * u with g = x[t, i], u = x[t, I + i] and silu(g) = g / (1 + e^-g);
+ * rows of x are ldx floats apart, rows of out I. */
+void silu_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t I,
+                  int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows * I >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *g = x + t * ldx, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+        for (; i + LANES <= I; i += LANES) {
+            vf gv = load(g + i);
+            store(o + i, gv / (1.0f + vexp(-gv)) * load(u + i));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

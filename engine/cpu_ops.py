@@ -1,6 +1,7 @@
 """``TorchOps``' float32 CPU ops in C (``cpu_ops.c``), built on first use by
 ``engine/native.py``: one pass and one call each where plain torch takes four to six
-ops (an RMS norm) or four ops and a copy (rotary, per tensor)."""
+ops (an RMS norm), four ops and a copy (rotary, per tensor) or a chunk and two ops
+(SiLU and multiply)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ class CpuOps:
         self._rotary = lib.rotary_f32
         self._rotary.argtypes = [_P] + [_I] * 4 + [_P] * 3 + [ctypes.c_int]
         self._rotary.restype = None
+        self._silu_mul = lib.silu_mul_f32
+        self._silu_mul.argtypes = [_P, _I, _P, _I, _I, ctypes.c_int]
+        self._silu_mul.restype = None
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -46,6 +50,17 @@ class CpuOps:
             torch.get_num_threads(),
         )
         return out, total
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x[:, :I]) * x[:, I:] for x [T, 2I] with contiguous rows."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, inter = x.numel() // x.shape[-1], x.shape[-1] // 2
+        out = x.new_empty(*x.shape[:-1], inter)
+        self._silu_mul(
+            x.data_ptr(), x.stride(-2), out.data_ptr(), rows, inter, torch.get_num_threads()
+        )
+        return out
 
     def rotary_(self, x: torch.Tensor, positions, cos, sin) -> bool:
         """Rotate x [T, H, D] in place; False (nothing done) unless its heads are packed."""

@@ -34,6 +34,7 @@ SOURCES = (
     _HERE / "cpu_ops.c",
     _HERE / "cpu_gemm.c",
     _HERE / "attention" / "cpu_decode.c",
+    _HERE / "attention" / "cpu_prefill.c",
     _HERE / "cpu_layer.c",
 )
 HEADERS = (_HERE / "cpu_vec.h", _HERE / "cpu_kernels.h")

@@ -95,6 +95,9 @@ class TorchOps(Ops):
         return out[0], out[1]
 
     def silu_and_mul(self, x):
+        native = self._native(x)
+        if native is not None and x.dim() == 2:
+            return native.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 

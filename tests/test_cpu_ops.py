@@ -42,6 +42,17 @@ def test_rotary_matches_on_qkv_views(tokens, heads, head_dim):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 257])
+@pytest.mark.parametrize("inter", [1536, 40, 7])
+def test_silu_and_mul_matches(tokens, inter):
+    # tails past a multiple of 16 lanes, large gates of either sign (e^-g clamped)
+    x = torch.randn(tokens, 2 * inter) * 4
+    x[0, :2] = torch.tensor([-120.0, 95.0])
+    torch.testing.assert_close(NATIVE.silu_and_mul(x), PLAIN.silu_and_mul(x))
+    strided = torch.randn(tokens, 2 * inter + 5)[:, : 2 * inter]  # rows further apart
+    torch.testing.assert_close(NATIVE.silu_and_mul(strided), PLAIN.silu_and_mul(strided))
+
+
 def test_unpacked_heads_fall_back_to_torch():
     cos, sin = rope_tables(64, 128, 10000.0, None)
     positions = torch.arange(3)

@@ -15,70 +15,70 @@
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
 
-/* e^x for x <= 0, lane-wise (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in
- * r, times 2^n); within 2 ulp of expf. */
-static inline vf exp_nonpositive(vf x) {
-    vi low = x < splat(-87.0f);
-    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
-    vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* round, x <= 0 */
-    vf nf = __builtin_convertvector(n, vf);
-    vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vf)((n + 127) << 23);
-}
-
 struct shape {
     int64_t num_heads, num_kv_heads, head_dim, block_size, group;
 };
 
 /* A task: one sequence's KV heads h0 .. h0 + heads - 1, i.e. its query rows
  * r = (h - h0) * group + g, each of them [head_dim] in q and out, [padded] in scores.
- * Both passes walk the blocks in order and, in a block, each token's rows for all the
- * task's heads: contiguous memory the prefetcher follows. */
+ * Both passes walk the task's tokens in order through the blocks. */
 struct task {
     const int32_t *table;
     int64_t len, padded, h0, heads;
 };
 
-static inline const float *block_rows(const float *cache, struct shape s, struct task w,
-                                      int64_t j) {
-    return cache + (w.table[j] * s.block_size * s.num_kv_heads + w.h0) * s.head_dim;
+/* Walks a task's tokens in order: the row of token l (for KV head h0) in a cache. */
+struct cursor {
+    const float *cache;
+    int64_t block, slot;
+};
+
+static inline const float *row_at(struct cursor c, struct shape s, struct task w) {
+    return c.cache + ((w.table[c.block] * s.block_size + c.slot) * s.num_kv_heads + w.h0) *
+                         s.head_dim;
 }
 
-/* scores: scale * q . k, then the softmax over the first len of each row. */
+static inline void advance(struct cursor *c, struct shape s) {
+    if (++c->slot == s.block_size) c->slot = 0, c->block++;
+}
+
+/* scores: scale * q . k, sixteen tokens at a time (one folded sum for the sixteen), then
+ * the softmax over the first len of each row. */
 static void softmax_scores(const float *q, const float *k_cache, struct shape s, struct task w,
                            float scale, float *scores) {
-    const int64_t token_stride = s.num_kv_heads * s.head_dim, chunks = s.head_dim / LANES;
-    const int64_t rows = w.heads * s.group;
-    for (int64_t l = 0, j = 0; l < w.len; j++) {
-        const float *k = block_rows(k_cache, s, w, j);
-        for (int64_t t = 0; t < s.block_size && l < w.len; t++, l++, k += token_stride) {
-            for (int64_t r = 0; r < rows; r++) {
-                const float *qr = q + r * s.head_dim, *kr = k + r / s.group * s.head_dim;
-                vf acc = {0}, acc2 = {0}; /* two chains of FMAs */
-                int64_t c = 0;
-                for (; c + 2 <= chunks; c += 2) {
-                    acc += load(qr + c * LANES) * load(kr + c * LANES);
-                    acc2 += load(qr + (c + 1) * LANES) * load(kr + (c + 1) * LANES);
-                }
-                if (c < chunks) acc += load(qr + c * LANES) * load(kr + c * LANES);
-                scores[r * w.padded + l] = hsum(acc + acc2) * scale;
+    const int64_t chunks = s.head_dim / LANES, rows = w.heads * s.group;
+    struct cursor at = {k_cache, 0, 0};
+    for (int64_t l = 0; l < w.len; l += LANES) {
+        /* past the length, token l's row again: its scores are masked below */
+        const float *k[LANES];
+        for (int64_t t = 0; t < LANES; t++)
+            if (l + t < w.len)
+                k[t] = row_at(at, s, w), advance(&at, s);
+            else
+                k[t] = k[0];
+        for (int64_t r = 0; r < rows; r++) {
+            const float *qr = q + r * s.head_dim;
+            const int64_t head = r / s.group * s.head_dim;
+            vf acc[LANES];
+            for (int t = 0; t < LANES; t++) acc[t] = (vf){0};
+            for (int64_t c = 0; c < chunks; c++) {
+                const vf qc = load(qr + c * LANES);
+                for (int t = 0; t < LANES; t++) acc[t] += qc * load(k[t] + head + c * LANES);
             }
+            store(scores + r * w.padded + l, hsum16(acc) * scale);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        float *row = scores + r * w.padded, top = row[0];
-        for (int64_t l = 1; l < w.len; l++) top = row[l] > top ? row[l] : top;
+        float *row = scores + r * w.padded;
         for (int64_t l = w.len; l < w.padded; l++) row[l] = -1e30f; /* e^-87: adds nothing */
+        vf top_lanes = load(row);
+        for (int64_t l = LANES; l < w.padded; l += LANES)
+            top_lanes = blend(load(row + l) > top_lanes, load(row + l), top_lanes);
+        float top = top_lanes[0];
+        for (int t = 1; t < LANES; t++) top = top_lanes[t] > top ? top_lanes[t] : top;
         vf sum = {0};
         for (int64_t l = 0; l < w.padded; l += LANES) {
-            vf e = exp_nonpositive(load(row + l) - top);
+            vf e = vexp(load(row + l) - top);
             store(row + l, e);
             sum += e;
         }
@@ -87,38 +87,52 @@ static void softmax_scores(const float *q, const float *k_cache, struct shape s,
     }
 }
 
-/* out: each row's probabilities times the value rows of its KV head. */
+/* Rows r0 .. r0 + R - 1 of one KV head (their probabilities p, padded apart) times its
+ * value rows, over chunks c0 .. c0 + C - 1 of head_dim: R * C accumulators in
+ * registers across all the tokens. */
+static inline __attribute__((always_inline)) void weigh_tile(
+    const float *p, const float *v_cache, struct shape s, struct task w, int64_t head,
+    int64_t c0, float *out, const int R, const int C) {
+    vf acc[4][4];
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < C; c++) acc[i][c] = (vf){0};
+    struct cursor at = {v_cache, 0, 0};
+    for (int64_t l = 0; l < w.len; l++, advance(&at, s)) {
+        const float *v = row_at(at, s, w) + head * s.head_dim + c0 * LANES;
+        vf vv[4];
+        for (int c = 0; c < C; c++) vv[c] = load(v + c * LANES);
+        for (int i = 0; i < R; i++) {
+            vf pi = splat(p[i * w.padded + l]);
+            for (int c = 0; c < C; c++) acc[i][c] += pi * vv[c];
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < C; c++) store(out + i * s.head_dim + (c0 + c) * LANES, acc[i][c]);
+}
+
+#define WEIGH(R, C) \
+    case 4 * (R - 1) + C - 1: weigh_tile(p, v_cache, s, w, head, c0, o, R, C); break;
+
+/* out: each row's probabilities times the value rows of its KV head, in tiles of up to
+ * 4 rows by 4 chunks */
 static void weigh_values(const float *scores, const float *v_cache, struct shape s,
                          struct task w, float *out) {
-    const int64_t token_stride = s.num_kv_heads * s.head_dim, chunks = s.head_dim / LANES;
-    const int64_t rows = w.heads * s.group, ts = token_stride;
-    memset(out, 0, sizeof(float) * rows * s.head_dim);
-    for (int64_t l = 0, j = 0; l < w.len; j++) {
-        const float *v = block_rows(v_cache, s, w, j);
-        int64_t n = s.block_size < w.len - l ? s.block_size : w.len - l, t = 0;
-        /* four tokens at a time: one load and store of the output per four rows */
-        for (; t + 4 <= n; t += 4, v += 4 * ts) {
-            for (int64_t r = 0; r < rows; r++) {
-                const float *p = scores + r * w.padded + l + t, *vr = v + r / s.group * s.head_dim;
+    const int64_t chunks = s.head_dim / LANES;
+    for (int64_t head = 0; head < w.heads; head++)
+        for (int64_t g = 0; g < s.group; g += 4)
+            for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+                const int64_t r = head * s.group + g;
+                const float *p = scores + r * w.padded;
                 float *o = out + r * s.head_dim;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *vc = vr + c * LANES;
-                    vf a = load(vc) * p[0] + load(vc + ts) * p[1];
-                    vf b = load(vc + 2 * ts) * p[2] + load(vc + 3 * ts) * p[3];
-                    store(o + c * LANES, load(o + c * LANES) + (a + b));
+                const int R = s.group - g < 4 ? (int)(s.group - g) : 4;
+                const int C = chunks - c0 < 4 ? (int)(chunks - c0) : 4;
+                switch (4 * (R - 1) + C - 1) {
+                    WEIGH(1, 1) WEIGH(1, 2) WEIGH(1, 3) WEIGH(1, 4)
+                    WEIGH(2, 1) WEIGH(2, 2) WEIGH(2, 3) WEIGH(2, 4)
+                    WEIGH(3, 1) WEIGH(3, 2) WEIGH(3, 3) WEIGH(3, 4)
+                    WEIGH(4, 1) WEIGH(4, 2) WEIGH(4, 3) WEIGH(4, 4)
                 }
             }
-        }
-        for (; t < n; t++, v += ts) {
-            for (int64_t r = 0; r < rows; r++) {
-                const float *vr = v + r / s.group * s.head_dim;
-                float p = scores[r * w.padded + l + t], *o = out + r * s.head_dim;
-                for (int64_t c = 0; c < chunks; c++)
-                    store(o + c * LANES, load(o + c * LANES) + load(vr + c * LANES) * p);
-            }
-        }
-        l += n;
-    }
 }
 
 /* Returns 0, or -1 when a score buffer could not be allocated. */

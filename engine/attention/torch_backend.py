@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_kernel import DecodeKernel, decode_kernel
+from engine.attention.cpu_prefill import PrefillKernel, prefill_kernel
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -23,10 +24,11 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Prefill chunks one sequence at a time through ``scaled_dot_product_attention``
-    on K/V gathered from the blocks. Decodes run as one batch: in float32 on CPU through
-    the C kernel (``cpu_kernel.py``), which reads the blocks in place; elsewhere, or
-    with ``use_kernel=False`` or no compiler, as one masked SDPA call on gathered K/V."""
+    """Prefill chunks run one sequence at a time, decodes as one batch. In float32 on
+    CPU both go through C kernels that read the blocks in place (``cpu_prefill.py``,
+    ``cpu_kernel.py``); elsewhere, or with ``use_kernel=False`` or no compiler, through
+    ``scaled_dot_product_attention`` on K/V gathered from the blocks (a chunk with no
+    earlier context on its own K/V)."""
 
     name = "torch"
 
@@ -39,9 +41,15 @@ class TorchAttentionBackend(AttentionBackend):
             return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
+        kernel = self._prefill_kernel(q, k_cache, v_cache)
         start = 0
         for i in range(meta.num_prefills):
             n, ctx = meta.query_lens_host[i], meta.seq_lens_host[i]
+            if kernel is not None:
+                rows = slice(start, start + n)
+                kernel(q[rows], k_cache, v_cache, meta.block_tables[i], ctx, scale, out[rows])
+                start += n
+                continue
             qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
             if ctx == n:  # no earlier context: the chunk's own K/V are the whole history
                 ki = k[start : start + n].transpose(0, 1).unsqueeze(0)
@@ -61,6 +69,11 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.num_decodes:
             out[start:] = self._decode(q[start:], k_cache, v_cache, meta, scale)
         return out
+
+    def _prefill_kernel(self, q, k_cache, v_cache) -> PrefillKernel | None:
+        if self.use_kernel and PrefillKernel.supports(q, k_cache, v_cache):
+            return prefill_kernel()
+        return None
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """One query token per sequence; padding past each length is masked out."""

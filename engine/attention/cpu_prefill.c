@@ -1,0 +1,205 @@
+/* Causal paged attention for a prefill chunk, float32 on CPU, read straight from the
+ * KV blocks (flash-attention style: an online softmax over tiles of keys, no score
+ * matrix the size of the context).
+ *
+ * One sequence: its num_tokens query tokens sit at positions context - num_tokens ..
+ * context - 1, and their K/V are already in the cache with the earlier ones; token l
+ * of the sequence sits at slot l % block_size of block block_table[l / block_size].
+ * Query head h * G + g (G = num_heads / num_kv_heads) attends to KV head h.
+ *
+ * Everything runs transposed, with the queries along the vector lanes: a task is one
+ * KV head and a tile of LANES_PER_TASK query rows (several query heads of its group by
+ * a run of tokens), held as
+ *     qt [head_dim][lanes]   scale * q, the rows side by side
+ *     st [KEYS][lanes]       scores, then probabilities, of a tile of keys
+ *     ot [head_dim][lanes]   the running sum of probabilities times values
+ * so scores are key rows broadcast against qt, the softmax runs down the columns
+ * (lane-wise max, exp and sums: no horizontal reductions) and the values are value
+ * rows broadcast against st. Keys are taken in tiles of KEYS; a tile that reaches past
+ * a row's position is masked there (keys past the context are masked the same way).
+ *
+ * Layouts: q and out rows of num_heads * head_dim floats, q_stride and out_stride
+ * floats apart; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
+ * contiguous.
+ */
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+#include "cpu_vec.h"
+
+#define VECS 6                          /* lane vectors of a task */
+#define LANES_PER_TASK (VECS * LANES)   /* query rows of a task */
+#define KEYS 64                         /* keys per tile */
+#define KEY_ROWS 4                      /* keys a score tile broadcasts: KEY_ROWS x VECS sums */
+#define DIM_ROWS 4                      /* value columns a weighing tile broadcasts */
+_Static_assert(KEYS % KEY_ROWS == 0, "a tile of keys is whole score tiles");
+#define MASKED (-1e30f)
+
+struct prefill {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *table;
+    float *out;
+    int64_t q_stride, out_stride, num_tokens, context, num_heads, num_kv_heads, head_dim,
+        block_size;
+    float scale;
+    /* a task's rows: heads g0 .. g0 + heads - 1 of the group by tokens t0 .. t0 + tokens - 1,
+     * lane i = (g - g0) * tokens + (t - t0) */
+    int64_t heads, tokens;
+};
+
+struct task {
+    int64_t kv_head, g0, t0;
+};
+
+static inline const float *key_row(const struct prefill *p, const float *cache, int64_t l,
+                                   int64_t kv_head) {
+    const int64_t slot = p->table[l / p->block_size] * p->block_size + l % p->block_size;
+    return cache + (slot * p->num_kv_heads + kv_head) * p->head_dim;
+}
+
+/* st[j] = qt . key j for keys j < nk of the tile (nk a multiple of KEY_ROWS), KEY_ROWS
+ * keys by all lanes at a time */
+static void scores(const struct prefill *p, const float *const *keys, int64_t nk,
+                   const float *qt, float *st) {
+    for (int64_t j = 0; j < nk; j += KEY_ROWS) {
+        vf acc[KEY_ROWS][VECS];
+        for (int a = 0; a < KEY_ROWS; a++)
+            for (int v = 0; v < VECS; v++) acc[a][v] = (vf){0};
+        for (int64_t d = 0; d < p->head_dim; d++) {
+            const float *col = qt + d * LANES_PER_TASK;
+            vf qv[VECS];
+            for (int v = 0; v < VECS; v++) qv[v] = load(col + v * LANES);
+            for (int a = 0; a < KEY_ROWS; a++) {
+                const vf kv = splat(keys[j + a][d]);
+                for (int v = 0; v < VECS; v++) acc[a][v] += kv * qv[v];
+            }
+        }
+        for (int a = 0; a < KEY_ROWS; a++)
+            for (int v = 0; v < VECS; v++) store(st + (j + a) * LANES_PER_TASK + v * LANES, acc[a][v]);
+    }
+}
+
+/* ot[d0 .. d0 + R - 1] += the value rows' columns d0 .. times st, over keys j < nk */
+static inline __attribute__((always_inline)) void weigh_tile(const struct prefill *p,
+                                                             const float *const *values,
+                                                             int64_t nk, const float *st,
+                                                             float *ot, int64_t d0, const int R) {
+    vf acc[DIM_ROWS][VECS];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < VECS; v++) acc[r][v] = load(ot + (d0 + r) * LANES_PER_TASK + v * LANES);
+    for (int64_t j = 0; j < nk; j++) {
+        const float *row = st + j * LANES_PER_TASK;
+        vf pv[VECS];
+        for (int v = 0; v < VECS; v++) pv[v] = load(row + v * LANES);
+        for (int r = 0; r < R; r++) {
+            const vf value = splat(values[j][d0 + r]);
+            for (int v = 0; v < VECS; v++) acc[r][v] += value * pv[v];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < VECS; v++) store(ot + (d0 + r) * LANES_PER_TASK + v * LANES, acc[r][v]);
+}
+
+static void weigh(const struct prefill *p, const float *const *values, int64_t nk,
+                  const float *st, float *ot) {
+    int64_t d = 0;
+    for (; d + DIM_ROWS <= p->head_dim; d += DIM_ROWS) weigh_tile(p, values, nk, st, ot, d, DIM_ROWS);
+    for (; d < p->head_dim; d++) weigh_tile(p, values, nk, st, ot, d, 1);
+}
+
+/* One task: gathers its rows into qt, runs the key tiles up to its last position,
+ * writes its rows of out. scratch: qt, ot, st and KEYS key and value pointers. */
+static void run_task(const struct prefill *p, struct task w, float *scratch) {
+    const int64_t D = p->head_dim, L = LANES_PER_TASK, G = p->num_heads / p->num_kv_heads;
+    float *qt = scratch, *ot = qt + D * L, *st = ot + D * L;
+    const float **keys = (const float **)(st + KEYS * L), **values = keys + KEYS;
+    const int64_t first = p->context - p->num_tokens; /* position of query token 0 */
+    const int64_t tokens = p->num_tokens - w.t0 < p->tokens ? p->num_tokens - w.t0 : p->tokens;
+    const int64_t heads = G - w.g0 < p->heads ? G - w.g0 : p->heads;
+    vi pos[VECS]; /* each lane's position; lanes without a row sit at 0 */
+    for (int64_t i = 0; i < L; i++) {
+        const int64_t g = i / p->tokens, t = i % p->tokens, used = g < heads && t < tokens;
+        const float *row = p->q + (w.t0 + t) * p->q_stride + (w.kv_head * G + w.g0 + g) * D;
+        for (int64_t d = 0; d < D; d++) qt[d * L + i] = used ? row[d] * p->scale : 0.0f;
+        pos[i / LANES][i % LANES] = used ? (int32_t)(first + w.t0 + t) : 0;
+    }
+    memset(ot, 0, sizeof(float) * D * L);
+    vf top[VECS], sum[VECS];
+    for (int v = 0; v < VECS; v++) top[v] = splat(MASKED), sum[v] = (vf){0};
+    const int64_t last = first + w.t0 + tokens - 1; /* the furthest a row sees */
+    for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
+        const int64_t reach = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
+        const int64_t nk = (reach + KEY_ROWS - 1) / KEY_ROWS * KEY_ROWS;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t l = k0 + j < p->context ? k0 + j : 0; /* masked below */
+            keys[j] = key_row(p, p->k_cache, l, w.kv_head);
+            values[j] = key_row(p, p->v_cache, l, w.kv_head);
+        }
+        scores(p, keys, nk, qt, st);
+        const int masked = k0 + nk - 1 > first + w.t0;
+        for (int v = 0; v < VECS; v++) {
+            vf tile_top = splat(MASKED);
+            for (int64_t j = 0; j < nk; j++) {
+                float *s = st + j * L + v * LANES;
+                vf x = load(s);
+                if (masked) x = blend(pos[v] < (int32_t)(k0 + j), splat(MASKED), x), store(s, x);
+                tile_top = blend(x > tile_top, x, tile_top);
+            }
+            const vf new_top = blend(tile_top > top[v], tile_top, top[v]);
+            const vf alpha = vexp(top[v] - new_top);
+            vf total = {0};
+            for (int64_t j = 0; j < nk; j++) {
+                float *s = st + j * L + v * LANES;
+                vf e = vexp(load(s) - new_top);
+                if (masked) e = blend(pos[v] < (int32_t)(k0 + j), (vf){0}, e);
+                store(s, e);
+                total += e;
+            }
+            sum[v] = sum[v] * alpha + total;
+            top[v] = new_top;
+            for (int64_t d = 0; d < D; d++) store(ot + d * L + v * LANES, load(ot + d * L + v * LANES) * alpha);
+        }
+        weigh(p, values, nk, st, ot);
+    }
+    for (int64_t i = 0; i < heads * p->tokens; i++) {
+        const int64_t g = i / p->tokens, t = i % p->tokens;
+        if (t >= tokens) continue;
+        float *row = p->out + (w.t0 + t) * p->out_stride + (w.kv_head * G + w.g0 + g) * D;
+        const float inv = 1.0f / sum[i / LANES][i % LANES];
+        for (int64_t d = 0; d < D; d++) row[d] = ot[d * L + i] * inv;
+    }
+}
+
+/* Returns 0, or -1 when a thread's scratch could not be allocated. */
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
+                      const float *v_cache, const int32_t *block_table, int64_t num_tokens,
+                      int64_t context, float *out, int64_t out_stride, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                      int num_threads) {
+    const int64_t G = num_heads / num_kv_heads, heads = G < LANES_PER_TASK ? G : LANES_PER_TASK;
+    struct prefill p = {q, k_cache, v_cache, block_table, out, q_stride, out_stride,
+                        num_tokens, context, num_heads, num_kv_heads, head_dim, block_size,
+                        scale, heads, LANES_PER_TASK / heads};
+    const int64_t tiles = (num_tokens + p.tokens - 1) / p.tokens, parts = (G + heads - 1) / heads;
+    const int64_t tasks = tiles * parts * num_kv_heads;
+    const size_t floats = 2 * head_dim * LANES_PER_TASK + KEYS * LANES_PER_TASK;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (tasks > 1)
+    {
+        float *scratch = malloc(sizeof(float) * floats + 2 * KEYS * sizeof(float *));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the last token tiles see the most keys: they go first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < tasks; i++) {
+            if (scratch == NULL) continue;
+            const int64_t tile = tiles - 1 - i / (parts * num_kv_heads), rest = i % (parts * num_kv_heads);
+            struct task w = {rest / parts, rest % parts * heads, tile * p.tokens};
+            run_task(&p, w, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
