@@ -6,9 +6,9 @@
  * the few activation rows in cache. While a thread works on one tile of weight rows it
  * pulls the next tile's rows into L2, so that memory and arithmetic overlap. A tile is
  * nr weight rows x mr activation rows: mr * nr vector accumulators of 16 lanes along
- * k, folded into scalars at the end. Every y[m, n] is the same sequence of operations whatever M and
- * the tile it falls in, so a request's result does not depend on what else is in the
- * batch.
+ * k, folded into scalars at the end. Every y[m, n] is the same sequence of operations
+ * whatever M and the tile it falls in, so a request's result does not depend on what
+ * else is in the batch.
  *
  * Layouts: rows of x, w and y are ldx, ldw and ldy floats apart; any K (a tail of
  * fewer than 16 is done in scalar).

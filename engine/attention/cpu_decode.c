@@ -27,7 +27,8 @@ struct task {
     int64_t len, padded, h0, heads;
 };
 
-/* Walks a task's tokens in order: the row of token l (for KV head h0) in a cache. */
+/* A place in a task's walk through its tokens: block (index into the table) and slot;
+ * row_at gives that token's row for KV head h0 in the cache. */
 struct cursor {
     const float *cache;
     int64_t block, slot;

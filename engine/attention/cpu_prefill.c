@@ -75,18 +75,19 @@ static void scores(const struct prefill *p, const float *const *keys, int64_t nk
             }
         }
         for (int a = 0; a < KEY_ROWS; a++)
-            for (int v = 0; v < VECS; v++) store(st + (j + a) * LANES_PER_TASK + v * LANES, acc[a][v]);
+            for (int v = 0; v < VECS; v++)
+                store(st + (j + a) * LANES_PER_TASK + v * LANES, acc[a][v]);
     }
 }
 
 /* ot[d0 .. d0 + R - 1] += the value rows' columns d0 .. times st, over keys j < nk */
-static inline __attribute__((always_inline)) void weigh_tile(const struct prefill *p,
-                                                             const float *const *values,
-                                                             int64_t nk, const float *st,
-                                                             float *ot, int64_t d0, const int R) {
+static inline __attribute__((always_inline)) void weigh_tile(
+    const struct prefill *p, const float *const *values, int64_t nk, const float *st,
+    float *ot, int64_t d0, const int R) {
+    float *rows = ot + d0 * LANES_PER_TASK;
     vf acc[DIM_ROWS][VECS];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < VECS; v++) acc[r][v] = load(ot + (d0 + r) * LANES_PER_TASK + v * LANES);
+        for (int v = 0; v < VECS; v++) acc[r][v] = load(rows + r * LANES_PER_TASK + v * LANES);
     for (int64_t j = 0; j < nk; j++) {
         const float *row = st + j * LANES_PER_TASK;
         vf pv[VECS];
@@ -97,13 +98,14 @@ static inline __attribute__((always_inline)) void weigh_tile(const struct prefil
         }
     }
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < VECS; v++) store(ot + (d0 + r) * LANES_PER_TASK + v * LANES, acc[r][v]);
+        for (int v = 0; v < VECS; v++) store(rows + r * LANES_PER_TASK + v * LANES, acc[r][v]);
 }
 
 static void weigh(const struct prefill *p, const float *const *values, int64_t nk,
                   const float *st, float *ot) {
     int64_t d = 0;
-    for (; d + DIM_ROWS <= p->head_dim; d += DIM_ROWS) weigh_tile(p, values, nk, st, ot, d, DIM_ROWS);
+    for (; d + DIM_ROWS <= p->head_dim; d += DIM_ROWS)
+        weigh_tile(p, values, nk, st, ot, d, DIM_ROWS);
     for (; d < p->head_dim; d++) weigh_tile(p, values, nk, st, ot, d, 1);
 }
 
@@ -142,7 +144,8 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
             for (int64_t j = 0; j < nk; j++) {
                 float *s = st + j * L + v * LANES;
                 vf x = load(s);
-                if (masked) x = blend(pos[v] < (int32_t)(k0 + j), splat(MASKED), x), store(s, x);
+                if (masked)
+                    x = blend(pos[v] < (int32_t)(k0 + j), splat(MASKED), x), store(s, x);
                 tile_top = blend(x > tile_top, x, tile_top);
             }
             const vf new_top = blend(tile_top > top[v], tile_top, top[v]);
@@ -157,7 +160,10 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
             }
             sum[v] = sum[v] * alpha + total;
             top[v] = new_top;
-            for (int64_t d = 0; d < D; d++) store(ot + d * L + v * LANES, load(ot + d * L + v * LANES) * alpha);
+            for (int64_t d = 0; d < D; d++) {
+                float *o = ot + d * L + v * LANES;
+                store(o, load(o) * alpha);
+            }
         }
         weigh(p, values, nk, st, ot);
     }
@@ -180,7 +186,8 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
     struct prefill p = {q, k_cache, v_cache, block_table, out, q_stride, out_stride,
                         num_tokens, context, num_heads, num_kv_heads, head_dim, block_size,
                         scale, heads, LANES_PER_TASK / heads};
-    const int64_t tiles = (num_tokens + p.tokens - 1) / p.tokens, parts = (G + heads - 1) / heads;
+    const int64_t tiles = (num_tokens + p.tokens - 1) / p.tokens;
+    const int64_t parts = (G + heads - 1) / heads; /* tasks a group of query heads needs */
     const int64_t tasks = tiles * parts * num_kv_heads;
     const size_t floats = 2 * head_dim * LANES_PER_TASK + KEYS * LANES_PER_TASK;
     int failed = 0;
@@ -195,7 +202,8 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < tasks; i++) {
             if (scratch == NULL) continue;
-            const int64_t tile = tiles - 1 - i / (parts * num_kv_heads), rest = i % (parts * num_kv_heads);
+            const int64_t per_tile = parts * num_kv_heads;
+            const int64_t tile = tiles - 1 - i / per_tile, rest = i % per_tile;
             struct task w = {rest / parts, rest % parts * heads, tile * p.tokens};
             run_task(&p, w, scratch);
         }
