@@ -21,6 +21,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.cpu_layer import CpuDecodeLayers
 from engine.linear import linear, prepare
+from engine.mkl_packed import MklPacker, PackedWeight, mkl_packer
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.rope import rope_tables
@@ -47,6 +48,8 @@ class DecoderLayer(nn.Module):
         self.down = param(hidden, inter)
         self.eps = cfg.rms_eps
         self.scale = d**-0.5
+        # the projections packed for MKL's prefill GEMM, by name (prepare_weights)
+        self.packed: dict[str, PackedWeight] = {}
 
     def forward(self, h, residual, rope, k_cache, v_cache, meta, attn, ops, tp):
         if residual is None:
@@ -55,14 +58,15 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = ops.add_rms_norm(h, residual, self.input_norm, self.eps)
         t, d = x.shape[0], self.head_dim
-        q, k, v = linear(x, self.qkv).split(
+        q, k, v = linear(x, self.qkv, self.packed.get("qkv")).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
         )
         q, k = ops.rotary(q.view(t, -1, d), k.view(t, -1, d), rope)
         o = attn.forward(q, k, v.view(t, -1, d), k_cache, v_cache, meta, self.scale)
-        h = tp.all_reduce(linear(o.reshape(t, -1), self.o))
+        h = tp.all_reduce(linear(o.reshape(t, -1), self.o, self.packed.get("o")))
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, self.eps)
-        h = tp.all_reduce(linear(ops.silu_and_mul(linear(x, self.gate_up)), self.down))
+        act = ops.silu_and_mul(linear(x, self.gate_up, self.packed.get("gate_up")))
+        h = tp.all_reduce(linear(act, self.down, self.packed.get("down")))
         return h, residual
 
 
@@ -140,9 +144,14 @@ class LlamaModel(nn.Module):
         assign_weights(self, weights)
 
     def prepare_weights(self) -> None:
-        """Store the projection weights as ``engine/linear.py`` reads them (contiguous
-        [out, in] rows); called once after loading."""
+        """Store the projection weights as ``engine/linear.py`` reads them: contiguous
+        [out, in] rows, and in float32 on CPU a twin that packs itself for MKL's prefill
+        GEMM on first use. Called once after loading."""
+        packer = mkl_packer()
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(layer, name, nn.Parameter(prepare(getattr(layer, name).data), False))
+                weight = prepare(getattr(layer, name).data)
+                setattr(layer, name, nn.Parameter(weight, False))
+                if packer is not None and MklPacker.supports(weight):
+                    layer.packed[name] = PackedWeight(packer, weight)
         self.lm_head = nn.Parameter(prepare(self.lm_head.data), requires_grad=False)
