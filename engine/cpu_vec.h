@@ -65,10 +65,10 @@ static inline vf blend(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)
 static inline vf vexp(vf x) {
     x = blend(x < splat(-87.0f), splat(-87.0f), x);
     x = blend(x > splat(88.0f), splat(88.0f), x);
-    vf t = x * 1.44269504088896341f + 0.5f;
-    vi n = __builtin_convertvector(t, vi); /* truncates: one too many below zero */
-    n += __builtin_convertvector(n, vf) > t;
-    vf nf = __builtin_convertvector(n, vf);
+    /* 1.5 * 2^23 added rounds x log2(e) to the nearest integer n, in the low bits */
+    const vf big = x * 1.44269504088896341f + 12582912.0f;
+    const vf nf = big - 12582912.0f;
+    const vi n = (vi)big - 0x4B400000;
     vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
     vf p = splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;

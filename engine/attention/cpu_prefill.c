@@ -58,9 +58,11 @@ static inline const float *key_row(const struct prefill *p, const float *cache, 
 }
 
 /* st[j] = qt . key j for keys j < nk of the tile (nk a multiple of KEY_ROWS), KEY_ROWS
- * keys by all lanes at a time */
+ * keys by all lanes at a time; with pos (the lanes' positions, k0 the tile's first key)
+ * the keys past a lane's position are masked. top[v]: each lane's largest score. */
 static void scores(const struct prefill *p, const float *const *keys, int64_t nk,
-                   const float *qt, float *st) {
+                   const float *qt, const vi *pos, int64_t k0, float *st, vf *top) {
+    for (int v = 0; v < VECS; v++) top[v] = splat(MASKED);
     for (int64_t j = 0; j < nk; j += KEY_ROWS) {
         vf acc[KEY_ROWS][VECS];
         for (int a = 0; a < KEY_ROWS; a++)
@@ -75,8 +77,12 @@ static void scores(const struct prefill *p, const float *const *keys, int64_t nk
             }
         }
         for (int a = 0; a < KEY_ROWS; a++)
-            for (int v = 0; v < VECS; v++)
-                store(st + (j + a) * LANES_PER_TASK + v * LANES, acc[a][v]);
+            for (int v = 0; v < VECS; v++) {
+                vf x = acc[a][v];
+                if (pos != NULL) x = blend(pos[v] < (int32_t)(k0 + j + a), splat(MASKED), x);
+                top[v] = blend(x > top[v], x, top[v]);
+                store(st + (j + a) * LANES_PER_TASK + v * LANES, x);
+            }
     }
 }
 
@@ -137,19 +143,12 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
             keys[j] = key_row(p, p->k_cache, l, w.kv_head);
             values[j] = key_row(p, p->v_cache, l, w.kv_head);
         }
-        scores(p, keys, nk, qt, st);
         const int masked = k0 + nk - 1 > first + w.t0;
+        vf tile_top[VECS];
+        scores(p, keys, nk, qt, masked ? pos : NULL, k0, st, tile_top);
         for (int v = 0; v < VECS; v++) {
-            vf tile_top = splat(MASKED);
-            for (int64_t j = 0; j < nk; j++) {
-                float *s = st + j * L + v * LANES;
-                vf x = load(s);
-                if (masked)
-                    x = blend(pos[v] < (int32_t)(k0 + j), splat(MASKED), x), store(s, x);
-                tile_top = blend(x > tile_top, x, tile_top);
-            }
-            const vf new_top = blend(tile_top > top[v], tile_top, top[v]);
-            const vf alpha = vexp(top[v] - new_top);
+            const vi rises = tile_top[v] > top[v];
+            const vf old_top = top[v], new_top = blend(rises, tile_top[v], top[v]);
             vf total = {0};
             for (int64_t j = 0; j < nk; j++) {
                 float *s = st + j * L + v * LANES;
@@ -158,8 +157,15 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
                 store(s, e);
                 total += e;
             }
-            sum[v] = sum[v] * alpha + total;
             top[v] = new_top;
+            int any = 0; /* the rows' sums so far scale by e^(old top - new top) */
+            for (int t = 0; t < LANES; t++) any |= rises[t];
+            if (!any) {
+                sum[v] += total;
+                continue;
+            }
+            const vf alpha = vexp(old_top - new_top);
+            sum[v] = sum[v] * alpha + total;
             for (int64_t d = 0; d < D; d++) {
                 float *o = ot + d * L + v * LANES;
                 store(o, load(o) * alpha);
