@@ -14,6 +14,9 @@ void add_rms_norm_f32(const float *x, const float *residual, const float *w, flo
 void silu_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t I,
                   int num_threads);
 
+void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t cols, int64_t *out,
+                     int num_threads);
+
 void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
                 const int64_t *positions, const float *cos, const float *sin, int num_threads);
 

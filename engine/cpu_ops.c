@@ -73,3 +73,51 @@ void silu_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* out[t] = the index of the largest of the cols floats of row t (rows ld floats apart):
+ * the first one when several are equal, the first NaN when there is one (torch.argmax's
+ * answers). One pass: each lane keeps its largest and where it was, by strict greater,
+ * so the earliest of equals stays. */
+void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t cols, int64_t *out,
+                     int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows * cols >= 8 * PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *row = x + t * ld;
+        int64_t c = 0, best = 0;
+        if (cols >= LANES) {
+            vf top = load(row);
+            vi at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, here = at, nan = {0};
+            for (c = LANES; c + LANES <= cols; c += LANES) {
+                const vf v = load(row + c);
+                here += LANES;
+                const vi greater = v > top;
+                nan |= v != v;
+                top = blend(greater, v, top);
+                at = (vi)blend(greater, (vf)here, (vf)at);
+            }
+            nan |= top != top;
+            int any_nan = 0;
+            for (int l = 0; l < LANES; l++) any_nan |= nan[l];
+            if (any_nan) {
+                for (int64_t i = 0; i < cols; i++)
+                    if (row[i] != row[i]) {
+                        out[t] = i;
+                        break;
+                    }
+                continue;
+            }
+            best = at[0];
+            for (int l = 1; l < LANES; l++)
+                if (top[l] > row[best] || (top[l] == row[best] && at[l] < best)) best = at[l];
+        }
+        for (; c < cols; c++) {
+            if (row[c] != row[c]) {
+                best = c;
+                break;
+            }
+            if (row[c] > row[best]) best = c;
+        }
+        out[t] = best;
+    }
+}

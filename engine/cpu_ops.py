@@ -1,7 +1,8 @@
 """``TorchOps``' float32 CPU ops in C (``cpu_ops.c``), built on first use by
 ``engine/native.py``: one pass and one call each where plain torch takes four to six
 ops (an RMS norm), four ops and a copy (rotary, per tensor) or a chunk and two ops
-(SiLU and multiply)."""
+(SiLU and multiply); and the sampler's greedy argmax, which torch takes 1.7 ms for at
+32 x 49152 logits here (single-threaded), this one pass ~0.2 ms."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ class CpuOps:
         self._rotary = lib.rotary_f32
         self._rotary.argtypes = [_P] + [_I] * 4 + [_P] * 3 + [ctypes.c_int]
         self._rotary.restype = None
+        self._argmax = lib.argmax_rows_f32
+        self._argmax.argtypes = [_P] + [_I] * 3 + [_P, ctypes.c_int]
+        self._argmax.restype = None
         self._silu_mul = lib.silu_mul_f32
         self._silu_mul.argtypes = [_P, _I, _P, _I, _I, ctypes.c_int]
         self._silu_mul.restype = None
@@ -60,6 +64,17 @@ class CpuOps:
         self._silu_mul(
             x.data_ptr(), x.stride(-2), out.data_ptr(), rows, inter, torch.get_num_threads()
         )
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, C] -> int64 [R], torch.argmax(x, -1)'s answer (first of equals, first NaN)."""
+        if x.dim() != 2 or x.stride(1) != 1:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(
+            x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
     def rotary_(self, x: torch.Tensor, positions, cos, sin) -> bool:

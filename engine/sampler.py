@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.cpu_ops import CpuOps, cpu_ops
 from engine.request import Request
 
 
@@ -17,7 +18,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits [S, V] float32, one row per request -> one token id per request."""
-        greedy = logits.argmax(dim=-1).tolist()
+        native = cpu_ops() if CpuOps.supports(logits) and logits.dim() == 2 else None
+        greedy = (logits.argmax(dim=-1) if native is None else native.argmax(logits)).tolist()
         out = []
         for i, request in enumerate(requests):
             p = request.params

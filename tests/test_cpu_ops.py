@@ -53,6 +53,21 @@ def test_silu_and_mul_matches(tokens, inter):
     torch.testing.assert_close(NATIVE.silu_and_mul(strided), PLAIN.silu_and_mul(strided))
 
 
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152, 1000])
+def test_argmax_is_torchs(cols):
+    native = cpu_ops()
+    x = torch.randn(9, cols)
+    x[1] = 0.0  # all equal: the first
+    x[2, cols // 2 :] = x[2].max() + 1  # equal maxima: the first of them
+    x[3, cols - 1] = float("nan")  # a NaN wins
+    x[4] = float("-inf")
+    x[5, cols // 3] = float("inf")
+    x[6, :: max(cols // 4, 1)] = float("nan")  # the first NaN
+    assert torch.equal(native.argmax(x), x.argmax(-1))
+    strided = torch.randn(5, cols + 7)[:, 3 : cols + 3]
+    assert torch.equal(native.argmax(strided), strided.argmax(-1))
+
+
 def test_unpacked_heads_fall_back_to_torch():
     cos, sin = rope_tables(64, 128, 10000.0, None)
     positions = torch.arange(3)
