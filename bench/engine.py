@@ -6,7 +6,7 @@ machine's floors measured in the same run.
 Prefill: one prompt of 128 / 512 / 2048 tokens in one pass (HF computes the last
 logit only), after a warm-up pass each, best of 5 passes that alternate between the
 engine and HF. Decode: batch 1 / 8 / 32 of 128-token contexts, tokens/s over N steps,
-best of 3 runs that alternate the same way. The machine is shared: a single run of
+best of 5 runs that alternate the same way. The machine is shared: a single run of
 either can land on a busy moment, and alternating gives both sides the same chances.
 """
 
@@ -120,7 +120,7 @@ def main() -> None:
         print(_fmt(rows[-1]), flush=True)
     for b in (1, 8, 32):
         ours, theirs = 0.0, 0.0
-        for run in range(3):
+        for run in range(5):
             ours = max(ours, engine_decode(llm, b, args.decode_steps, run))
             theirs = max(theirs, hf_decode(hf, b, args.decode_steps))
         step_ms = b / ours * 1e3
