@@ -1,4 +1,4 @@
-"""Prefill projections through MKL with each weight packed once at load.
+"""Prefill projections through MKL with each weight packed once, on first use.
 
 ``F.linear`` hands MKL the weight in its checkpoint layout, and MKL copies it into its
 internal blocked layout on every call: ~9% of a 512-token prefill here, and more of a
