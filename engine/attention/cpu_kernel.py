@@ -22,13 +22,7 @@ class DecodeKernel:
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        return (
-            q.device.type == "cpu"
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and q.shape[-1] % 16 == 0
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
-        )
+        return float32_cpu_caches(q, k_cache, v_cache) and q.shape[-1] % 16 == 0
 
     def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float):
         """q [B, Hq, D] float32 -> [B, Hq, D]; see cpu_decode.c for the layouts."""
@@ -58,6 +52,16 @@ class DecodeKernel:
         if rc != 0:
             raise MemoryError("paged_decode_f32: could not allocate its score buffers")
         return out
+
+
+def float32_cpu_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """What the C attention kernels read: float32 CPU queries and contiguous caches."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from engine import native
+from engine.attention.cpu_kernel import float32_cpu_caches
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -25,12 +26,7 @@ class PrefillKernel:
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        return (
-            q.device.type == "cpu"
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
-        )
+        return float32_cpu_caches(q, k_cache, v_cache)
 
     def __call__(self, q, k_cache, v_cache, block_table, context: int, scale: float, out):
         """q [T, Hq, D] (heads packed in a row) at positions context - T .. context - 1;
