@@ -11,9 +11,10 @@ import torch
 from engine import native
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-# up to this many rows the C kernel is as fast as MKL or faster (a step's projections at
-# 48 rows: 72 against 96 ms here; at 64: 122 against 117); above it the product is
-# compute-bound and MKL's blocked GEMM is the faster one
+# up to this many rows the C kernel beats MKL (a step's projections, cycling through the
+# layers' weights: 32 rows 43.7 against 62.5 ms here, 64 rows 78.9 against 96.1; at 128
+# rows 151 against 142); above it the product is compute-bound and MKL's GEMM on the
+# packed weights (engine/mkl_packed.py) is the faster one
 MAX_ROWS = 64
 
 
