@@ -1,5 +1,6 @@
-"""The small-batch float32 projection of ``cpu_gemm.c`` (``x @ w.T`` with ``w`` in its
-[out, in] layout), built on first use by ``engine/native.py``."""
+"""The small-batch float32 projection of ``cpu_gemm.c`` (``x @ W.T``), with W packed
+into the kernel's panels on first use (as Q4_1 / Q8_0 blocks where its floats are
+exactly such blocks: a GGUF's); built on first use by ``engine/native.py``."""
 
 from __future__ import annotations
 
@@ -11,47 +12,113 @@ import torch
 from engine import native
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+# the PANELS_* layouts of cpu_kernels.h, the block ones tried first
+F32, Q4, Q8 = 0, 1, 2
 # up to this many rows the C kernel beats MKL (a step's projections, cycling through the
-# layers' weights: 32 rows 43.7 against 62.5 ms here, 64 rows 78.9 against 96.1; at 128
-# rows 151 against 142); above it the product is compute-bound and MKL's GEMM on the
-# packed weights (engine/mkl_packed.py) is the faster one
+# layers' weights: 32 rows 40 against 62 ms here, 64 rows 66-77 against 96); above it
+# the product is compute-bound and MKL's GEMM on the packed weights
+# (engine/mkl_packed.py) is the faster one
 MAX_ROWS = 64
 
 
 class CpuGemm:
+    """The kernel's two calls, bound from the built library."""
+
     def __init__(self, lib: ctypes.CDLL):
-        self.fn = lib.gemm_nt_f32
-        self.fn.argtypes = [_P, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int]
-        self.fn.restype = None
+        lib.gemm_panel_width.restype = _I
+        self.width = lib.gemm_panel_width()
+        self.bytes = lib.gemm_panel_bytes
+        self.bytes.argtypes, self.bytes.restype = [ctypes.c_int, _I], _I
+        self.pack = lib.pack_panels_f32
+        self.pack.argtypes = [_P, _I, _I, _I, _P]
+        self.pack.restype = None
+        self.pack_blocks = lib.pack_panels_blocks
+        self.pack_blocks.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, ctypes.c_int]
+        self.pack_blocks.restype = ctypes.c_bool
+        self.gemm = lib.gemm_panel_f32
+        self.gemm.argtypes = [_P, _I, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, ctypes.c_int]
+        self.gemm.restype = None
+        self.scratch_floats = lib.gemm_scratch_floats
+        self.scratch_floats.argtypes, self.scratch_floats.restype = [_I, ctypes.c_int], _I
+        self._scratch = torch.empty(0)
+
+    def scratch(self, floats: int) -> torch.Tensor:
+        """A buffer of at least ``floats`` floats, reused across calls (grown only)."""
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats)
+        return self._scratch
 
     @staticmethod
-    def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    def supports(weight: torch.Tensor) -> bool:
         return (
-            x.device.type == w.device.type == "cpu"
-            and x.dtype == w.dtype == torch.float32
-            and x.dim() == 2
-            and x.shape[0] <= MAX_ROWS
-            and x.shape[1] == w.shape[1]
-            and x.stride(1) == 1
-            and w.stride(1) == 1
+            weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and weight.dim() == 2
+            and weight.stride(1) == 1
         )
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ w[N, K].T -> [M, N]; rows of x and w contiguous (``supports``)."""
-        (m, k), n = x.shape, w.shape[0]
-        y = torch.empty(m, n, dtype=x.dtype)
-        self.fn(
-            x.data_ptr(),
-            x.stride(0),
-            w.data_ptr(),
-            w.stride(0),
-            y.data_ptr(),
-            n,
-            m,
-            n,
-            k,
-            torch.get_num_threads(),
+
+class PanelWeight:
+    """An [out, in] float32 weight for y = x @ W.T on decode-sized batches, packed into
+    the kernel's panels on first use: an instance that only ever prefills (a prefill
+    pool's layers) never holds the copy. The copy costs the weight's size again, or
+    0.19x of it as Q4 blocks (0.28x as Q8); finding the blocks of the embedded model
+    takes ~1 s, once."""
+
+    def __init__(self, kernel: CpuGemm, weight: torch.Tensor, formats: tuple[int, ...] = (Q4, Q8)):
+        """``formats``: the block layouts to try before the float32 one."""
+        if not CpuGemm.supports(weight):
+            raise ValueError(f"panels need a 2-D float32 CPU weight with unit stride, not {weight}")
+        self.kernel, self.weight, self.formats = kernel, weight, formats
+        self.out_features, self.in_features = weight.shape
+        self._panels: torch.Tensor | None = None
+        self._format = F32
+
+    @property
+    def panels(self) -> torch.Tensor:
+        """The packed weight (``format`` says its layout), packed on first access."""
+        if self._panels is None:
+            self._format, self._panels = self._pack()
+        return self._panels
+
+    @property
+    def format(self) -> int:
+        """The layout of ``panels`` (F32, Q4 or Q8), packing them if not yet done."""
+        self.panels  # noqa: B018 (packs on first access)
+        return self._format
+
+    def _pack(self) -> tuple[int, torch.Tensor]:
+        n, k, w, kernel = self.out_features, self.in_features, self.weight, self.kernel
+        count = -(-n // kernel.width)
+        for fmt in self.formats:
+            out = torch.empty(count * kernel.bytes(fmt, k), dtype=torch.uint8)
+            args = (w.data_ptr(), w.stride(0), n, k, fmt, out.data_ptr())
+            if kernel.pack_blocks(*args, torch.get_num_threads()):
+                return fmt, out
+        out = torch.empty(count, k, kernel.width)
+        kernel.pack(w.data_ptr(), w.stride(0), n, k, out.data_ptr())
+        return F32, out
+
+    def supports(self, x: torch.Tensor) -> bool:
+        return (
+            x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and 0 < x.shape[0] <= MAX_ROWS
+            and x.shape[1] == self.in_features
+            and x.stride(1) == 1
         )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] (``supports``) -> x @ W.T [M, out]."""
+        m, n, k = x.shape[0], self.out_features, self.in_features
+        panels, threads = self.panels, torch.get_num_threads()
+        scratch = self.kernel.scratch(self.kernel.scratch_floats(m, threads))
+        y = x.new_empty(m, n)
+        self.kernel.gemm(
+            x.data_ptr(), x.stride(0), panels.data_ptr(), self.format, y.data_ptr(), n, m, n,
+            k, scratch.data_ptr(), threads,
+        )  # fmt: skip
         return y
 
 

@@ -5,8 +5,15 @@
 
 #include <stdint.h>
 
-void gemm_nt_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y,
-                 int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads);
+/* the layouts of cpu_gemm.c's panels */
+enum { PANELS_F32, PANELS_Q4, PANELS_Q8 };
+
+/* scratch: gemm_scratch_floats(M, num_threads) floats */
+void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format, float *y,
+                    int64_t ldy, int64_t M, int64_t N, int64_t K, float *scratch,
+                    int num_threads);
+
+int64_t gemm_scratch_floats(int64_t M, int num_threads);
 
 void add_rms_norm_f32(const float *x, const float *residual, const float *w, float *out,
                       float *sum, int64_t rows, int64_t hidden, float eps, int num_threads);

@@ -17,17 +17,23 @@
 
 #include "cpu_kernels.h"
 
-/* what stays fixed for a layer: its weights ([out, in]), its caches and sizes */
+/* what stays fixed for a layer: its norm weights, its projections packed into panels
+ * (cpu_gemm.c), its caches and sizes */
 struct decode_layer {
-    const float *input_norm, *qkv, *o, *post_norm, *gate_up, *down;
+    const float *input_norm;
+    const void *qkv, *o;
+    const float *post_norm;
+    const void *gate_up, *down;
     float *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int64_t qkv_format, o_format, gate_up_format, down_format; /* PANELS_* */
     float eps, scale;
 };
 
 /* what a step sets: num_seqs tokens, their positions and cache slots, the sequences'
  * block tables and lengths (after this token), the rotary tables [max_pos, head_dim / 2]
- * and a scratch buffer of decode_scratch_floats() floats */
+ * and a scratch buffer of decode_scratch_floats() floats: first the GEMM's (panels
+ * expanded per thread), then the activations */
 struct decode_batch {
     const int64_t *positions, *slots;
     const float *cos, *sin;
@@ -37,11 +43,14 @@ struct decode_batch {
     int num_threads;
 };
 
-int64_t decode_scratch_floats(const struct decode_layer *l, int64_t num_seqs) {
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+int64_t decode_scratch_floats(const struct decode_layer *l, int64_t num_seqs,
+                              int num_threads) {
     const int64_t qkv = (l->num_heads + 2 * l->num_kv_heads) * l->head_dim;
     const int64_t attention = qkv + 2 * l->num_heads * l->head_dim;
     const int64_t mlp = 3 * l->intermediate;
-    return num_seqs * (l->hidden + (attention > mlp ? attention : mlp));
+    return gemm_scratch_floats(num_seqs, num_threads) + num_seqs * (l->hidden + max64(attention, mlp));
 }
 
 static void norm(const struct decode_layer *l, const struct decode_batch *b, const float *h,
@@ -58,9 +67,10 @@ int decode_attention_f32(const struct decode_layer *l, const struct decode_batch
     const int64_t B = b->num_seqs, H = l->hidden, D = l->head_dim;
     const int64_t q_width = l->num_heads * D, kv_width = l->num_kv_heads * D;
     const int64_t width = q_width + 2 * kv_width;
-    float *x = b->scratch, *qkv = x + B * H, *q = qkv + B * width, *o = q + B * q_width;
+    float *g = b->scratch, *x = g + gemm_scratch_floats(B, b->num_threads);
+    float *qkv = x + B * H, *q = qkv + B * width, *o = q + B * q_width;
     norm(l, b, h, residual, l->input_norm, x, residual_out);
-    gemm_nt_f32(x, H, l->qkv, H, qkv, width, B, width, H, b->num_threads);
+    gemm_panel_f32(x, H, l->qkv, l->qkv_format, qkv, width, B, width, H, g, b->num_threads);
     rotary_f32(qkv, width, B, l->num_heads, D, b->positions, b->cos, b->sin, b->num_threads);
     rotary_f32(qkv + q_width, width, B, l->num_kv_heads, D, b->positions, b->cos, b->sin,
                b->num_threads);
@@ -75,16 +85,18 @@ int decode_attention_f32(const struct decode_layer *l, const struct decode_batch
                          l->num_heads, l->num_kv_heads, D, l->block_size, b->table_stride,
                          l->scale, b->num_threads) != 0)
         return -1;
-    gemm_nt_f32(o, q_width, l->o, q_width, out, H, B, H, q_width, b->num_threads);
+    gemm_panel_f32(o, q_width, l->o, l->o_format, out, H, B, H, q_width, g, b->num_threads);
     return 0;
 }
 
 void decode_mlp_f32(const struct decode_layer *l, const struct decode_batch *b, const float *h,
                     const float *residual, float *out, float *residual_out) {
     const int64_t B = b->num_seqs, H = l->hidden, I = l->intermediate;
-    float *x = b->scratch, *gate_up = x + B * H, *act = gate_up + B * 2 * I;
+    float *g = b->scratch, *x = g + gemm_scratch_floats(B, b->num_threads);
+    float *gate_up = x + B * H, *act = gate_up + B * 2 * I;
     norm(l, b, h, residual, l->post_norm, x, residual_out);
-    gemm_nt_f32(x, H, l->gate_up, H, gate_up, 2 * I, B, 2 * I, H, b->num_threads);
+    gemm_panel_f32(x, H, l->gate_up, l->gate_up_format, gate_up, 2 * I, B, 2 * I, H, g,
+                   b->num_threads);
     silu_mul_f32(gate_up, 2 * I, act, B, I, b->num_threads);
-    gemm_nt_f32(act, I, l->down, I, out, H, B, H, I, b->num_threads);
+    gemm_panel_f32(act, I, l->down, l->down_format, out, H, B, H, I, g, b->num_threads);
 }

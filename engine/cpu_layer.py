@@ -21,6 +21,7 @@ from engine.attention import AttentionMetadata
 from engine.cpu_gemm import MAX_ROWS
 
 _P = ctypes.c_void_p
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class _Layer(ctypes.Structure):
@@ -33,6 +34,7 @@ class _Layer(ctypes.Structure):
             (name, ctypes.c_int64)
             for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")
         ]
+        + [(f"{name}_format", ctypes.c_int64) for name in _PROJECTIONS]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     )
 
@@ -66,7 +68,7 @@ class CpuDecodeLayers:
         self._scratch_floats.restype = ctypes.c_int64
         for fn in (self._attention, self._mlp):
             fn.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Batch)] + [_P] * 4
-        self._scratch_floats.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64]
+        self._scratch_floats.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.c_int]
         self._attention.restype = ctypes.c_int
         self._mlp.restype = None
         self.layers: list[_Layer] = []
@@ -91,12 +93,13 @@ class CpuDecodeLayers:
             return None
         if not (getattr(attn, "use_kernel", False) and getattr(ops, "use_kernel", False)):
             return None
-        if attn.name != "torch":
+        if attn.name != "torch" or len(self.model.layers[0].panels) < 4:
             return None
         if not self.layers or self.layers[0].k != kv_caches[0][0].data_ptr():
             self.layers = [self._layer(i, k, v) for i, (k, v) in enumerate(kv_caches)]
         b = meta.num_seqs
-        need = self._scratch_floats(ctypes.byref(self.layers[0]), b)
+        threads = torch.get_num_threads()
+        need = self._scratch_floats(ctypes.byref(self.layers[0]), b, threads)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need)
         positions = positions.contiguous()
@@ -112,7 +115,7 @@ class CpuDecodeLayers:
             b,
             tables.stride(0),
             self.scratch.data_ptr(),
-            torch.get_num_threads(),
+            threads,
         )
         return DecodeStep(batch, (positions, meta.slot_mapping, cos, sin, tables, lens))
 
@@ -133,9 +136,9 @@ class CpuDecodeLayers:
 
     def _layer(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
         layer = self.model.layers[i]
-        weights = [
-            layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down,
-        ]  # fmt: skip
+        twins = [layer.panels[name] for name in _PROJECTIONS]
+        qkv, o, gate_up, down = (twin.panels for twin in twins)
+        weights = [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
         for w in (*weights, k_cache, v_cache):
             if not w.is_contiguous():
                 raise ValueError(f"layer {i}: the C decode path needs contiguous tensors")
@@ -149,6 +152,7 @@ class CpuDecodeLayers:
             layer.head_dim,
             layer.down.shape[1],
             k_cache.shape[1],
+            *(twin.format for twin in twins),
             layer.eps,
             layer.scale,
         )

@@ -5,6 +5,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 typedef float vf __attribute__((vector_size(64)));
@@ -55,6 +58,34 @@ static inline vf hsum16(vf v[16]) {
                PERMUTE2(v[p], v[p + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
     return PERMUTE2(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
            PERMUTE2(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+/* 16 bytes at p widened to 16 int32 lanes, unsigned or signed (one vpmovzxbd /
+ * vpmovsxbd with AVX-512: GCC's generic conversion goes through scalar inserts) */
+static inline vi widen_u8(const uint8_t *p) {
+#ifdef __AVX512F__
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    vi out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+#else
+    vi out;
+    for (int i = 0; i < LANES; i++) out[i] = p[i];
+    return out;
+#endif
+}
+
+static inline vi widen_s8(const int8_t *p) {
+#ifdef __AVX512F__
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    vi out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+#else
+    vi out;
+    for (int i = 0; i < LANES; i++) out[i] = p[i];
+    return out;
+#endif
 }
 
 /* lane-wise: a where mask (all ones), else b */

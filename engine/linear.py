@@ -1,10 +1,11 @@
 """Dense projections ``x @ W.T`` with W in its checkpoint layout [out, in].
 
-On CPU in float32, a decode-sized batch (up to ``cpu_gemm.MAX_ROWS`` rows) goes through
-the C kernel of ``engine/cpu_gemm.py``, which streams each weight row once at close to
-the memory bandwidth; larger batches (prefill) through MKL, which is compute-bound
-there: with the weight's packed twin (``engine/mkl_packed.py``) when the model made
-one, else ``F.linear``. ``prepare`` makes each weight contiguous once after loading.
+On CPU in float32 a weight may have two twins, each packed on first use: its panels for
+the C kernel of ``engine/cpu_gemm.py``, which takes decode-sized batches (up to
+``cpu_gemm.MAX_ROWS`` rows) and streams each weight once per step; and its MKL-packed
+form (``engine/mkl_packed.py``) for larger batches (prefill), where the product is
+compute-bound. Without a twin that fits, ``F.linear`` runs. ``prepare`` makes each
+weight contiguous once after loading.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_gemm import CpuGemm, cpu_gemm
+from engine.cpu_gemm import PanelWeight
 from engine.mkl_packed import PackedWeight
 
 
@@ -22,13 +23,15 @@ def prepare(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: PackedWeight | None = None,
+    panels: PanelWeight | None = None,
 ) -> torch.Tensor:
-    """x [T, in] @ W.T; ``packed``, when given, holds the same W packed for MKL."""
-    if CpuGemm.supports(x, weight):
-        kernel = cpu_gemm()
-        if kernel is not None:
-            return kernel(x, weight)
+    """x [T, in] @ W.T; ``packed`` and ``panels``, when given, hold the same W packed for
+    MKL and for the small-batch C kernel."""
+    if panels is not None and panels.supports(x):
+        return panels(x)
     if packed is not None and packed.supports(x):
         return packed(x)
     return F.linear(x, weight)

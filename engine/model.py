@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.cpu_gemm import CpuGemm, PanelWeight, cpu_gemm
 from engine.cpu_layer import CpuDecodeLayers
 from engine.linear import linear, prepare
 from engine.mkl_packed import MklPacker, PackedWeight, mkl_packer
@@ -48,8 +49,14 @@ class DecoderLayer(nn.Module):
         self.down = param(hidden, inter)
         self.eps = cfg.rms_eps
         self.scale = d**-0.5
-        # the projections packed for MKL's prefill GEMM, by name (prepare_weights)
+        # the projections' twins by name (prepare_weights): packed for MKL's prefill
+        # GEMM, and in panels for the small-batch C kernel
         self.packed: dict[str, PackedWeight] = {}
+        self.panels: dict[str, PanelWeight] = {}
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for the projection ``name`` (qkv, o, gate_up, down)."""
+        return linear(x, getattr(self, name), self.packed.get(name), self.panels.get(name))
 
     def forward(self, h, residual, rope, k_cache, v_cache, meta, attn, ops, tp):
         if residual is None:
@@ -58,15 +65,15 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = ops.add_rms_norm(h, residual, self.input_norm, self.eps)
         t, d = x.shape[0], self.head_dim
-        q, k, v = linear(x, self.qkv, self.packed.get("qkv")).split(
+        q, k, v = self.project("qkv", x).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
         )
         q, k = ops.rotary(q.view(t, -1, d), k.view(t, -1, d), rope)
         o = attn.forward(q, k, v.view(t, -1, d), k_cache, v_cache, meta, self.scale)
-        h = tp.all_reduce(linear(o.reshape(t, -1), self.o, self.packed.get("o")))
+        h = tp.all_reduce(self.project("o", o.reshape(t, -1)))
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, self.eps)
-        act = ops.silu_and_mul(linear(x, self.gate_up, self.packed.get("gate_up")))
-        h = tp.all_reduce(linear(act, self.down, self.packed.get("down")))
+        act = ops.silu_and_mul(self.project("gate_up", x))
+        h = tp.all_reduce(self.project("down", act))
         return h, residual
 
 
@@ -92,6 +99,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
         self.lm_head = nn.Parameter(torch.empty(v1 - v0, cfg.hidden_size, dtype=dtype))
+        self.lm_head_panels: PanelWeight | None = None  # prepare_weights
         self.requires_grad_(False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos", cos, persistent=False)
@@ -133,7 +141,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 logits [S, vocab] (gathered across ranks)."""
-        logits = linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head, panels=self.lm_head_panels).float()
         return self.tp.all_gather_last_dim(logits) if self.vocab_parallel else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -145,13 +153,21 @@ class LlamaModel(nn.Module):
 
     def prepare_weights(self) -> None:
         """Store the projection weights as ``engine/linear.py`` reads them: contiguous
-        [out, in] rows, and in float32 on CPU a twin that packs itself for MKL's prefill
-        GEMM on first use. Called once after loading."""
-        packer = mkl_packer()
+        [out, in] rows, and in float32 on CPU the twins that pack themselves on first
+        use, for MKL's prefill GEMM and for the small-batch C kernel. Called once after
+        loading."""
+        packer, kernel = mkl_packer(), cpu_gemm()
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 weight = prepare(getattr(layer, name).data)
                 setattr(layer, name, nn.Parameter(weight, False))
                 if packer is not None and MklPacker.supports(weight):
                     layer.packed[name] = PackedWeight(packer, weight)
+                if kernel is not None and CpuGemm.supports(weight):
+                    layer.panels[name] = PanelWeight(kernel, weight)
         self.lm_head = nn.Parameter(prepare(self.lm_head.data), requires_grad=False)
+        self.lm_head_panels = (
+            PanelWeight(kernel, self.lm_head)
+            if kernel is not None and CpuGemm.supports(self.lm_head)
+            else None
+        )
