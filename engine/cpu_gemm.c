@@ -203,7 +203,7 @@ static void chunk_rows(struct tile_args t, int64_t M, bool first, const float *n
 static void expand(int format, const uint8_t *src, int64_t kn, float *dst,
                    const uint8_t *next) {
     const int64_t block = gemm_panel_bytes(format, QBLOCK), lines = block / 64;
-    const int steps = format == PANELS_Q4 ? QBLOCK / 2 : QBLOCK;
+    const int64_t steps = format == PANELS_Q4 ? QBLOCK / 2 : QBLOCK;
     for (int64_t b = 0; b < kn / QBLOCK; b++, src += block, dst += QBLOCK * PANEL) {
         vf scale[PANEL_VECS], min[PANEL_VECS];
         for (int j = 0; j < PANEL_VECS; j++) {
@@ -212,8 +212,8 @@ static void expand(int format, const uint8_t *src, int64_t kn, float *dst,
                                          : (vf){0};
         }
         for (int i = 0; i < steps; i++) {
-            if (next != NULL)
-                for (int64_t l = i * lines / steps; l < (i + 1) * lines / steps; l++)
+            if (next != NULL) /* lines i and i + steps: every line of the block */
+                for (int64_t l = i; l < lines; l += steps)
                     __builtin_prefetch(next + b * block + l * 64, 0, 2);
             for (int j = 0; j < PANEL_VECS; j++) {
                 if (format == PANELS_Q4) {
@@ -262,7 +262,11 @@ void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format,
             }
             const int64_t n = p * PANEL, cols = N - n < PANEL ? N - n : PANEL;
             for (int64_t i = 0; i < M; i++)
-                memcpy(y + i * ldy + n, acc + i * PANEL, sizeof(float) * cols);
+                if (cols == PANEL)
+                    for (int j = 0; j < PANEL_VECS; j++)
+                        store(y + i * ldy + n + j * LANES, load(acc + i * PANEL + j * LANES));
+                else
+                    memcpy(y + i * ldy + n, acc + i * PANEL, sizeof(float) * cols);
         }
     }
 }
