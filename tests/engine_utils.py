@@ -47,3 +47,15 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
             out.append(token)
             x = torch.tensor([[token]])
     return out
+
+
+def gguf_blocks(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """w through the gguf package's own quantizer (``kind``: Q4_1, Q8_0, ...) and back:
+    the float32 values a GGUF of w loads as."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[kind]
+    back = dequantize(quantize(w.float().numpy(), qtype), qtype)
+    return torch.from_numpy(np.array(back, dtype=np.float32)).reshape(w.shape)

@@ -7,6 +7,7 @@ import torch
 
 from engine.cpu_gemm import F32, MAX_ROWS, Q4, Q8, CpuGemm, PanelWeight, cpu_gemm
 from engine.linear import linear
+from tests.engine_utils import gguf_blocks
 
 pytestmark = pytest.mark.skipif(cpu_gemm() is None, reason="no C compiler: the fallback runs")
 
@@ -75,17 +76,6 @@ def test_linear_takes_panels_for_small_float32_batches_only():
     assert torch.equal(linear(x, w, panels=twin), twin(x))
     big = torch.randn(MAX_ROWS + 1, 16)
     assert torch.equal(linear(big, w, panels=twin), torch.nn.functional.linear(big, w))
-
-
-def gguf_blocks(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """w through the gguf package's own quantizer and back: the floats a GGUF loads as."""
-    import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    qtype = GGMLQuantizationType[kind]
-    back = dequantize(quantize(w.numpy(), qtype), qtype)
-    return torch.from_numpy(np.array(back, dtype=np.float32)).reshape(w.shape)
 
 
 @pytest.mark.parametrize(("kind", "fmt"), [("Q4_1", Q4), ("Q8_0", Q8)])

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, native
+from engine.cpu_gemm import F32, Q4, PanelWeight, cpu_gemm
 from engine.request import Request
+from tests.engine_utils import gguf_blocks
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler")
 
@@ -48,6 +50,37 @@ def test_decode_step_matches_the_torch_layers(tiny_model, name, lengths):
         model.cpu_decode = cpu_decode
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_caches, caches, rtol=1e-5, atol=1e-5)
+    engine.blocks.check_integrity()
+
+
+def test_gguf_block_weights_decode_as_their_floats(tiny_model):
+    """Projections whose floats are Q4_1 blocks run from the blocks, and the step's
+    hidden states are those of the float32 panels, bit for bit."""
+    llm = LLM(tiny_model("gqa3"), max_batch_tokens=64, num_kv_blocks=64)
+    engine, model = llm.engine, llm.engine.model
+    names = ("qkv", "o", "gate_up", "down")
+    for layer in model.layers:
+        for name in names:  # in place: the panel twins hold these very tensors
+            getattr(layer, name).copy_(gguf_blocks(getattr(layer, name), "Q4_1"))
+    items = _decode_batch(engine, [1, 16, 17, 40, 3])
+    caches = engine.runner.kv_cache
+    caches.normal_()
+    before = caches.clone()
+
+    def step():
+        model.cpu_decode.layers = []  # the C layers point at the panels anew
+        _, input_ids, positions, meta = engine.runner.prepare(items)
+        assert model.cpu_decode.begin(positions, engine.runner.kv_caches, meta) is not None
+        return model(input_ids, positions, engine.runner.kv_caches, meta)
+
+    blocks = step()
+    assert {layer.panels[n].format for layer in model.layers for n in names} == {Q4}
+    caches.copy_(before)
+    for layer in model.layers:
+        layer.panels = {n: PanelWeight(cpu_gemm(), getattr(layer, n), formats=()) for n in names}
+    floats = step()
+    assert {layer.panels[n].format for layer in model.layers for n in names} == {F32}
+    assert torch.equal(blocks, floats)
     engine.blocks.check_integrity()
 
 
