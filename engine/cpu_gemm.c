@@ -74,8 +74,8 @@ void pack_panels_f32(const float *w, int64_t ldw, int64_t N, int64_t K, float *p
         }
 }
 
-/* Column c of block b of a panel from the QBLOCK floats v of the weight's run: false
- * when they are not a block of format (PANELS_Q4 or PANELS_Q8). */
+/* Writes column c of a panel's block from the QBLOCK floats v of one run of the weight;
+ * false when they are not a block of format (PANELS_Q4 or PANELS_Q8). */
 static bool pack_run(int format, const float *v, uint8_t *block, int c) {
     float low = v[0], high = v[0], top = fabsf(v[0]);
     for (int i = 1; i < QBLOCK; i++) {
@@ -104,15 +104,16 @@ static bool pack_run(int format, const float *v, uint8_t *block, int c) {
             memcpy(&a, &back, sizeof a), memcpy(&b, &v[i], sizeof b);
             wrong |= a ^ b;
         }
-        const bool exact = wrong == 0;
-        if (!exact) continue;
+        if (wrong) continue;
         memcpy(block + 4 * c, &d, sizeof d);
         if (format == PANELS_Q4) {
+            uint8_t *pairs = block + 8 * PANEL + c;
             memcpy(block + 4 * (PANEL + c), &low, sizeof low);
             for (int i = 0; i < QBLOCK / 2; i++)
-                block[8 * PANEL + i * PANEL + c] = (uint8_t)((int)q[2 * i] | (int)q[2 * i + 1] << 4);
+                pairs[i * PANEL] = (uint8_t)((int)q[2 * i] | (int)q[2 * i + 1] << 4);
         } else {
-            for (int i = 0; i < QBLOCK; i++) block[4 * PANEL + i * PANEL + c] = (uint8_t)(int8_t)q[i];
+            int8_t *rows = (int8_t *)block + 4 * PANEL + c;
+            for (int i = 0; i < QBLOCK; i++) rows[i * PANEL] = (int8_t)q[i];
         }
         return true;
     }
@@ -220,10 +221,12 @@ static void expand(int format, const uint8_t *src, int64_t kn, float *dst,
                     const vi n = widen_u8(src + 2 * PANEL * 4 + i * PANEL + j * LANES);
                     float *row = dst + 2 * i * PANEL + j * LANES;
                     store(row, __builtin_convertvector(n & 15, vf) * scale[j] + min[j]);
-                    store(row + PANEL, __builtin_convertvector(n >> 4, vf) * scale[j] + min[j]);
+                    const vf high = __builtin_convertvector(n >> 4, vf);
+                    store(row + PANEL, high * scale[j] + min[j]);
                 } else {
-                    const vi n = widen_s8((const int8_t *)src + PANEL * 4 + i * PANEL + j * LANES);
-                    store(dst + i * PANEL + j * LANES, __builtin_convertvector(n, vf) * scale[j]);
+                    const int8_t *q = (const int8_t *)src + PANEL * 4 + i * PANEL + j * LANES;
+                    const vf value = __builtin_convertvector(widen_s8(q), vf);
+                    store(dst + i * PANEL + j * LANES, value * scale[j]);
                 }
             }
         }

@@ -50,7 +50,8 @@ int64_t decode_scratch_floats(const struct decode_layer *l, int64_t num_seqs,
     const int64_t qkv = (l->num_heads + 2 * l->num_kv_heads) * l->head_dim;
     const int64_t attention = qkv + 2 * l->num_heads * l->head_dim;
     const int64_t mlp = 3 * l->intermediate;
-    return gemm_scratch_floats(num_seqs, num_threads) + num_seqs * (l->hidden + max64(attention, mlp));
+    return gemm_scratch_floats(num_seqs, num_threads) +
+           num_seqs * (l->hidden + max64(attention, mlp));
 }
 
 static void norm(const struct decode_layer *l, const struct decode_batch *b, const float *h,
