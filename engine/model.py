@@ -171,3 +171,11 @@ class LlamaModel(nn.Module):
             if kernel is not None and CpuGemm.supports(self.lm_head)
             else None
         )
+
+    def pack_panels(self) -> None:
+        """Pack every projection's panels for the small-batch kernel now: a served
+        instance calls this before taking requests, or its first request would wait for
+        the packing (~1 s on the embedded model)."""
+        twins = [twin for layer in self.layers for twin in layer.panels.values()]
+        for twin in twins + ([self.lm_head_panels] if self.lm_head_panels else []):
+            twin.panels  # noqa: B018 (packs on first access)

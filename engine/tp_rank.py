@@ -67,6 +67,7 @@ class RankActor:
             parallel["address"], parallel["rank"], parallel["size"], config.device
         )
         self.engine = RankEngine(model, config, tp)
+        self.engine.model.pack_panels()
         self._setup(*setup)
         self._loop = threading.Thread(
             target=self.engine.serve, args=(self._around,), name=f"{name}-steps", daemon=True

@@ -60,6 +60,7 @@ class EngineWorker:
             tp = TensorParallel.join(address, 0, parallel["size"], config.device)
             self.ranks = list(parallel["ranks"])
         self.engine = self.engine_class(model, config, tp)
+        self.engine.model.pack_panels()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
         self._produced = threading.Condition(self._lock)  # poll waits here for updates
