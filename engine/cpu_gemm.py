@@ -14,10 +14,10 @@ from engine import native
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # the PANELS_* layouts of cpu_kernels.h, the block ones tried first
 F32, Q4, Q8 = 0, 1, 2
-# up to this many rows the C kernel beats MKL (a step's projections, cycling through the
-# layers' weights: 32 rows 40 against 62 ms here, 64 rows 66-77 against 96); above it
-# the product is compute-bound and MKL's GEMM on the packed weights
-# (engine/mkl_packed.py) is the faster one
+# up to this many rows the C kernel is the faster one (a step's 120 layer projections of
+# the embedded model, here: 64 rows 61 ms against 61 for MKL on its packed weights, 96
+# rows 79 against 81, 128 rows 105 against 99); above it the product is compute-bound
+# and MKL's GEMM on the packed weights (engine/mkl_packed.py) wins
 MAX_ROWS = 64
 
 
