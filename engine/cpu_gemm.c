@@ -218,14 +218,15 @@ static void expand(int format, const uint8_t *src, int64_t kn, float *dst,
                     __builtin_prefetch(next + b * block + l * 64, 0, 2);
             for (int j = 0; j < PANEL_VECS; j++) {
                 if (format == PANELS_Q4) {
-                    const vi n = widen_u8(src + 2 * PANEL * 4 + i * PANEL + j * LANES);
+                    const uint8_t *q = src + 2 * PANEL * 4 + i * PANEL + j * LANES;
+                    const vi n = widen_bytes(q, false);
                     float *row = dst + 2 * i * PANEL + j * LANES;
                     store(row, __builtin_convertvector(n & 15, vf) * scale[j] + min[j]);
                     const vf high = __builtin_convertvector(n >> 4, vf);
                     store(row + PANEL, high * scale[j] + min[j]);
                 } else {
                     const int8_t *q = (const int8_t *)src + PANEL * 4 + i * PANEL + j * LANES;
-                    const vf value = __builtin_convertvector(widen_s8(q), vf);
+                    const vf value = __builtin_convertvector(widen_bytes(q, true), vf);
                     store(dst + i * PANEL + j * LANES, value * scale[j]);
                 }
             }

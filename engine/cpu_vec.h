@@ -3,6 +3,7 @@
 #ifndef PDSERVE_CPU_VEC_H
 #define PDSERVE_CPU_VEC_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX512F__
@@ -60,32 +61,19 @@ static inline vf hsum16(vf v[16]) {
            PERMUTE2(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-/* 16 bytes at p widened to 16 int32 lanes, unsigned or signed (one vpmovzxbd /
- * vpmovsxbd with AVX-512: GCC's generic conversion goes through scalar inserts) */
-static inline vi widen_u8(const uint8_t *p) {
+/* 16 bytes at p widened to 16 int32 lanes, as int8 or uint8 (one vpmovsxbd / vpmovzxbd
+ * with AVX-512: GCC's generic conversion goes through scalar inserts) */
+static inline vi widen_bytes(const void *p, const bool is_signed) {
+    vi out;
 #ifdef __AVX512F__
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    vi out;
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    const __m512i v = is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
     memcpy(&out, &v, sizeof out);
-    return out;
 #else
-    vi out;
-    for (int i = 0; i < LANES; i++) out[i] = p[i];
-    return out;
+    for (int i = 0; i < LANES; i++)
+        out[i] = is_signed ? ((const int8_t *)p)[i] : ((const uint8_t *)p)[i];
 #endif
-}
-
-static inline vi widen_s8(const int8_t *p) {
-#ifdef __AVX512F__
-    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-    vi out;
-    memcpy(&out, &v, sizeof out);
     return out;
-#else
-    vi out;
-    for (int i = 0; i < LANES; i++) out[i] = p[i];
-    return out;
-#endif
 }
 
 /* lane-wise: a where mask (all ones), else b */
