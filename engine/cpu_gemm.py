@@ -40,13 +40,6 @@ class CpuGemm:
         self.gemm.restype = None
         self.scratch_floats = lib.gemm_scratch_floats
         self.scratch_floats.argtypes, self.scratch_floats.restype = [_I, ctypes.c_int], _I
-        self._scratch = torch.empty(0)
-
-    def scratch(self, floats: int) -> torch.Tensor:
-        """A buffer of at least ``floats`` floats, reused across calls (grown only)."""
-        if self._scratch.numel() < floats:
-            self._scratch = torch.empty(floats)
-        return self._scratch
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -113,7 +106,8 @@ class PanelWeight:
         """x [M, in] (``supports``) -> x @ W.T [M, out]."""
         m, n, k = x.shape[0], self.out_features, self.in_features
         panels, threads = self.panels, torch.get_num_threads()
-        scratch = self.kernel.scratch(self.kernel.scratch_floats(m, threads))
+        # per call (~70 KB at 64 rows), so that no two threads share one
+        scratch = torch.empty(self.kernel.scratch_floats(m, threads))
         y = x.new_empty(m, n)
         self.kernel.gemm(
             x.data_ptr(), x.stride(0), panels.data_ptr(), self.format, y.data_ptr(), n, m, n,
