@@ -20,6 +20,7 @@ import torch
 
 from bench.floors import best_of, copy_bandwidth, matmul_peak
 from engine import LLM, SamplingParams
+from engine.amx_gemm import amx_gemm
 from engine.checkpoint import resolve
 
 MODEL = "smollm2-135m"
@@ -97,6 +98,12 @@ def main() -> None:
     print(
         f"floors: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {peak / 1e9:.0f} GFLOP/s"
     )
+    if amx_gemm() is not None:
+        # prefill's projections run on AMX as three bfloat16 products per float32 one
+        # (engine/amx_gemm.c): their ceiling is a third of the bfloat16 peak, if higher
+        amx_peak = matmul_peak(dtype=torch.bfloat16) / 3
+        print(f"AMX: bfloat16 matmul / 3 = {amx_peak / 1e9:.0f} float32-exact GFLOP/s")
+        peak = max(peak, amx_peak)
     llm = LLM(MODEL, num_kv_blocks=1024, max_batch_tokens=2048, max_batch_size=64)
     hf = AutoModelForCausalLM.from_pretrained(resolve(MODEL), dtype=torch.float32).eval()
     cfg = llm.engine.model_config

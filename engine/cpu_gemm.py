@@ -1,6 +1,7 @@
 """The small-batch float32 projection of ``cpu_gemm.c`` (``x @ W.T``), with W packed
 into the kernel's panels on first use (as Q4_1 / Q8_0 blocks where its floats are
-exactly such blocks: a GGUF's); built on first use by ``engine/native.py``."""
+exactly such blocks: a GGUF's); built on first use by ``engine/native.py``. Panels of
+blocks also serve prefill-sized batches where the CPU has AMX (``engine/amx_gemm.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import functools
 import torch
 
 from engine import native
+from engine.amx_gemm import AmxGemm
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # the PANELS_* layouts of cpu_kernels.h, the block ones tried first
@@ -52,17 +54,24 @@ class CpuGemm:
 
 
 class PanelWeight:
-    """An [out, in] float32 weight for y = x @ W.T on decode-sized batches, packed into
-    the kernel's panels on first use: an instance that only ever prefills (a prefill
-    pool's layers) never holds the copy. The copy costs the weight's size again, or
-    0.19x of it as Q4 blocks (0.28x as Q8); finding the blocks of the embedded model
-    takes ~1 s, once."""
+    """An [out, in] float32 weight for y = x @ W.T, packed into the kernel's panels on
+    first use. They serve decode-sized batches (up to ``MAX_ROWS`` rows) and, when they
+    hold blocks and ``amx`` is given, larger ones on the AMX tiles. The copy costs the
+    weight's size again, or 0.19x of it as Q4 blocks (0.28x as Q8); finding the blocks
+    of the embedded model takes ~1 s, once."""
 
-    def __init__(self, kernel: CpuGemm, weight: torch.Tensor, formats: tuple[int, ...] = (Q4, Q8)):
-        """``formats``: the block layouts to try before the float32 one."""
+    def __init__(
+        self,
+        kernel: CpuGemm,
+        weight: torch.Tensor,
+        formats: tuple[int, ...] = (Q4, Q8),
+        amx: AmxGemm | None = None,
+    ):
+        """``formats``: the block layouts to try before the float32 one; ``amx``: the
+        AMX kernel, for batches above ``MAX_ROWS`` rows when the panels hold blocks."""
         if not CpuGemm.supports(weight):
             raise ValueError(f"panels need a 2-D float32 CPU weight with unit stride, not {weight}")
-        self.kernel, self.weight, self.formats = kernel, weight, formats
+        self.kernel, self.weight, self.formats, self.amx = kernel, weight, formats, amx
         self.out_features, self.in_features = weight.shape
         self._panels: torch.Tensor | None = None
         self._format = F32
@@ -93,18 +102,24 @@ class PanelWeight:
         return F32, out
 
     def supports(self, x: torch.Tensor) -> bool:
-        return (
+        """Up to ``MAX_ROWS`` rows always; more on AMX, when the panels hold blocks
+        (which packs them, if not yet done)."""
+        if not (
             x.device.type == "cpu"
             and x.dtype == torch.float32
             and x.dim() == 2
-            and 0 < x.shape[0] <= MAX_ROWS
+            and x.shape[0] > 0
             and x.shape[1] == self.in_features
             and x.stride(1) == 1
-        )
+        ):
+            return False
+        return x.shape[0] <= MAX_ROWS or (self.amx is not None and self.format != F32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] (``supports``) -> x @ W.T [M, out]."""
         m, n, k = x.shape[0], self.out_features, self.in_features
+        if m > MAX_ROWS:
+            return self.amx(x, self.panels, self.format, n)
         panels, threads = self.panels, torch.get_num_threads()
         # per call (~70 KB at 64 rows), so that no two threads share one
         scratch = torch.empty(self.kernel.scratch_floats(m, threads))

@@ -15,6 +15,8 @@ void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format,
 
 int64_t gemm_scratch_floats(int64_t M, int num_threads);
 
+int64_t gemm_panel_bytes(int format, int64_t K);
+
 void add_rms_norm_f32(const float *x, const float *residual, const float *w, float *out,
                       float *sum, int64_t rows, int64_t hidden, float eps, int num_threads);
 

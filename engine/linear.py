@@ -2,9 +2,11 @@
 
 On CPU in float32 a weight may have two twins, each packed on first use: its panels for
 the C kernel of ``engine/cpu_gemm.py``, which takes decode-sized batches (up to
-``cpu_gemm.MAX_ROWS`` rows) and streams each weight once per step; and its MKL-packed
-form (``engine/mkl_packed.py``) for larger batches (prefill), where the product is
-compute-bound. Without a twin that fits, ``F.linear`` runs. ``prepare`` makes each
+``cpu_gemm.MAX_ROWS`` rows) and streams each weight once per step, and, where the CPU
+has AMX and the panels hold a GGUF's blocks, larger batches too (``engine/amx_gemm.py``);
+and its MKL-packed form (``engine/mkl_packed.py``) for the other larger batches
+(prefill), where the product is compute-bound. Without a twin that fits, ``F.linear``
+runs. ``prepare`` makes each
 weight contiguous once after loading.
 """
 

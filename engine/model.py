@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.amx_gemm import amx_gemm
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.cpu_gemm import CpuGemm, PanelWeight, cpu_gemm
@@ -154,9 +155,9 @@ class LlamaModel(nn.Module):
     def prepare_weights(self) -> None:
         """Store the projection weights as ``engine/linear.py`` reads them: contiguous
         [out, in] rows, and in float32 on CPU the twins that pack themselves on first
-        use, for MKL's prefill GEMM and for the small-batch C kernel. Called once after
-        loading."""
-        packer, kernel = mkl_packer(), cpu_gemm()
+        use, for MKL's prefill GEMM and for the small-batch C kernel (whose panels of
+        blocks also serve prefill on AMX). Called once after loading."""
+        packer, kernel, amx = mkl_packer(), cpu_gemm(), amx_gemm()
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 weight = prepare(getattr(layer, name).data)
@@ -164,7 +165,7 @@ class LlamaModel(nn.Module):
                 if packer is not None and MklPacker.supports(weight):
                     layer.packed[name] = PackedWeight(packer, weight)
                 if kernel is not None and CpuGemm.supports(weight):
-                    layer.panels[name] = PanelWeight(kernel, weight)
+                    layer.panels[name] = PanelWeight(kernel, weight, amx=amx)
         self.lm_head = nn.Parameter(prepare(self.lm_head.data), requires_grad=False)
         self.lm_head_panels = (
             PanelWeight(kernel, self.lm_head)

@@ -33,6 +33,7 @@ _HERE = Path(__file__).parent
 SOURCES = (
     _HERE / "cpu_ops.c",
     _HERE / "cpu_gemm.c",
+    _HERE / "amx_gemm.c",
     _HERE / "attention" / "cpu_decode.c",
     _HERE / "attention" / "cpu_prefill.c",
     _HERE / "cpu_layer.c",
