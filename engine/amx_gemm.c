@@ -9,14 +9,17 @@
  *     to what the ones before it leave, and each difference exact by Sterbenz), so
  *     x * q = hi * q + mid * q + lo * q, each product exact in float32.
  * So, per block b of QBLOCK k and 16 x 16 outputs, three tile products give
- *   c[i, n] = sum_k x[i, k] * q[k, n]       (float32 sums, in the tile's order)
+ *   c[i, n] = sum_k x[i, k] * q'[k, n]      (float32 sums, in the tile's order)
  * and the vector unit adds
- *   acc[i, n] += scale[b, n] * c[i, n] + min[b, n] * s[i, b],   s[i, b] = sum_k x[i, k].
- * This differs from the float32 product of the dequantized floats in where it rounds:
- * it uses scale * q + min unrounded (at most half an ulp of each weight), and rounds
- * c, scale * c and min * s per block where a float32 GEMM rounds each partial sum. The
- * errors are of a float32 GEMM's size (tests/test_amx_gemm.py bounds them against
- * float64); dropping lo would make them ~2^-17 of each product, and the tests catch it.
+ *   acc[i, n] += scale[b, n] * c[i, n] + offset[b, n] * s[i, b],   s[i, b] = sum_k x[i, k]
+ * where q' = q and offset = 0 for Q8, and for Q4 q' = q - z, offset = min + scale * z
+ * (expand_q: centred, so that the two terms do not cancel). This differs from the
+ * float32 product of the dequantized floats in where it rounds: its weight
+ * scale * q' + offset is not rounded to float32 (a float32 weight is, by up to half an
+ * ulp), and it rounds c, scale * c and offset * s per block where a float32 GEMM
+ * rounds each partial sum. The errors are of a float32 GEMM's size
+ * (tests/test_amx_gemm.py bounds them against float64); dropping lo would make them
+ * ~2^-17 of each product, and the tests catch it.
  *
  * Data (scratch, amx_scratch_bytes):
  *   xs   [ceil(M / 16)][K / QBLOCK][3][16][32] bfloat16: A tiles, hi / mid / lo
@@ -146,7 +149,8 @@ static inline void scale_block(float *acc, int64_t ld, const float c[GROUPS][16]
                                const float *scale, const float *offset, const float *s,
                                bool first) {
     for (int g = 0; g < GROUPS; g++) {
-        const vf d = load(scale + g * 16), m = offset == NULL ? (vf){0} : load(offset + g * 16);
+        const vf d = load(scale + g * 16);
+        const vf m = offset == NULL ? (vf){0} : load(offset + g * 16);
         for (int r = 0; r < 16; r++) {
             float *out = acc + r * ld + g * 16;
             const vf prior = first ? (vf){0} : load(out);
@@ -165,8 +169,9 @@ static inline void scale_block(float *acc, int64_t ld, const float c[GROUPS][16]
 
 /* One strip of y: 16 rows by n <= RUN panels. xs / sums: the rows' A tiles and sums
  * (K / QBLOCK blocks); src: the first panel (panels bytes apart); bq / offsets: its q
- * tiles and Q4 offsets (the next panels' follow). Each block's A tiles load once for all n panels; the
- * vector unit scales one (block, panel) step while the tile unit runs the next. */
+ * tiles and Q4 offsets (the next panels' follow). Each block's A tiles load once for
+ * all n panels; the vector unit scales one (block, panel) step while the tile unit
+ * runs the next. */
 static void strip(const uint8_t *xs, const float *sums, const uint8_t *src, int64_t bytes,
                   const uint8_t *bq, const float *offsets, int format, int64_t kb, int n,
                   float *y, int64_t ldy, int rows, int cols) {
@@ -196,7 +201,8 @@ static void strip(const uint8_t *xs, const float *sums, const uint8_t *src, int6
         if (step > 0) { /* the step before */
             const int64_t pb = (step - 1) / n, pp = (step - 1) % n;
             const float *scale = (const float *)(src + pp * bytes + pb * block);
-            const float *offset = format == PANELS_Q4 ? offsets + (pp * kb + pb) * PANEL : NULL;
+            const float *offset =
+                format == PANELS_Q4 ? offsets + (pp * kb + pb) * PANEL : NULL;
             scale_block(acc[0] + pp * PANEL, RUN * PANEL, c, scale, offset, sums + pb * 16,
                         pb == 0);
         }
@@ -215,7 +221,8 @@ bool amx_gemm_blocks(const float *x, int64_t ldx, const void *panels, int format
     if ((format != PANELS_Q4 && format != PANELS_Q8) || K % QBLOCK != 0 || M < 1)
         return false;
     const int64_t mt = (M + 15) / 16, kb = K / QBLOCK, np = (N + PANEL - 1) / PANEL;
-    const int64_t bytes = gemm_panel_bytes(format, K), block = gemm_panel_bytes(format, QBLOCK);
+    const int64_t bytes = gemm_panel_bytes(format, K);
+    const int64_t block = gemm_panel_bytes(format, QBLOCK);
     uint8_t *xs = scratch, *bq = xs + mt * kb * 3 * TILE;
     float *sums = (float *)(bq + np * kb * GROUPS * TILE), *offsets = sums + mt * kb * 16;
     /* work items: MBLOCK rows by a run of panels, enough of them for every thread */
@@ -240,11 +247,13 @@ bool amx_gemm_blocks(const float *x, int64_t ldx, const void *panels, int format
             for (int64_t p = p0; p < p1; p += RUN) {
                 const int n = p1 - p < RUN ? (int)(p1 - p) : RUN;
                 const int64_t cols = N - p * PANEL < n * PANEL ? N - p * PANEL : n * PANEL;
-                for (int64_t t = t0; t < t0 + MBLOCK / 16 && t < mt; t++)
-                    strip(xs + t * kb * 3 * TILE, sums + t * kb * 16,
-                          (const uint8_t *)panels + p * bytes, bytes, bq + p * kb * GROUPS * TILE,
-                          offsets + p * kb * PANEL, format, kb, n, y + t * 16 * ldy + p * PANEL, ldy,
-                          M - t * 16 < 16 ? (int)(M - t * 16) : 16, (int)cols);
+                const uint8_t *src = (const uint8_t *)panels + p * bytes;
+                for (int64_t t = t0; t < t0 + MBLOCK / 16 && t < mt; t++) {
+                    const int rows = M - t * 16 < 16 ? (int)(M - t * 16) : 16;
+                    strip(xs + t * kb * 3 * TILE, sums + t * kb * 16, src, bytes,
+                          bq + p * kb * GROUPS * TILE, offsets + p * kb * PANEL, format, kb, n,
+                          y + t * 16 * ldy + p * PANEL, ldy, rows, (int)cols);
+                }
             }
         }
         _tile_release();
