@@ -31,6 +31,17 @@ def step_time(fns, xs: dict[int, torch.Tensor]) -> float:
     return time.perf_counter() - t
 
 
+def best_times(ways: dict[str, list], xs: dict[int, torch.Tensor], rounds: int) -> dict:
+    """Each way's shortest pass in seconds over ``rounds`` rounds in which the ways take
+    turns (each pass after a warm one)."""
+    best = dict.fromkeys(ways, float("inf"))
+    for _ in range(rounds):
+        for name, fns in ways.items():
+            step_time(fns, xs)  # warm
+            best[name] = min(best[name], step_time(fns, xs))
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", default="1,8,32,64")
@@ -53,11 +64,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k in {t.in_features for t in blocks}}
-        best = dict.fromkeys(ways, float("inf"))
-        for _ in range(args.rounds):
-            for name, fns in ways.items():
-                step_time(fns, xs)  # warm
-                best[name] = min(best[name], step_time(fns, xs))
+        best = best_times(ways, xs, args.rounds)
         f, p, b = (best[n] * 1e3 for n in ways)
         print(f"| {rows} | {f:.1f} | {p:.1f} | {b:.1f} | {f / b:.2f}x |", flush=True)
 

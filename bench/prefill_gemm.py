@@ -17,21 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.decode_gemm import best_times
 from engine import LLM
 from engine.amx_gemm import amx_gemm
-
-
-def pass_time(fns, xs: dict[int, torch.Tensor]) -> float:
-    """Seconds for one pass over fns (each takes x [rows, in] by its in_features)."""
-    t = time.perf_counter()
-    for k, fn in fns:
-        fn(xs[k])
-    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -61,11 +53,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k in {p.in_features for p, _ in twins}}
-        best = dict.fromkeys(ways, float("inf"))
-        for _ in range(args.rounds):
-            for name, fns in ways.items():
-                pass_time(fns, xs)  # warm
-                best[name] = min(best[name], pass_time(fns, xs))
+        best = best_times(ways, xs, args.rounds)
         f, m, a = (best[n] for n in ways)
         flops = sum(2 * rows * p.in_features * p.out_features for p, _ in twins)
         print(
