@@ -30,8 +30,8 @@ class AmxGemm:
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
         """This thread's scratch, grown to nbytes: ~6 bytes per element of x (21 MB for a
-        2048-token pass's largest projection). Fresh each call, its pages faulted in
-        ~4% of a prefill pass; kept per thread, no two threads share it."""
+        2048-token pass's largest projection). A fresh one each call cost ~2% of a
+        prefill pass in page faults; kept per thread, no two threads share it."""
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < nbytes:
             buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8)

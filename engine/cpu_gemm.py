@@ -19,7 +19,10 @@ F32, Q4, Q8 = 0, 1, 2
 # up to this many rows the C kernel is the faster one (a step's 120 layer projections of
 # the embedded model, here: 64 rows 61 ms against 61 for MKL on its packed weights, 96
 # rows 79 against 81, 128 rows 105 against 99); above it the product is compute-bound
-# and MKL's GEMM on the packed weights (engine/mkl_packed.py) wins
+# and MKL's GEMM on the packed weights (engine/mkl_packed.py) wins, or AMX on the blocks
+# (engine/amx_gemm.py; at 16, 32, 48 and 64 rows it read 32, 75, 50 and 96 ms against
+# 24, 43, 53 and 62 here). Decode batches stay here, whose results do not depend on
+# the batch.
 MAX_ROWS = 64
 
 

@@ -6,8 +6,7 @@ the C kernel of ``engine/cpu_gemm.py``, which takes decode-sized batches (up to
 has AMX and the panels hold a GGUF's blocks, larger batches too (``engine/amx_gemm.py``);
 and its MKL-packed form (``engine/mkl_packed.py``) for the other larger batches
 (prefill), where the product is compute-bound. Without a twin that fits, ``F.linear``
-runs. ``prepare`` makes each
-weight contiguous once after loading.
+runs. ``prepare`` makes each weight contiguous once after loading.
 """
 
 from __future__ import annotations

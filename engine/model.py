@@ -168,7 +168,7 @@ class LlamaModel(nn.Module):
                     layer.panels[name] = PanelWeight(kernel, weight, amx=amx)
         self.lm_head = nn.Parameter(prepare(self.lm_head.data), requires_grad=False)
         self.lm_head_panels = (
-            PanelWeight(kernel, self.lm_head)
+            PanelWeight(kernel, self.lm_head, amx=amx)
             if kernel is not None and CpuGemm.supports(self.lm_head)
             else None
         )
