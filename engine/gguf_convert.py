@@ -39,11 +39,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 
+# bytes read from each end of a GGUF for its cache key: the header and metadata, the
+# last tensors
+_KEY_BYTES = 1 << 20
+
+
+def cache_key(gguf_path: Path) -> str:
+    """The converted folder's key: the file's size and the bytes at both ends, and this
+    converter's source. The same model installed in several virtual environments (each
+    with its own path and mtime) shares one folder; a changed file or converter gets a
+    new one."""
+    h = hashlib.sha1(Path(__file__).read_bytes())
+    size = gguf_path.stat().st_size
+    h.update(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        h.update(f.read(_KEY_BYTES))
+        f.seek(max(size - _KEY_BYTES, 0))
+        h.update(f.read(_KEY_BYTES))
+    return h.hexdigest()[:12]
+
+
 def converted_folder(gguf_path: Path) -> Path:
     """The HF folder for ``gguf_path``, converting it on first use."""
-    st = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    target = cache_dir() / f"{gguf_path.stem}-{key[:12]}"
+    target = cache_dir() / f"{gguf_path.stem}-{cache_key(gguf_path)}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

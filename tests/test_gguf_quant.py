@@ -4,6 +4,9 @@ the gguf package."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -104,6 +107,30 @@ def test_gguf_tensor_types_and_rotary_order(tmp_path, monkeypatch, qtypes):
         assert torch.equal(got[name], torch.from_numpy(want)), name
     out = LLM(str(path), num_kv_blocks=32).generate([5, 6, 7], SamplingParams(max_tokens=4))
     assert len(out[0].token_ids) == 4
+
+
+def test_copies_of_a_gguf_share_one_converted_folder(tmp_path, monkeypatch):
+    """The same file under another path and mtime (another virtual environment's copy of
+    the model wheel) reuses the folder; a file that differs gets its own."""
+    import gguf
+
+    from engine.gguf_convert import converted_folder
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    first = tmp_path / "a" / "tiny.gguf"
+    first.parent.mkdir()
+    _write_gguf(first, [gguf.GGMLQuantizationType.Q8_0])
+    folder = converted_folder(first)
+    copy = tmp_path / "b" / "tiny.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(first, copy)
+    os.utime(copy, ns=(1, 1))
+    assert converted_folder(copy) == folder
+    other = tmp_path / "c" / "tiny.gguf"
+    other.parent.mkdir()
+    _write_gguf(other, [gguf.GGMLQuantizationType.F16])
+    assert converted_folder(other) != folder
+    assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
 def test_merge_of_unknown_tokens_is_a_clear_error():
