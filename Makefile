@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/setup.sh
+$(VENV)/.installed: pyproject.toml setup.py scripts/setup.sh router/pdserve.proto kv_transfer/kv_transfer.proto
 	bash scripts/setup.sh
 	touch $@
 

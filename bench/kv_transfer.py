@@ -78,7 +78,7 @@ def raw_gloo_cell(peer: Peer, nbytes: int, state: dict, parts: int = 1):
     """Plain send/recv of ``nbytes`` as ``parts`` messages (the receiver posts all first)."""
     from torch.distributed import PrefixStore, TCPStore
 
-    from kv_transfer.gloo.group import GlooGroup
+    from kv_transfer.gloo_wire import GlooGroup
 
     srcs = _slices(torch.ones(nbytes, dtype=torch.uint8), parts)
     ack = torch.zeros(1, dtype=torch.int64)

@@ -41,7 +41,7 @@ def _receiver(args) -> None:
     from torch.distributed import PrefixStore, TCPStore
 
     from kv_transfer import get_transport
-    from kv_transfer.gloo.group import GlooGroup
+    from kv_transfer.gloo_wire import GlooGroup
 
     torch.set_num_threads(1)
     layout = _layout()

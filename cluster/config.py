@@ -1,4 +1,4 @@
-"""The cluster configuration (DESIGN.md §5) as dataclasses, nested per role.
+"""The cluster configuration (docs/serving.md, "Configuration") as dataclasses, nested per role.
 
 YAML only fills these (``cluster.config_loader.load_config``). Each field may carry
 a check in its metadata; a failing check names the dotted key, the value and what
@@ -32,6 +32,14 @@ def above(low: float) -> Check:
 def one_of(*allowed: object) -> Check:
     shown = ", ".join("null" if a is None else str(a) for a in allowed)
     return lambda v: None if v in allowed else f"allowed values are {shown}"
+
+
+def kv_backend(v: str) -> str | None:
+    """A built-in KV backend, or ``package.module:attribute`` naming a Transport elsewhere."""
+    module, _, attr = v.partition(":")
+    if v in KV_BACKENDS or (module and attr and all(p.isidentifier() for p in module.split("."))):
+        return None
+    return f"allowed values are {', '.join(KV_BACKENDS)}, or 'package.module:attribute'"
 
 
 def tcp_port(v: int) -> str | None:
@@ -103,9 +111,9 @@ class RouterConfig:
 
 @dataclass
 class KVTransferConfig:
-    backend: str = spec("gloo", one_of(*KV_BACKENDS), "KV transport between pools")
+    backend: str = spec("gloo", kv_backend, "KV transport between pools")
     layerwise: bool = spec(True, None, "send KV layer by layer as the last chunk runs")
-    lease_s: float = spec(30.0, above(0), "seconds a decode reservation waits for its KV")
+    lease_s: float = spec(30.0, above(0), "seconds a KV transfer may make no progress")
     checksum: bool = spec(False, None, "checksum every transferred chunk (receiver verifies)")
 
 

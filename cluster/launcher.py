@@ -107,7 +107,7 @@ def launch(
 def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
-    from cluster.placement import start_instance
+    from cluster.actors import start_instance
     from router.server import RouterServer
 
     config = cluster.config

@@ -80,6 +80,15 @@ class RankActor:
     def ready(self) -> dict:
         return {"name": self.name}
 
+    def leader(self):
+        """Rank 0's actor handle, for pushing it this rank's results: the instance's
+        worker, named as this rank without its ``-rank<r>`` suffix."""
+        if getattr(self, "_leader", None) is None:
+            import ray
+
+            self._leader = ray.get_actor(self.name.rsplit("-rank", 1)[0])
+        return self._leader
+
 
 def _rank_main(model: str, config: dict, rank: int, size: int, address: str, threads: int):
     torch.set_num_threads(threads)

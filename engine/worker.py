@@ -3,7 +3,8 @@
 The cluster wraps a worker class with ``ray.remote`` (a threaded actor), so its methods
 run on a small thread pool while a background thread runs the engine's step loop.
 Callers never touch the engine: ``add``/``abort`` go into an inbox the loop drains
-before each step (``on_loop`` runs a function there and returns its result), and
+before each step as ``(kind, *args)`` ops, each applied by the handler its kind names in
+``self._ops`` (``on_loop`` runs a function there and returns its result), and
 updates go into one outbox per consumer (the router, a benchmark) that ``poll`` hands
 over in one batch: everything produced since the last poll, so a busy instance costs
 its consumer one call per step at most, never one per token.
@@ -26,10 +27,10 @@ from concurrent.futures import Future
 
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
+from engine.messages import Attempt, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
 from engine.step_log import StepLog
-from engine.updates import Update
 
 
 class EngineWorker:
@@ -71,6 +72,8 @@ class EngineWorker:
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
         self._steps = StepLog()
+        # the inbox's op kinds and their handlers (a role's ``_setup`` adds its own)
+        self._ops = {"call": self._op_call, "abort": self._op_abort, "add": self._op_add}
         self._setup(*setup)
         self._snapshot = self._stats()
         self._stopping = False
@@ -95,9 +98,9 @@ class EngineWorker:
             "tensor_parallel": e.model.tp.size,
         }
 
-    def add(self, request_id: str, prompt_ids: list[int], params: dict, consumer: str) -> None:
-        """Queue a request; its updates go to ``consumer``'s outbox."""
-        self._post(("add", request_id, prompt_ids, params, consumer))
+    def add(self, attempt: Attempt) -> None:
+        """Queue a request; its updates go to ``attempt.consumer``'s outbox."""
+        self._post(("add", attempt))
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests (queued, running or not yet arrived) and free their blocks."""
@@ -199,26 +202,26 @@ class EngineWorker:
         return []
 
     def _apply(self, op: tuple) -> list[Update]:
-        kind, args = op[0], op[1:]
-        if kind == "call":
-            future, fn, fn_args = args
-            try:
-                future.set_result(fn(*fn_args))
-            except Exception as e:  # the caller gets it
-                future.set_exception(e)
-            return []
-        if kind == "abort":
-            out = []
-            for request_id in args[0]:
-                if self._owns(request_id):
-                    out += self._abort(request_id)
-                    self._consumer.pop(request_id, None)
-                else:
-                    self._early_aborts[request_id] = None
-                    while len(self._early_aborts) > 10_000:
-                        self._early_aborts.popitem(last=False)
-            return out
-        return getattr(self, f"_op_{kind}")(*args)
+        return self._ops[op[0]](*op[1:])
+
+    def _op_call(self, future: Future, fn, args: tuple) -> list[Update]:
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:  # the caller gets it
+            future.set_exception(e)
+        return []
+
+    def _op_abort(self, request_ids: list[str]) -> list[Update]:
+        out = []
+        for request_id in request_ids:
+            if self._owns(request_id):
+                out += self._abort(request_id)
+                self._consumer.pop(request_id, None)
+            else:
+                self._early_aborts[request_id] = None
+                while len(self._early_aborts) > 10_000:
+                    self._early_aborts.popitem(last=False)
+        return out
 
     def _take_early_abort(self, request_id: str) -> bool:
         """True (and forgotten) when ``request_id`` was aborted before it arrived."""
@@ -231,14 +234,14 @@ class EngineWorker:
         self.engine.abort_request(request_id)
         return []
 
-    def _op_add(self, request_id, prompt_ids, params, consumer) -> list[Update]:
-        if self._take_early_abort(request_id):
+    def _op_add(self, attempt: Attempt) -> list[Update]:
+        if self._take_early_abort(attempt.id):
             return []
-        self._consumer[request_id] = consumer
+        self._consumer[attempt.id] = attempt.consumer
         try:
-            self.engine.add_request(request_id, prompt_ids, SamplingParams(**params))
+            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params)
         except ValueError as e:
-            return [Update(request_id, error=str(e))]
+            return [Update(attempt.id, error=str(e))]
         self._totals["requests_total"] += 1
         return []
 

@@ -1,14 +1,18 @@
-"""The shape of one tensor-parallel rank's paged KV cache, as KV transfer sees it.
+"""The shape of one tensor-parallel rank's paged KV cache, and which KV heads each
+prefill rank sends each decode rank.
 
 The engine's cache (``engine/model_runner.py``) is one tensor per rank,
 ``[num_layers, 2 (k, v), num_blocks, block_size, num_local_kv_heads, head_dim]``,
 token-major inside a block. Rank ``r`` of ``tp_size`` holds the KV heads
-``[r*H/tp, (r+1)*H/tp)`` of the model's ``H`` (``engine/parallel.py``).
+``[r*H/tp, (r+1)*H/tp)`` of the model's ``H`` (``engine/parallel.py``). Prefill rank
+``p`` sends decode rank ``d`` the intersection of their head ranges, when not empty;
+both sides compute the same routes from the layouts, no mapping travels
+(docs/kv_transfer.md, "Head mapping").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -17,9 +21,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-# stable small integers for the wire (the int64 header of the gloo/nccl backends)
-DTYPE_CODES: dict[str, int] = {"float32": 1, "bfloat16": 2, "float16": 3}
-DTYPE_NAMES: dict[int, str] = {v: k for k, v in DTYPE_CODES.items()}
 
 
 class KVLayoutError(ValueError):
@@ -68,60 +69,34 @@ class KVLayout:
     def heads_per_rank(self) -> int:
         return self.num_kv_heads // self.tp_size
 
-    def head_range_of(self, rank: int) -> tuple[int, int]:
-        """Global KV heads [start, end) held by ``rank`` of this pool."""
-        if not 0 <= rank < self.tp_size:
-            raise KVLayoutError(f"rank={rank} is outside tensor_parallel={self.tp_size}")
-        per = self.heads_per_rank
-        return rank * per, (rank + 1) * per
-
     @property
     def head_range(self) -> tuple[int, int]:
         """Global KV heads [start, end) held by this rank."""
-        return self.head_range_of(self.tp_rank)
+        per = self.heads_per_rank
+        return self.tp_rank * per, (self.tp_rank + 1) * per
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    @property
-    def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
-
     def block_bytes(self, num_heads: int | None = None) -> int:
         """Bytes of one block of K (or of V) for one layer, ``num_heads`` heads (this rank's)."""
         heads = self.heads_per_rank if num_heads is None else num_heads
-        return self.block_size * heads * self.head_dim * self.itemsize
-
-    def for_rank(self, rank: int) -> KVLayout:
-        return replace(self, tp_rank=rank)
+        return self.block_size * heads * self.head_dim * self.torch_dtype.itemsize
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The engine's per-rank cache shape for ``num_blocks`` blocks."""
-        return (
-            self.num_layers,
-            2,
-            num_blocks,
-            self.block_size,
-            self.heads_per_rank,
-            self.head_dim,
-        )
+        return (self.num_layers, 2, num_blocks, self.block_size, self.heads_per_rank, self.head_dim)
 
     def check_cache(self, kv_cache: torch.Tensor) -> None:
         """Raise unless ``kv_cache`` is this rank's cache tensor (shape, dtype, contiguity)."""
-        if kv_cache.dim() != 6:
+        want = self.cache_shape(kv_cache.shape[2]) if kv_cache.dim() == 6 else None
+        if tuple(kv_cache.shape) != want or kv_cache.dtype != self.torch_dtype:
             raise KVLayoutError(
-                f"kv_cache has shape {tuple(kv_cache.shape)}; expected 6 dims "
-                "[layers, 2, blocks, block_size, local kv heads, head_dim]"
+                f"kv_cache is {tuple(kv_cache.shape)} {kv_cache.dtype}; this rank's layout "
+                f"({self.describe()}) needs [layers, 2, blocks, block_size, local kv heads, "
+                f"head_dim] = {want or '6 dims'} of {self.dtype}"
             )
-        want = self.cache_shape(kv_cache.shape[2])
-        if tuple(kv_cache.shape) != want:
-            raise KVLayoutError(
-                f"kv_cache has shape {tuple(kv_cache.shape)}; this rank's layout "
-                f"({self.describe()}) needs {want}"
-            )
-        if kv_cache.dtype != self.torch_dtype:
-            raise KVLayoutError(f"kv_cache dtype is {kv_cache.dtype}; the layout says {self.dtype}")
         if not kv_cache.is_contiguous():
             raise KVLayoutError(
                 "kv_cache must be contiguous (the engine allocates it in one piece)"
@@ -150,3 +125,74 @@ class KVLayout:
             f"{self.num_kv_heads} kv heads x {self.head_dim} ({self.dtype}), "
             f"rank {self.tp_rank}/{self.tp_size} holding heads [{h0}, {h1})"
         )
+
+    def to_proto(self, msg=None):
+        """The layout as ``kv_transfer.proto``'s ``KVLayout`` (its only serialized form)."""
+        from kv_transfer import kv_transfer_pb2 as pb
+
+        msg = pb.KVLayout() if msg is None else msg
+        for name in self.__dataclass_fields__:
+            setattr(msg, name, getattr(self, name))
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg) -> KVLayout:
+        return cls(**{name: getattr(msg, name) for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class HeadRoute:
+    """KV heads ``heads`` (global ``[start, end)``) travel from source rank ``src_rank`` to
+    destination rank ``dst_rank``; ``src_heads`` / ``dst_heads`` are the same heads as
+    local indices into each rank's cache."""
+
+    src_rank: int
+    dst_rank: int
+    heads: tuple[int, int]
+    src_heads: tuple[int, int]
+    dst_heads: tuple[int, int]
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads[1] - self.heads[0]
+
+
+def all_routes(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[HeadRoute]:
+    """Every (source rank, destination rank) route, ordered by source then destination."""
+    for side, tp in (("source", src_tp), ("destination", dst_tp)):
+        if tp < 1 or num_kv_heads % tp:
+            raise KVLayoutError(
+                f"{side} tensor_parallel={tp} does not divide num_kv_heads={num_kv_heads}"
+            )
+    sp, dp = num_kv_heads // src_tp, num_kv_heads // dst_tp
+    routes = []
+    for s in range(src_tp):
+        for d in range(dst_tp):
+            lo, hi = max(s * sp, d * dp), min((s + 1) * sp, (d + 1) * dp)
+            if lo < hi:
+                local_s, local_d = (lo - s * sp, hi - s * sp), (lo - d * dp, hi - d * dp)
+                routes.append(HeadRoute(s, d, (lo, hi), local_s, local_d))
+    return routes
+
+
+def routes_from(src: KVLayout, dst_tp: int) -> list[HeadRoute]:
+    """The routes leaving source rank ``src.tp_rank`` for a destination pool of ``dst_tp``."""
+    return [
+        r for r in all_routes(src.num_kv_heads, src.tp_size, dst_tp) if r.src_rank == src.tp_rank
+    ]
+
+
+def routes_into(dst: KVLayout, src_tp: int) -> list[HeadRoute]:
+    """The routes arriving at destination rank ``dst.tp_rank`` from a pool of ``src_tp``."""
+    return [
+        r for r in all_routes(dst.num_kv_heads, src_tp, dst.tp_size) if r.dst_rank == dst.tp_rank
+    ]
+
+
+def cache_layout(engine) -> KVLayout:
+    """The layout of one rank's cache, from its engine (``engine.LLMEngine`` or a rank's
+    ``RankEngine``: the model shard's config, dtype and tensor-parallel place, and the
+    block size of its runner's block manager)."""
+    model, cfg = engine.model, engine.model.cfg
+    return KVLayout(cfg.num_layers, engine.runner.blocks.block_size, cfg.num_kv_heads,
+                    cfg.head_dim, dtype_name(model.dtype), model.tp.size, model.tp.rank)  # fmt: skip

@@ -1,62 +1,458 @@
-"""``KVReceiver``: the decode side every backend shares; the bookkeeping is the
-``TransferBook``, a backend adds its ``address`` and the transport that feeds the book."""
+"""``KVReceiver``: the decode side of one tensor-parallel rank, shared by every backend:
+the book of the transfers it expects, each one the state machine of
+docs/kv_transfer.md, and the writes into its cache. A backend adds its ``address`` and
+the transport that feeds the book (``claim``/``commit``, ``end``, ``fail``,
+``link_lost``).
+
+    expect --> RESERVED --first byte--> RECEIVING --every piece and every END--> LANDED
+                   |                        |---- bad checksum / refused / link lost --> FAILED
+                   |                        `---- no progress for lease_s -------------> EXPIRED
+                   `--------- release (any state): out of the book, no byte lands after
+
+RESERVED has no timer: the owner releases it (the prefill failed, the client left).
+The lease is the only timer: it starts with the transfer's first byte (or END, or
+another rank's report) and every piece that lands renews it, so it measures the
+transfer, not the prefill queue. LANDED, FAILED and EXPIRED are reported once each, as
+an ``Outcome``, to ``on_event`` (on the book's own thread, never a transport's); the
+record stays until the owner ``release``s it, and claims are refused from then on.
+Rank 0 of a tensor-parallel instance expects ``ranks`` parts: its own and one report
+per other rank (``rank_event``), and lands when all have.
+"""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
 
+import numpy as np
 import torch
 
-from kv_transfer.book import TransferBook
-from kv_transfer.layout import KVLayout
-from kv_transfer.pending import TransferStats
+from kv_transfer.layout import HeadRoute, KVLayout, KVLayoutError, routes_into
+from kv_transfer.protocol import (
+    Handoff,
+    KVChecksumError,
+    KVPeerError,
+    KVTransferError,
+    KVTransferTimeout,
+    Status,
+    status_of,
+    transfer_key,
+)
+from kv_transfer.segment import Segment, checksum, scatter
+
+log = logging.getLogger(__name__)
 
 
-class KVReceiver(ABC):
-    """Decode side of one tensor-parallel rank (the contract: ``kv_transfer/base.py``)."""
+class State(Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    LANDED = "landed"
+    FAILED = "failed"
+    EXPIRED = "expired"
 
-    backend = ""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor):
-        self.layout = layout
-        self.book = TransferBook(layout, kv_cache)
+@dataclass(frozen=True)
+class Outcome:
+    """A transfer that reached LANDED, FAILED or EXPIRED on this rank."""
+
+    transfer_id: str
+    state: State
+    handoff: Handoff | None = None  # what source rank 0's END carried
+    bytes: int = 0  # landed here (rank 0: and on the ranks that reported)
+    seconds: float = 0.0  # first byte to last
+    error: KVTransferError | None = None
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One expected transfer; ``have[source row, layer, position]`` says which segments
+    (K and V of one block, all of a route's heads) have landed."""
+
+    transfer_id: str
+    key: int
+    dst_block_ids: tuple[int, ...]
+    src_tp: int
+    routes: dict[int, HeadRoute]  # by source rank
+    have: np.ndarray
+    lease_s: float | None
+    others: int  # other ranks still to report (rank 0)
+    state: State = State.RESERVED
+    deadline: float | None = None
+    missing: int = 0
+    ended: set[int] = field(default_factory=set)  # source ranks whose END arrived
+    handoff: Handoff | None = None
+    links: set = field(default_factory=set)  # the connections that fed it
+    first_at: float | None = None
+    last_at: float | None = None
+    bytes: int = 0
+    inflight: set = field(default_factory=set)  # claims being written
+    error: KVTransferError | None = None
+
+    def __post_init__(self):
+        self.rows = {src: i for i, src in enumerate(sorted(self.routes))}
+        self.missing = int(self.have.size)
+
+    def describe_missing(self) -> str:
+        parts = []
+        for src, row in self.rows.items():
+            layers = np.flatnonzero(~self.have[row].all(axis=1)).tolist()
+            if layers or src not in self.ended:
+                what = f"layers {_ranges(layers)}" if layers else "its END"
+                parts.append(f"{what} from source rank {src}")
+        return "; ".join(parts) + (f"; {self.others} other rank(s)" if self.others else "")
+
+    def complete(self) -> bool:
+        return self.missing == 0 and len(self.ended) == len(self.routes) and not self.others
+
+
+@dataclass(eq=False)
+class Claim:
+    """The right to write one segment of ``transfer`` from ``src_rank`` (``claim``)."""
+
+    transfer: Transfer
+    src_rank: int
+    seg: Segment
+    on_stuck: Callable[[], None] | None = None
 
     @property
-    @abstractmethod
-    def address(self) -> str: ...
+    def dst_ids(self) -> tuple[int, ...]:
+        return self.transfer.dst_block_ids[self.seg.start : self.seg.start + self.seg.count]
 
-    def expect(
-        self,
-        transfer_id: str,
-        dst_block_ids: Sequence[int],
-        src_layout: KVLayout,
-        lease_s: float | None = None,
-    ) -> None:
-        """Register a transfer before it can arrive: its blocks ``dst_block_ids`` (in the
-        order of the source's block list) and the source pool's layout."""
-        self.book.expect(transfer_id, dst_block_ids, src_layout, lease_s)
+    @property
+    def dst_heads(self) -> tuple[int, int]:
+        return self.transfer.routes[self.src_rank].dst_heads
 
-    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferStats:
-        return self.book.wait(transfer_id, timeout)
 
-    def ready(self, transfer_id: str) -> bool:
-        return self.book.ready(transfer_id)
+class KVReceiver:
+    backend = ""
 
-    def cancel(self, transfer_id: str) -> bool:
-        return self.book.cancel(transfer_id)
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, stuck_s: float = 5.0):
+        layout.check_cache(kv_cache)
+        self.layout, self.kv_cache = layout, kv_cache
+        self.layer_caches = [layer.unbind(0) for layer in kv_cache.unbind(0)]  # [layer][kv]
+        self.stuck_s = stuck_s  # how long a release waits for a write in progress
+        self.on_event: Callable[[Outcome], None] | None = None
+        self._cond = threading.Condition()
+        self._by_id: dict[str, Transfer] = {}
+        self._by_key: dict[int, Transfer] = {}
+        self._recent: OrderedDict[int, tuple[Status, str]] = OrderedDict()  # released
+        self._events: deque[Outcome] = deque()
+        self._closed = False
+        self._watch = threading.Thread(target=self._watcher, name="kv-lease", daemon=True)
+        self._watch.start()
 
-    def reap_expired(self) -> list[str]:
-        return self.book.reap_expired()
+    @property
+    def address(self) -> str:
+        raise NotImplementedError
+
+    # -- the owner (the decode instance) ------------------------------------------------
+    def expect(self, transfer_id, dst_block_ids, src_layout: KVLayout, lease_s=None, ranks=1):
+        """Reserve: the i-th source block lands in ``dst_block_ids[i]``; ``ranks`` parts
+        (this rank's and ``ranks - 1`` reports through ``rank_event``) make it land."""
+        src_layout.check_compatible(self.layout)
+        ids = tuple(int(b) for b in dst_block_ids)
+        if bad := [b for b in ids if not 0 <= b < self.kv_cache.shape[2]]:
+            raise KVLayoutError(f"transfer {transfer_id!r}: destination blocks {bad[:5]} are "
+                                f"outside the cache's {self.kv_cache.shape[2]} blocks")  # fmt: skip
+        if len(set(ids)) != len(ids):
+            raise KVLayoutError(f"transfer {transfer_id!r}: destination blocks repeat: {ids}")
+        routes = {r.src_rank: r for r in routes_into(self.layout, src_layout.tp_size)}
+        have = np.zeros((len(routes), self.layout.num_layers, len(ids)), dtype=bool)
+        t = Transfer(transfer_id, transfer_key(transfer_id), ids, src_layout.tp_size, routes,
+                     have, lease_s, ranks - 1)  # fmt: skip
+        with self._cond:
+            if transfer_id in self._by_id or t.key in self._by_key:
+                raise KVTransferError(f"transfer {transfer_id!r} is already expected")
+            self._by_id[transfer_id], self._by_key[t.key] = t, t
+            self._recent.pop(t.key, None)
+
+    def release(self, transfer_id: str) -> Outcome | None:
+        """Take a transfer out of the book, whatever its state; None when it is not in.
+        When this returns no byte of it is written any more: the blocks may be freed."""
+        with self._cond:
+            t = self._by_id.get(transfer_id)
+            if t is not None:
+                self._drop(t)
+            return None if t is None else self._outcome(t)
+
+    def rank_event(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
+        """Rank 0: another rank's part of the transfer landed (``error`` None) or failed."""
+        with self._cond:
+            t = self._by_id.get(transfer_id)
+            if t is None or t.state not in (State.RESERVED, State.RECEIVING):
+                return
+            if error is not None:
+                return self._finish(
+                    t, State.FAILED, KVTransferError(f"decode rank {rank}: {error}")
+                )
+            t.others -= 1
+            t.bytes += nbytes
+            self._progress(t)
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> Outcome:
+        """Block until the transfer landed, failed or expired (or ``timeout``), release it
+        and return the outcome, or raise its error (``KVTransferTimeout`` on timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            t = self._by_id.get(transfer_id)
+            if t is None:
+                raise KVTransferError(f"transfer {transfer_id!r} is not expected here (never "
+                                      "expected, already released or waited for)")  # fmt: skip
+            while t.state in (State.RESERVED, State.RECEIVING) and (
+                deadline is None or (left := deadline - time.monotonic()) > 0
+            ):
+                self._cond.wait(None if deadline is None else left)
+            if t.state in (State.RESERVED, State.RECEIVING):
+                self._finish(t, State.EXPIRED, self._timeout(t, f"within {timeout}s"))
+            self._drop(t)
+        if t.error is not None:
+            raise t.error
+        return self._outcome(t)
+
+    def state(self, transfer_id: str) -> State | None:
+        with self._cond:
+            t = self._by_id.get(transfer_id)
+            return None if t is None else t.state
 
     def pending(self) -> list[str]:
-        return self.book.pending()
+        with self._cond:
+            return list(self._by_id)
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
-    def __enter__(self):
-        return self
+    # -- the transport ----------------------------------------------------------------
+    def claim(self, key, src_rank, src_layout: KVLayout, segs: Sequence[Segment], link=None,
+              on_stuck=None) -> tuple[list[Claim] | None, Status, str]:  # fmt: skip
+        """The right to write ``segs`` (all or none) from one source rank: refused, with
+        the status to acknowledge, unless the transfer expects bytes now and they fit it.
+        Until ``commit``, a release waits for the write; if it hangs (a stalled sender),
+        ``on_stuck`` is called to break it (it must make the write fail)."""
+        with self._cond:
+            t = self._by_key.get(key)
+            if t is None or t.state not in (State.RESERVED, State.RECEIVING):
+                return None, *self._status(t, key, src_rank)
+            if problem := self._misfit(t, src_rank, src_layout, segs):
+                self._finish(t, State.FAILED, KVTransferError(
+                    f"transfer {t.transfer_id!r} rejected: {problem}"))  # fmt: skip
+                return None, Status.REJECTED, problem
+            claims = [Claim(t, src_rank, s, on_stuck) for s in segs]
+            t.inflight.update(claims)
+            t.links.add(link)
+            self._progress(t)
+            return claims, Status.OK, ""
 
-    def __exit__(self, *exc):
-        self.close()
+    def targets(self, c: Claim) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K's and V's regions of the cache a claimed segment fills, when each is one
+        contiguous tensor (consecutive blocks, all of this rank's heads): receive there."""
+        ids = c.dst_ids
+        if c.dst_heads != (0, self.layout.heads_per_rank) or any(
+            ids[k] != ids[0] + k for k in range(len(ids))
+        ):
+            return None
+        k, v = self.layer_caches[c.seg.layer]
+        return k[ids[0] : ids[0] + len(ids)], v[ids[0] : ids[0] + len(ids)]
+
+    def write(self, c: Claim, k: torch.Tensor, v: torch.Tensor) -> None:
+        caches = self.layer_caches[c.seg.layer]
+        scatter(caches[0], c.dst_ids, c.dst_heads, k)
+        scatter(caches[1], c.dst_ids, c.dst_heads, v)
+
+    def write_layers(self, claims: Sequence[Claim], data: torch.Tensor) -> None:
+        """``data`` ``[layers, 2, count, block_size, heads, dim]``: the claims are
+        consecutive layers at one block position."""
+        c = claims[0]
+        scatter(self.kv_cache[c.seg.layer : c.seg.layer + len(claims)], c.dst_ids,
+                c.dst_heads, data)  # fmt: skip
+
+    def verify(self, c: Claim, expected: int, *parts: torch.Tensor) -> bool:
+        """Whether a claimed segment's bytes sum to what its sender sent; fails the
+        transfer, naming the segment, when not."""
+        got = checksum(*parts)
+        if got != expected:
+            s, t = c.seg, c.transfer
+            self.fail(t.key, KVChecksumError(
+                f"KV transfer {t.transfer_id!r}: checksum mismatch in layer {s.layer}, blocks "
+                f"[{s.start}, {s.start + s.count}) from source rank {c.src_rank}: sent "
+                f"{expected:#018x}, received {got:#018x}"))  # fmt: skip
+        return got == expected
+
+    def commit(self, claims: Sequence[Claim], ok: bool) -> None:
+        """End claims; when ``ok`` their segments count as landed (and renew the lease)."""
+        with self._cond:
+            for c in claims:
+                t = c.transfer
+                t.inflight.discard(c)
+                if ok and t.state == State.RECEIVING:
+                    row = t.have[
+                        t.rows[c.src_rank], c.seg.layer, c.seg.start : c.seg.start + c.seg.count
+                    ]
+                    t.missing -= int(c.seg.count - row.sum())
+                    row[:] = True
+                    t.bytes += 2 * c.seg.count * self.layout.block_bytes(c.seg.num_heads)
+                    self._progress(t)
+            self._cond.notify_all()
+
+    def end(self, key: int, src_rank: int, handoff: bytes, link=None) -> tuple[Status, str]:
+        """A source's END (after all its data, on an in-order link): the status to
+        acknowledge. A source whose share is incomplete at its END fails the transfer."""
+        with self._cond:
+            t = self._by_key.get(key)
+            if t is not None and t.state in (State.RESERVED, State.RECEIVING):
+                t.links.add(link)
+                if src_rank not in t.routes:
+                    return Status.REJECTED, f"source rank {src_rank} has no heads for this rank"
+                t.ended.add(src_rank)
+                if handoff and src_rank == 0:
+                    t.handoff = Handoff.from_bytes(handoff)
+                if not t.have[t.rows[src_rank]].all():
+                    self._finish(t, State.FAILED, KVTransferError(
+                        f"KV transfer {t.transfer_id!r}: source rank {src_rank} ended with "
+                        f"{t.describe_missing()} missing"))  # fmt: skip
+                else:
+                    self._progress(t)
+            return self._status(t, key, src_rank)
+
+    def fail(self, key: int, error: KVTransferError) -> None:
+        with self._cond:
+            t = self._by_key.get(key)
+            if t is not None and t.state in (State.RESERVED, State.RECEIVING):
+                self._finish(t, State.FAILED, error)
+
+    def link_lost(self, link, src_rank: int, why: str) -> None:
+        """The connection from ``src_rank`` broke: the transfers it was feeding and whose
+        END from that rank had not come fail at once."""
+        with self._cond:
+            for t in list(self._by_id.values()):
+                live = t.state in (State.RESERVED, State.RECEIVING)
+                if live and link in t.links and src_rank not in t.ended:
+                    self._finish(t, State.FAILED, KVPeerError(
+                        f"KV transfer {t.transfer_id!r}: connection lost ({why})"))  # fmt: skip
+
+    # -- internals (lock held) ------------------------------------------------------------
+    def _misfit(self, t: Transfer, src_rank: int, src_layout: KVLayout, segs) -> str:
+        """Why segments from ``src_rank`` do not belong in ``t`` ("" when they do)."""
+        try:
+            src_layout.check_compatible(self.layout)
+        except KVLayoutError as e:
+            return str(e)
+        if src_layout.tp_size != t.src_tp:
+            return (f"sender has tensor_parallel={src_layout.tp_size}, the transfer was "
+                    f"expected from tensor_parallel={t.src_tp}")  # fmt: skip
+        route = t.routes.get(src_rank)
+        if route is None:
+            return f"source rank {src_rank} holds no heads of this decode rank"
+        for s in segs:
+            if s.heads != route.heads:
+                return f"source rank {src_rank} sent heads {s.heads}, expected {route.heads}"
+            if not 0 <= s.layer < self.layout.num_layers:
+                return f"layer {s.layer} is outside the cache"
+            if s.start < 0 or s.count < 1 or s.start + s.count > len(t.dst_block_ids):
+                return (f"blocks [{s.start}, {s.start + s.count}) are outside the transfer's "
+                        f"{len(t.dst_block_ids)} blocks")  # fmt: skip
+        return ""
+
+    def _progress(self, t: Transfer) -> None:
+        now = time.monotonic()
+        t.first_at, t.last_at = t.first_at or now, now
+        if t.state == State.RESERVED:
+            t.state = State.RECEIVING
+        if t.lease_s is not None:
+            t.deadline = now + t.lease_s
+            self._cond.notify_all()
+        if t.complete() and not t.inflight:
+            self._finish(t, State.LANDED, None)
+
+    def _finish(self, t: Transfer, state: State, error: KVTransferError | None) -> None:
+        t.state, t.error = state, error
+        self._events.append(self._outcome(t))
+        self._cond.notify_all()
+
+    def _outcome(self, t: Transfer) -> Outcome:
+        first, last = t.first_at or 0.0, t.last_at or 0.0
+        return Outcome(t.transfer_id, t.state, t.handoff, t.bytes, last - first, t.error)
+
+    def _timeout(self, t: Transfer, when: str) -> KVTransferTimeout:
+        have = int(t.have.sum())
+        return KVTransferTimeout(
+            f"KV transfer {t.transfer_id!r} made no progress {when} ({have}/{t.have.size} "
+            f"segments landed); missing {t.describe_missing()}. The reservation is released."
+        )
+
+    def _status(self, t: Transfer | None, key: int, src_rank: int) -> tuple[Status, str]:
+        """How a source's share stands: what its END's acknowledgement says."""
+        if t is None:
+            return self._recent.get(
+                key, (Status.UNKNOWN, "transfer not expected (never, or no longer)")
+            )
+        if t.error is not None:
+            return status_of(t.error), str(t.error)
+        if src_rank not in t.rows:
+            return Status.REJECTED, f"source rank {src_rank} has no heads for this rank"
+        if not t.have[t.rows[src_rank]].all():
+            return Status.INCOMPLETE, f"missing {t.describe_missing()}"
+        return Status.OK, ""
+
+    def _drop(self, t: Transfer) -> None:
+        """Unregister ``t`` once no write into its blocks is in progress."""
+        if self._by_id.get(t.transfer_id) is not t:
+            return
+        del self._by_id[t.transfer_id], self._by_key[t.key]
+        for phase in ("wait", "break"):
+            deadline = time.monotonic() + self.stuck_s
+            while t.inflight and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            if not t.inflight:
+                break
+            for c in list(t.inflight) if phase == "wait" else ():  # a write hangs: break it
+                if c.on_stuck is not None:
+                    c.on_stuck()
+        if t.inflight:
+            log.error("transfer %r released with %d writes pending", t.transfer_id, len(t.inflight))
+        if t.state in (State.RESERVED, State.RECEIVING):
+            self._recent[t.key] = (Status.UNKNOWN, "released before it completed")
+        else:
+            self._recent[t.key] = self._status(t, t.key, min(t.rows, default=0))
+        while len(self._recent) > 4096:
+            self._recent.popitem(last=False)
+
+    def _watcher(self) -> None:
+        """The lease's clock, and the delivery of outcomes to ``on_event``."""
+        while True:
+            with self._cond:
+                while not self._events and not self._closed:
+                    now = time.monotonic()
+                    due = [t for t in self._by_id.values()
+                           if t.state == State.RECEIVING and t.deadline is not None]  # fmt: skip
+                    for t in [t for t in due if t.deadline <= now]:
+                        self._finish(t, State.EXPIRED, self._timeout(t, f"for {t.lease_s:g}s"))
+                    if self._events:
+                        break
+                    self._cond.wait(min((t.deadline - now for t in due), default=None))
+                if self._closed:
+                    return
+                events, self._events = list(self._events), deque()
+            for outcome in events:
+                if self.on_event is not None:
+                    try:
+                        self.on_event(outcome)
+                    except Exception:  # the owner's bug must not stop the clock
+                        log.exception("KV receiver: on_event failed for %s", outcome.transfer_id)
+
+
+def _ranges(values: Sequence[int]) -> str:
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(out)

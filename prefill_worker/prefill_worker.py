@@ -1,35 +1,38 @@
-"""The prefill instance: a Ray actor that prefills prompts and hands them to decode.
+"""The prefill instance: a Ray actor that prefills prompts and hands them to decode. Its
+side of the handoff (docs/kv_transfer.md): sending -> acked, or failed.
 
-Per request (router/disagg.py places it, after the decode instance reserved blocks):
+    prefill(attempt) -> chunked prefill, FCFS with other prompts under the token budget
+                     -> last chunk: KV sent layer by layer during the forward pass
+                        (kv_transfer.layerwise), or all layers after it   [sending]
+                     -> first token sampled: the END, carrying it with the sampler state
+                        and phase times, to every decode rank this rank sends to
+                     -> every rank of this instance heard every END answered OK: blocks
+                        freed, Update(handed_off)                        [acked]
+                     -> a refusal, a broken link or no answer within the ack timeout:
+                        blocks freed, Update(retryable); the router redoes the request
+                        on another pair                                  [failed]
 
-    prefill(...) -> chunked prefill, FCFS with other prompts under the token budget
-                 -> last chunk: KV sent layer by layer during the forward pass
-                    (kv_transfer.layerwise), or all layers after it
-                 -> first token sampled; KVHandoff sent to the decode instance (admit)
-                 -> transfer acknowledged by every decode rank: blocks freed here,
-                    Update(handed_off) to the router; a failed transfer is an
-                    Update(retryable) and the router redoes the request on another pair.
+Ranks 1..N-1 (``PrefillRank``) send their heads and push their own outcome here.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine import SamplingParams
-from engine.updates import Update
+from engine.messages import Attempt, Update
 from engine.worker import EngineWorker
-from kv_transfer import KVDestination, KVHandoff, get_transport
-from kv_transfer.endpoints import cache_layout, kv_host
-from kv_transfer.proto import kv_transfer_pb2 as kv_pb
+from kv_transfer import Handoff, KVDestination, get_transport
+from kv_transfer import kv_transfer_pb2 as kv_pb
+from kv_transfer.layout import cache_layout
 from prefill_worker.prefill_engine import Prefilled, PrefillEngine
 
 
 def ack_timeout_s(lease_s: float) -> float:
-    """How long a sender waits for the acknowledgement: past the decode lease, so that a
-    transfer that never completes is reported by the decode instance, which owns the
-    reservation (and releases it), not by whichever side's timer fires first."""
+    """How long a sender waits for its ENDs' answers: past the decode lease, so that a
+    transfer that stalls is reported by the decode instance, which owns the reservation,
+    not by whichever side's timer fires first."""
     return 1.5 * lease_s
 
 
@@ -37,18 +40,12 @@ def ack_timeout_s(lease_s: float) -> float:
 class Job:
     """A request in this instance: where its KV goes and how its transfer stands."""
 
-    request_id: str
-    transfer_id: str
+    attempt: Attempt
     destination: KVDestination
-    decode: str  # the decode instance's name
-    decode_handle: object  # ... and its actor handle, for the handoff
     transfer_start: float | None = None  # wall clock, first layer handed to the transport
     send_error: str | None = None
     aborted: bool = False  # the client left while the KV was on its way
-    cut_after: int | None = None  # fault injection: layers from this one on are never sent
-
-    def sends(self, layer: int) -> bool:
-        return self.cut_after is None or layer < self.cut_after
+    results: dict[int, tuple[int, float, str | None]] = field(default_factory=dict)  # by rank
 
 
 class PrefillWorker(EngineWorker):
@@ -56,55 +53,27 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def _setup(self, kv_config: dict) -> None:
-        self.layout = cache_layout(self.engine.model, self.engine.blocks)
+        self.layout = cache_layout(self.engine)
         transport = get_transport(kv_config["backend"])
-        options = {"checksum": kv_config["checksum"], "name": self.name}
-        if transport.name != "grpc":
-            options["host"] = kv_host()
-        self.sender = transport.sender(self.layout, **options)
+        self.sender = transport.sender(self.layout, checksum=kv_config["checksum"], name=self.name)
         self.layerwise = kv_config["layerwise"]
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self.jobs: dict[str, Job] = {}
         self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{self.name}-acks")
-        self._cuts_left, self._cut_after = 0, 0
+        self._ops.update(prefill=self._op_prefill, acked=self._op_acked)
         self._totals["kv_bytes_total"] = 0
 
     def ready(self) -> dict:
         return {**super().ready(), "kv_tp_size": self.layout.tp_size}
 
-    def prefill(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: dict,
-        transfer_id: str,
-        destination: bytes,
-        decode: str,
-        decode_handle,
-        consumer: str,
-    ) -> None:
-        """Prefill a prompt and send its KV to ``destination`` (a ``KVDestination`` as
-        protobuf bytes: the blocks the decode instance ``decode`` reserved for it); the
-        handoff goes to ``decode_handle``, that instance's actor."""
-        job = (request_id, prompt_ids, params, transfer_id, destination, (decode, decode_handle))
-        job += (consumer,)
-        self._post(("prefill", *job))
+    def prefill(self, attempt: Attempt) -> None:
+        """Prefill ``attempt``'s prompt and send its KV to ``attempt.destination`` (the
+        reservation of the decode instance ``attempt.decode``)."""
+        self._post(("prefill", attempt))
 
-    def debug_fault(self, kind: str, count: int = 1, after_layers: int = 0) -> None:
-        """Testing aid: make the next ``count`` transfers fail. ``cut``: only their first
-        ``after_layers`` layers are sent and the link stays silent, as if it went down
-        (the decode lease runs out, and the wait for an acknowledgement); ``corrupt``: a
-        bit flips in a segment after its checksum was taken (with
-        ``kv_transfer.checksum`` on, the receiver refuses it)."""
-        if kind == "corrupt":
-            self.sender.debug_corrupt_next_segment(count)
-        elif kind == "cut":
-            self.on_loop(self._set_cuts, count, after_layers)
-        else:
-            raise ValueError(f"kind={kind!r}: allowed values are cut, corrupt")
-
-    def _set_cuts(self, count: int, after_layers: int) -> None:
-        self._cuts_left, self._cut_after = count, after_layers
+    def rank_acked(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
+        """Rank ``rank``'s ENDs of a transfer were answered (or failed): pushed by it."""
+        self._post(("acked", transfer_id, rank, nbytes, 0.0, error))
 
     def stop(self) -> None:
         super().stop()
@@ -113,21 +82,16 @@ class PrefillWorker(EngineWorker):
 
     # ---- on the step loop ----
 
-    def _op_prefill(
-        self, request_id, prompt_ids, params, transfer_id, destination, decode, consumer
-    ):
-        if self._take_early_abort(request_id):
+    def _op_prefill(self, attempt: Attempt) -> list[Update]:
+        if self._take_early_abort(attempt.id):
             return []
-        self._consumer[request_id] = consumer
-        dst = KVDestination.from_proto(kv_pb.KVDestination.FromString(destination))
+        self._consumer[attempt.id] = attempt.consumer
         try:
-            self.engine.add_request(request_id, prompt_ids, SamplingParams(**params))
+            dst = KVDestination.from_bytes(attempt.destination)
+            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params)
         except ValueError as e:
-            return [Update(request_id, error=str(e))]
-        job = self.jobs[request_id] = Job(request_id, transfer_id, dst, *decode)
-        if self._cuts_left:
-            self._cuts_left -= 1
-            job.cut_after = self._cut_after
+            return [Update(attempt.id, error=str(e))]
+        self.jobs[attempt.id] = Job(attempt, dst)
         self._totals["requests_total"] += 1
         return []
 
@@ -153,7 +117,7 @@ class PrefillWorker(EngineWorker):
     def _fail_all(self) -> list[Update]:
         failed = super()._fail_all()
         for u in failed:
-            self.sender.abort(self.jobs.pop(u.request_id).transfer_id)
+            self.sender.abort(self.jobs.pop(u.request_id).attempt.id)
         return failed
 
     def _plan_sends(self, last):
@@ -161,24 +125,26 @@ class PrefillWorker(EngineWorker):
         callback sending each finished layer (layer-wise), and the ``SendList`` that
         tells the other tensor-parallel ranks to send their heads."""
         jobs = [self.jobs[r.request_id] for r in last]
-        tables = {j.request_id: self.engine.blocks.block_table(j.request_id) for j in jobs}
+        tables = {j.attempt.id: self.engine.blocks.block_table(j.attempt.id) for j in jobs}
         caches = self.engine.runner.kv_caches
 
         def on_layer(layer: int) -> None:
-            k_cache, v_cache = caches[layer]
-            for job in jobs:
-                if job.sends(layer):
-                    self._send(job, lambda j=job: self.sender.send_layer(
-                        j.transfer_id, layer, k_cache, v_cache, tables[j.request_id], j.destination
-                    ))  # fmt: skip
+            k, v = caches[layer]
+            for j in jobs:
+                ids, dst = tables[j.attempt.id], j.destination
+                self._send(
+                    j,
+                    lambda t=j.attempt.id, i=ids, d=dst: self.sender.send_layer(
+                        t, layer, k, v, i, d
+                    ),
+                )
 
         extra = b""
         if self.ranks:
             msg = kv_pb.SendList(layerwise=self.layerwise)
-            for job in jobs:
-                h = msg.sends.add(transfer_id=job.transfer_id)
-                h.src_block_ids.extend(tables[job.request_id])
-                job.destination.to_proto(h.destination)
+            for j in jobs:
+                send = msg.sends.add(transfer_id=j.attempt.id, src_block_ids=tables[j.attempt.id])
+                j.destination.to_proto(send.destination)
             extra = msg.SerializeToString()
         return (on_layer if self.layerwise else None), extra
 
@@ -188,76 +154,56 @@ class PrefillWorker(EngineWorker):
         job.transfer_start = job.transfer_start or time.time()
         try:
             send()
-        except Exception as e:  # a broken pair, a layout mismatch: the request is retried
+        except Exception as e:  # a broken pair, a layout mismatch: the request is redone
             job.send_error = f"{type(e).__name__}: {e}"
 
     def _hand_off(self, p: Prefilled) -> list[Update]:
-        request_id = p.request.request_id
-        job = self.jobs[request_id]
+        job = self.jobs[p.request.request_id]
+        tid = job.attempt.id
         if p.error is not None:
-            del self.jobs[request_id]
-            return [Update(request_id, error=p.error, retryable=True)]
+            del self.jobs[tid]
+            return [Update(tid, error=p.error, retryable=True)]
         if not self.layerwise:
-            c = self.engine.runner.kv_cache
-            layers = [(i, c[i, 0], c[i, 1]) for i in range(len(c)) if job.sends(i)]
-            self._send(job, lambda: self.sender.send_layers(
-                job.transfer_id, layers, p.block_ids, job.destination
-            ))  # fmt: skip
-        if job.send_error is None:
-            handoff = KVHandoff(
-                request_id=request_id,
-                prompt_token_ids=p.request.prompt_token_ids,
-                first_token=p.first_token,
-                src_block_ids=p.block_ids,
-                src_layout=self.layout,
-                destination=job.destination,
-                transfer_id=job.transfer_id,
-                prefill_instance=self.name,
-                sampler_state=p.sampler_state,
-                phase_times={**p.times, "transfer_start": job.transfer_start},
-            )
-            job.decode_handle.admit.remote(handoff.to_bytes())
-        self._acks.submit(self._await_ack, job)
+            kv = self.engine.runner.kv_cache
+            self._send(job, lambda: self.sender.send_all(tid, kv, p.block_ids, job.destination))
+        times = {**p.times, "transfer_start": job.transfer_start or time.time()}
+        handoff = Handoff(p.first_token, p.sampler_state, times, self.name)
+        self._acks.submit(self._finish, job, handoff)
         return []
 
-    def _await_ack(self, job: Job) -> None:
-        """On an ack thread: wait for every decode rank's acknowledgement of the sends of
-        every rank of this instance, then report to the loop."""
-        ack, error = None, job.send_error
-        if job.cut_after is not None:  # injected: the link is down, no answer ever comes
-            self.sender.abort(job.transfer_id)
-            time.sleep(self.ack_timeout_s)
-            error = f"no acknowledgement within {self.ack_timeout_s:g}s (link cut, injected)"
-        elif error is None:
+    def _finish(self, job: Job, handoff: Handoff) -> None:
+        """On an ack thread: END the transfer (unless a send failed) and wait for every
+        answer, then report to the loop."""
+        tid, nbytes, seconds, error = job.attempt.id, 0, 0.0, job.send_error
+        if error is None:
             try:
-                ack = self.sender.finish(job.transfer_id, timeout=self.ack_timeout_s)
+                ack = self.sender.finish(tid, handoff, timeout=self.ack_timeout_s)
+                nbytes, seconds = ack.bytes, ack.seconds
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
         else:
-            self.sender.abort(job.transfer_id)
-        nbytes = ack.bytes if ack is not None else 0
-        if self.ranks:
-            import ray
+            self.sender.abort(tid)
+        self._post(("acked", tid, 0, nbytes, seconds, error))
 
-            for rank_bytes, rank_error in ray.get(
-                [r.acked.remote(job.transfer_id) for r in self.ranks]
-            ):
-                nbytes += rank_bytes
-                error = error or rank_error or None
-        seconds = ack.seconds if ack is not None else 0.0
-        self._post(("acked", job, nbytes, seconds, error))
-
-    def _op_acked(self, job: Job, nbytes: int, seconds: float, error: str | None):
-        self.engine.release(job.request_id)
-        self.jobs.pop(job.request_id, None)
+    def _op_acked(self, tid: str, rank: int, nbytes: int, seconds: float, error: str | None):
+        job = self.jobs.get(tid)
+        if job is None:
+            return []
+        job.results[rank] = (nbytes, seconds, error)
+        if len(job.results) < 1 + len(self.ranks):
+            return []
+        self.engine.release(tid)
+        del self.jobs[tid]
         if job.aborted:
             return []
-        if error is not None:
-            why = f"KV transfer {job.transfer_id!r} {self.name} -> {job.decode} failed: {error}"
-            return [Update(job.request_id, error=why, retryable=True)]
-        self._totals["kv_bytes_total"] += nbytes
-        info = {"kv_bytes": nbytes, "transfer_s": seconds}
-        return [Update(job.request_id, handed_off=True, info=info)]
+        errors = [e for _, _, e in job.results.values() if e is not None]
+        if errors:
+            why = f"KV transfer {tid!r} {self.name} -> {job.attempt.decode} failed: {errors[0]}"
+            return [Update(tid, error=why, retryable=True)]
+        total = sum(n for n, _, _ in job.results.values())
+        self._totals["kv_bytes_total"] += total
+        info = {"kv_bytes": total, "transfer_s": job.results[0][1]}
+        return [Update(tid, handed_off=True, info=info)]
 
     def _stats(self) -> dict:
         stats = super()._stats()

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.proto import pdserve_pb2 as pb
-from router.proto import pdserve_pb2_grpc as pb_grpc
+from router import pdserve_pb2 as pb
+from router import pdserve_pb2_grpc as pb_grpc
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """Disaggregated placement: a prefill instance computes the prompt, a decode instance
-generates the rest (DESIGN.md §3).
+generates the rest (docs/kv_transfer.md has the handoff's state machine).
 
-Per request (one attempt; the instances know it as ``<request id>#<attempt>``):
+Per request (one ``Attempt``; the instances know it as ``<request id>#<attempt>``):
 
     choose decode (routing policy over those with room) and prefill (fewest queued
-    prompt tokens) -> decode.reserve: blocks held under a lease, KVDestination back
-    (None: no room; the request goes back to the head of the queue)
-    -> prefill.prefill(destination): chunked prefill, KV sent, KVHandoff to decode
-    -> decode streams tokens; prefill reports the transfer acknowledged (handed off)
+    prompt tokens) -> decode.reserve(attempt): blocks held, the destination back (None:
+    no room; the request goes back to the head of the queue)
+    -> prefill.prefill(attempt + destination): chunked prefill, KV sent, the transfer
+    ended with the first token -> decode admits it once landed and streams tokens;
+    prefill reports the transfer acknowledged (handed off)
 
 A failed handoff (transfer cut, lease expired, a peer gone) drops the attempt on both
 instances and redoes the request once on another pair when there is one; a second
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
-from engine.updates import Update
-from kv_transfer.handoff import transfer_id_for
+from engine.messages import Attempt, Update, attempt_id
 from router.instances import CONSUMER, Instance
-from router.placement import Placement, params_dict
+from router.placement import Placement
 from router.stream import Delta, RequestStream
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class Disaggregated(Placement):
             (p for p in self.prefills if p.alive),
             key=lambda p: (p.name in stream.avoid, p.load.prefill_tokens, p.load.index),
         )
-        stream.worker_id = transfer_id_for(stream.request_id, stream.attempt)
+        stream.attempt_id = attempt_id(stream.request_id, stream.attempt)
         stream.pair = (prefill.name, decode.name)
         decode.hold(stream)
         prefill.hold(stream)
@@ -68,23 +69,23 @@ class Disaggregated(Placement):
         ]
 
     async def _start(self, stream: RequestStream, prefill: Instance, decode: Instance) -> None:
-        attempt_id = stream.worker_id
+        attempt = Attempt(
+            stream.attempt_id,
+            tuple(stream.prompt_ids),
+            stream.params,
+            CONSUMER,
+            prefill_tp=prefill.info.get("kv_tp_size", 1),
+            decode=decode.name,
+        )
         try:
-            destination = await decode.handle.reserve.remote(
-                attempt_id,
-                attempt_id,
-                len(stream.prompt_ids),
-                params_dict(stream),
-                prefill.info.get("kv_tp_size", 1),
-                CONSUMER,
-            )
+            destination = await decode.handle.reserve.remote(attempt)
         except Exception as e:  # the decode instance died or refused the request
             self._end_attempt(stream, f"decode instance {decode.name}: {e}", retryable=True)
             self.router.after_updates([stream] if stream.finished else [])
             return
-        if stream.worker_id != attempt_id or attempt_id not in decode.streams:
+        if stream.attempt_id != attempt.id or attempt.id not in decode.streams:
             if destination is not None:  # cancelled while reserving
-                decode.handle.abort.remote([attempt_id])
+                decode.handle.abort.remote([attempt.id])
             return
         if destination is None:  # no room after all: back to the head of the queue
             self._drop(stream, abort=False)
@@ -93,16 +94,7 @@ class Disaggregated(Placement):
             return
         stream.sent_to(prefill.name)
         stream.sent_to(decode.name)
-        prefill.handle.prefill.remote(
-            attempt_id,
-            stream.prompt_ids,
-            params_dict(stream),
-            attempt_id,
-            destination,
-            decode.name,
-            decode.handle,
-            CONSUMER,
-        )
+        prefill.handle.prefill.remote(replace(attempt, destination=destination))
 
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]:
         ended = []
@@ -158,7 +150,7 @@ class Disaggregated(Placement):
 
     def _drop(self, stream: RequestStream, abort: bool) -> None:
         for inst in self.instances:
-            if inst.role == "prefill" and stream.worker_id in inst.streams:
+            if inst.role == "prefill" and stream.attempt_id in inst.streams:
                 inst.load.prefill_tokens -= len(stream.prompt_ids)
             inst.release(stream, abort=abort)
 

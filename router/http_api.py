@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (DESIGN.md §6), on the router's event loop beside gRPC.
+"""The OpenAI-compatible HTTP API (docs/serving.md), on the router's event loop beside gRPC.
 
     POST /v1/completions        one prompt (text or token ids); SSE with "stream": true
     POST /v1/chat/completions   messages, rendered with the model's chat template
@@ -20,7 +20,7 @@ import time
 import grpc
 from aiohttp import web
 
-from router.proto import pdserve_pb2 as pb
+from router import pdserve_pb2 as pb
 from router.server import Refused
 from router.stream import merge_waiting
 

@@ -51,18 +51,18 @@ class Instance:
 
     def hold(self, stream: RequestStream) -> None:
         """The instance now holds (part of) this request."""
-        self.streams[stream.worker_id] = stream
+        self.streams[stream.attempt_id] = stream
         self.load.outstanding += 1
         self.requests_total += 1
 
     def release(self, stream: RequestStream, abort: bool = False) -> bool:
         """Forget the request (and with ``abort``, have the instance drop it and free its
         blocks); False when the instance did not hold it."""
-        if self.streams.pop(stream.worker_id, None) is None:
+        if self.streams.pop(stream.attempt_id, None) is None:
             return False
         self.load.outstanding -= 1
         if abort and self.dead is None:
-            self.handle.abort.remote([stream.worker_id])
+            self.handle.abort.remote([stream.attempt_id])
         return True
 
     def start_polling(

@@ -9,25 +9,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from engine.updates import Update
+from engine.messages import Attempt, Update
 from router.instances import CONSUMER, Instance
 from router.policies import RoutingPolicy
 from router.stream import Delta, RequestStream
-
-
-def params_dict(stream: RequestStream) -> dict:
-    """The request's ``SamplingParams`` as keyword arguments for a worker."""
-    p = stream.params
-    return dict(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        seed=p.seed,
-        stop=p.stop,
-        stop_token_ids=p.stop_token_ids,
-        ignore_eos=p.ignore_eos,
-    )
 
 
 class Placement(ABC):
@@ -81,10 +66,12 @@ class Colocated(Placement):
     def place(self, stream: RequestStream) -> None:
         candidates = [i.load for i in self.instances if i.has_room()]
         inst = self.by_name[self.policy.choose(len(stream.prompt_ids), candidates).name]
-        stream.worker_id = stream.request_id
+        stream.attempt_id = stream.request_id
         inst.hold(stream)
         stream.sent_to(inst.name)
-        inst.handle.add.remote(stream.worker_id, stream.prompt_ids, params_dict(stream), CONSUMER)
+        inst.handle.add.remote(
+            Attempt(stream.attempt_id, tuple(stream.prompt_ids), stream.params, CONSUMER)
+        )
 
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]:
         finished = []

@@ -18,13 +18,13 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from router import pdserve_pb2 as pb
+from router import pdserve_pb2_grpc as pb_grpc
 from router.admission import AdmissionQueue
 from router.disagg import Disaggregated
 from router.instances import Instance
 from router.placement import Colocated
 from router.policies import make_policy
-from router.proto import pdserve_pb2 as pb
-from router.proto import pdserve_pb2_grpc as pb_grpc
 from router.stream import Delta, RequestStream
 from router.validation import InvalidRequest, ModelLimits, RequestValidator
 

@@ -6,8 +6,8 @@ import time
 
 import grpc
 
-from router.proto import pdserve_pb2 as pb
-from router.proto import pdserve_pb2_grpc as pb_grpc
+from router import pdserve_pb2 as pb
+from router import pdserve_pb2_grpc as pb_grpc
 from router.server import Refused
 from router.stream import merge_waiting
 

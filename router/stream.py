@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from router.proto import pdserve_pb2 as pb
+from router import pdserve_pb2 as pb
 
 _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_start")
 
@@ -43,7 +43,7 @@ class RequestStream:
     finished: bool = False
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     # placement: the id the instances know this attempt by, and the attempt's history
-    worker_id: str = ""
+    attempt_id: str = ""
     attempt: int = 0
     pair: tuple[str, ...] = ()
     avoid: set[str] = field(default_factory=set)  # instances of a failed attempt

@@ -24,9 +24,8 @@ def layout(tp: int = 1, rank: int = 0, layers: int = 3, dtype: str = "float32") 
 def reference(lay: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
     """The full (all heads) cache a 1-rank prefill would compute: random, from ``seed``."""
     g = torch.Generator().manual_seed(seed)
-    full = lay.for_rank(0)
-    shape = (full.num_layers, 2, num_blocks, full.block_size, full.num_kv_heads, full.head_dim)
-    return torch.randn(shape, generator=g).to(full.torch_dtype)
+    shape = (lay.num_layers, 2, num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    return torch.randn(shape, generator=g).to(lay.torch_dtype)
 
 
 def shard(full: torch.Tensor, lay: KVLayout) -> torch.Tensor:
@@ -38,9 +37,9 @@ def shard(full: torch.Tensor, lay: KVLayout) -> torch.Tensor:
 class Peer:
     """A second process (``python -m tests.kv_transfer.peer``) driven by JSON lines."""
 
-    def __init__(self):
+    def __init__(self, **env_vars):
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **env_vars)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.kv_transfer.peer"],
             cwd=ROOT,

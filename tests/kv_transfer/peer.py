@@ -14,8 +14,7 @@ import time
 
 import torch
 
-from kv_transfer import KVDestination, get_transport
-from kv_transfer.proto import kv_transfer_pb2 as pb
+from kv_transfer import Handoff, KVDestination, get_transport
 from tests.kv_transfer.helpers import layout, reference, shard
 
 
@@ -43,13 +42,12 @@ class PeerState:
         return {}
 
     def send(self, key, tid, seed, num_blocks, src_ids, dst, send_layers=None, finish=True,
-             corrupt=0, die_after_s=None, timeout=20.0, device="cpu"):  # fmt: skip
-        destination = KVDestination.from_proto(pb.KVDestination.FromString(bytes.fromhex(dst)))
+             die_after_s=None, timeout=20.0, device="cpu"):  # fmt: skip
+        destination = KVDestination.from_bytes(bytes.fromhex(dst))
         senders = self.senders[key]
         full = reference(senders[0].layout, num_blocks, seed)
         for s in senders:
             cache = shard(full, s.layout).to(device)
-            s.debug_corrupt_next_segment(corrupt)
             if send_layers is None:
                 s.send_all(tid, cache, src_ids, destination)
             else:
@@ -60,7 +58,8 @@ class PeerState:
             os._exit(3)
         if not finish:
             return {}
-        acks = [s.finish(tid, timeout=timeout) for s in senders]
+        handoff = Handoff(first_token=seed)
+        acks = [s.finish(tid, handoff if s.layout.tp_rank == 0 else None, timeout) for s in senders]
         return {"acks": [[a.status.name for a in ack.acks] for ack in acks]}
 
     def receivers_(self, backend: str, tp: int, layers: int, num_blocks: int, ports=None):
@@ -82,8 +81,8 @@ class PeerState:
         return {}
 
     def wait(self, tid, timeout):
-        stats = [r.wait(tid, timeout=timeout) for r in self.receivers]
-        return {"bytes": [s.bytes for s in stats]}
+        outcomes = [r.wait(tid, timeout=timeout) for r in self.receivers]
+        return {"bytes": [o.bytes for o in outcomes]}
 
     def digest(self, rank, ids):
         return {"digest": tensor_digest(self.caches[rank][:, :, ids])}

@@ -1,6 +1,8 @@
 """Integrity and failure handling over real transports: checksums on, a corrupted chunk
-caught, a sender that dies or stalls midway (the receiver times out cleanly and takes
-the next transfer), leases, pairs rebuilt after either side restarts (gloo)."""
+caught, a sender that dies or stalls midway (the receiver fails or times out cleanly
+and takes the next transfer), the lease (from the first byte, renewed by progress),
+pairs rebuilt after either side restarts (gloo). tests/kv_transfer/test_handoff.py
+walks every state of the handoff under every fault."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ from kv_transfer import (
     KVChecksumError,
     KVDestination,
     KVLayoutError,
+    KVPeerError,
     KVTransferError,
     KVTransferTimeout,
+    State,
     get_transport,
 )
+from tests.kv_transfer.faults import ENV, write_plan
 from tests.kv_transfer.helpers import Peer, layout, reference, shard
 
 NUM_BLOCKS = 16
@@ -80,24 +85,39 @@ def test_round_trip_with_checksums(peer, side):
         side.expect(f"rt-{i}")
         reply = _send(peer, side, key, f"rt-{i}", seed)
         assert reply["ok"] and reply["acks"] == [["OK"]], reply
-        stats = side.receivers[0].wait(f"rt-{i}", timeout=20)
-        assert stats.bytes == 2 * 3 * len(SRC_IDS) * layout().block_bytes()
+        outcome = side.receivers[0].wait(f"rt-{i}", timeout=20)
+        assert outcome.state == State.LANDED and outcome.handoff.first_token == seed
+        assert outcome.bytes == 2 * 3 * len(SRC_IDS) * layout().block_bytes()
         side.check(seed)
 
 
-def test_corrupted_chunk_is_caught(peer, side):
-    key = _senders(peer, side, "corrupt")
-    side.expect("bad")
-    reply = _send(peer, side, key, "bad", seed=21, corrupt=1)
-    assert not reply["ok"] and "KVChecksumError" in reply["error"], reply  # sender told too
-    with pytest.raises(KVChecksumError, match=r"'bad'.*checksum mismatch in layer 0"):
-        side.receivers[0].wait("bad", timeout=10)
-    assert side.receivers[0].pending() == []
-    side.expect("good")  # the receiver, and the same pair, take the next transfer
-    reply = _send(peer, side, key, "good", seed=22)
-    assert reply["ok"], reply
-    side.receivers[0].wait("good", timeout=20)
-    side.check(22)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupted_chunk_is_caught(backend, tmp_path, monkeypatch):
+    """The test transport makes one segment's checksum differ from its bytes: the
+    receiver fails the transfer naming the segment, the sender's END is answered
+    CHECKSUM, and the next transfer on the same pair lands."""
+    monkeypatch.setenv(ENV, str(tmp_path / "plan.json"))
+    write_plan(tmp_path / "plan.json", [{"side": "sender", "step": "data", "action": "corrupt",
+                                         "match": "bad"}])  # fmt: skip
+    side = Side(backend)
+    sender = get_transport(f"tests.kv_transfer.faults:{backend}").sender(layout(), checksum=True)
+    cache = shard(reference(layout(), NUM_BLOCKS, 21), layout())
+    try:
+        side.expect("bad")
+        sender.send_all("bad", cache, SRC_IDS, side.dst)
+        with pytest.raises(KVChecksumError, match="CHECKSUM"):
+            sender.finish("bad", timeout=10)
+        with pytest.raises(KVChecksumError, match=r"'bad'.*checksum mismatch in layer 0"):
+            side.receivers[0].wait("bad", timeout=10)
+        assert side.receivers[0].pending() == []
+        side.expect("good")
+        sender.send_all("good", cache, SRC_IDS, side.dst)
+        sender.finish("good", timeout=10)
+        side.receivers[0].wait("good", timeout=20)
+        side.check(21)
+    finally:
+        sender.close()
+        side.close()
 
 
 def test_sender_that_stalls_midway_times_out_cleanly(peer, side):
@@ -118,9 +138,10 @@ def test_sender_that_stalls_midway_times_out_cleanly(peer, side):
 
 
 def test_sender_that_dies_midway_then_restarts(side):
-    """The sender process dies after some layers: ``wait`` times out naming what is
-    missing, nothing stays registered; a restarted sender (same name, new process)
-    transfers again: for gloo, over a rebuilt pair group (a new generation)."""
+    """The sender process dies after some layers: the receiver fails the transfer as
+    soon as the connection drops (not at its lease), nothing stays registered; a
+    restarted sender (same name, new process) transfers again: for gloo, over a rebuilt
+    pair group (a new generation)."""
     first = Peer()
     try:
         key = _senders(first, side, "phoenix")
@@ -129,8 +150,8 @@ def test_sender_that_dies_midway_then_restarts(side):
             _send(first, side, key, "doomed", seed=41, send_layers=[0], die_after_s=0.3)
     finally:
         first.kill()
-    with pytest.raises(KVTransferTimeout, match=r"missing layers 1-2 from source rank 0"):
-        side.receivers[0].wait("doomed", timeout=1.0)
+    with pytest.raises(KVPeerError, match=r"'doomed'.*connection lost"):
+        side.receivers[0].wait("doomed", timeout=10.0)
     assert side.receivers[0].pending() == []
     second = Peer()
     try:
@@ -146,17 +167,33 @@ def test_sender_that_dies_midway_then_restarts(side):
         second.close()
 
 
-def test_lease_expiry_releases_and_late_bytes_never_land(peer, side):
+def test_lease_runs_from_the_first_byte_and_late_bytes_never_land(peer, side):
+    """A reservation nothing was sent to has no timer (the prefill may be queued); once
+    bytes flow, no progress for ``lease_s`` expires it; after its release the rest of the
+    transfer is refused and no byte lands in its blocks."""
     key = _senders(peer, side, "late")
-    side.expect("expired", lease_s=0.2)
-    time.sleep(0.3)
-    assert side.receivers[0].reap_expired() == ["expired"]
-    assert side.receivers[0].pending() == []
-    reply = _send(peer, side, key, "expired", seed=51)
+    receiver, events = side.receivers[0], []
+    receiver.on_event = events.append
+    side.expect("queued", lease_s=0.2)
+    time.sleep(0.5)
+    assert receiver.state("queued") == State.RESERVED
+    assert _send(peer, side, key, "queued", seed=50)["ok"]
+    assert receiver.wait("queued", timeout=20).state == State.LANDED
+    side.expect("stalled", lease_s=0.3)
+    assert _send(peer, side, key, "stalled", seed=51, send_layers=[0], finish=False)["ok"]
+    deadline = time.monotonic() + 10
+    while receiver.state("stalled") != State.EXPIRED and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert receiver.state("stalled") == State.EXPIRED
+    assert [e.state for e in events] == [State.LANDED, State.EXPIRED]
+    assert "made no progress for 0.3s" in str(events[-1].error)
+    receiver.release("stalled")
+    side.caches[0].zero_()
+    reply = _send(peer, side, key, "stalled", seed=51, send_layers=[1, 2])
     assert not reply["ok"] and "UNKNOWN" in reply["error"], reply
     assert not side.caches[0].any(), "bytes landed in released blocks"
     with pytest.raises(KVTransferError, match="not expected here"):
-        side.receivers[0].wait("expired", timeout=1)
+        receiver.wait("stalled", timeout=1)
 
 
 def test_gloo_receives_straight_into_the_cache():
@@ -259,9 +296,9 @@ def test_mismatched_block_sizes_are_refused_by_name():
 
 
 def test_gloo_abort_keeps_the_pair_in_step():
-    """A transfer aborted with its messages still on the way: they go anyway (and land,
-    the receiver still expects them), and the next transfer on the same pair lands in its
-    own blocks, bit for bit."""
+    """A transfer aborted with its messages still on the way: they go anyway (and land:
+    the receiver still expects them; without an END it never counts as landed), and the
+    next transfer on the same pair lands in its own blocks, bit for bit."""
     tr = get_transport("gloo")
     side = Side("gloo")
     sender = tr.sender(layout(), checksum=True, pack_below=0)
@@ -278,8 +315,9 @@ def test_gloo_abort_keeps_the_pair_in_step():
         assert sender.finish("kept", timeout=20).acks[0].status.name == "OK"
         side.receivers[0].wait("kept", timeout=20)
         side.check(82)
-        side.receivers[0].wait("dropped", timeout=20)
+        assert side.receivers[0].state("dropped") == State.RECEIVING
         assert torch.equal(side.caches[0][:, :, other_ids], shard(first, layout())[:, :, SRC_IDS])
+        side.receivers[0].release("dropped")
     finally:
         sender.close()
         side.close()

@@ -8,11 +8,10 @@ import itertools
 import pytest
 import torch
 
-from kv_transfer import KVDestination, KVHandoff, KVLayout, KVLayoutError, get_transport
-from kv_transfer.blocks import gather, plan_segments, scatter
-from kv_transfer.checksum import checksum
-from kv_transfer.gloo.wire import layer_spans
-from kv_transfer.head_map import all_routes, routes_from, routes_into
+from kv_transfer import Handoff, KVDestination, KVLayout, KVLayoutError, get_transport
+from kv_transfer.gloo_wire import layer_spans
+from kv_transfer.layout import all_routes, routes_from, routes_into
+from kv_transfer.segment import Segment, checksum, gather, is_run, plan_positions, scatter
 
 
 def test_layout_head_ranges():
@@ -76,13 +75,18 @@ def test_routes_refuse_indivisible_heads():
 
 def test_segment_plan_keeps_runs_and_groups_strays():
     ids = [9, 2, 3, 4, 5, 6, 11, 0, 20, 21]
-    segs = plan_segments(ids, max_blocks=3, min_run=4)
-    covered = [i for s in segs for i in range(s.start, s.start + s.count)]
+    plan = plan_positions(ids, max_blocks=3, min_run=4)
+    covered = [i for start, count in plan for i in range(start, start + count)]
     assert covered == list(range(len(ids)))
-    assert all(s.count <= 3 for s in segs)
-    runs = [s for s in segs if s.contiguous]
-    assert [(s.start, s.count) for s in runs] == [(1, 3), (4, 2)]  # the run 2..6, cut at 3
-    assert plan_segments([5], 8, offset=7)[0].start == 7
+    assert all(count <= 3 for _, count in plan)
+    runs = [(start, n) for start, n in plan if n > 1 and is_run(ids[start : start + n])]
+    assert runs[:2] == [(1, 3), (4, 2)]  # the run 2..6, cut at 3
+
+
+def _gathered(src, ids, heads):
+    out = torch.empty(*src.shape[:-4], len(ids), *src.shape[-3:-2], heads[1] - heads[0],
+                      src.shape[-1], dtype=src.dtype)  # fmt: skip
+    return gather(src, ids, heads, out)
 
 
 def test_gather_scatter_between_different_block_ids():
@@ -91,13 +95,12 @@ def test_gather_scatter_between_different_block_ids():
     dst = torch.zeros(12, 4, 4, 8)
     src_ids, dst_ids = [3, 4, 5, 9], [0, 7, 8, 2]
     for heads in ((0, 4), (1, 3)):
-        data = gather(src, src_ids, heads)
+        data = _gathered(src, src_ids, heads)
         assert data.is_contiguous() and data.shape == (4, 4, heads[1] - heads[0], 8)
         scatter(dst, dst_ids, heads, data)
         assert torch.equal(
             dst[dst_ids][:, :, heads[0] : heads[1]], src[src_ids][:, :, slice(*heads)]
         )
-    assert gather(src, [3, 4, 5], (0, 4)).data_ptr() == src[3].data_ptr()  # a view, no copy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -109,7 +112,7 @@ def test_gather_scatter_several_layers_at_once(dtype):
     dst = torch.zeros_like(src)
     for src_ids, dst_ids in (([3, 4, 5, 9], [0, 7, 8, 2]), ([3, 4, 5, 6], [7, 8, 9, 10])):
         for heads in ((0, 4), (1, 3)):
-            data = gather(src[1:4], src_ids, heads)
+            data = _gathered(src[1:4], src_ids, heads)
             assert data.is_contiguous()
             assert data.shape == (3, 2, len(src_ids), 4, heads[1] - heads[0], 8)
             scatter(dst[1:4], dst_ids, heads, data)
@@ -119,26 +122,26 @@ def test_gather_scatter_several_layers_at_once(dtype):
 
 
 def test_pack_spans_group_consecutive_layers():
-    n = 96  # bytes of K (and V) of each packed row: (layer, start, count, head0, offset, n)
-    rows = [(0, 0, 2, 0, 0, n), (1, 0, 2, 0, 2 * n, n), (2, 0, 2, 0, 4 * n, n)]
-    rows += [(3, 2, 1, 0, 6 * n, n // 2), (5, 2, 1, 0, 7 * n, n // 2)]  # a layer skipped
-    rows += [(6, 2, 1, 0, 9 * n, n // 2)]  # not right after the previous row in the pack
+    n = 96  # bytes of K (and V) of each packed row: (segment, offset, n)
+
+    def row(layer, start, count, offset, nbytes):
+        return Segment(layer, start, count, (0, 2)), offset, nbytes
+
+    rows = [row(0, 0, 2, 0, n), row(1, 0, 2, 2 * n, n), row(2, 0, 2, 4 * n, n)]
+    rows += [row(3, 2, 1, 6 * n, n // 2), row(5, 2, 1, 7 * n, n // 2)]  # a layer skipped
+    rows += [row(6, 2, 1, 9 * n, n // 2)]  # not right after the previous row in the pack
     assert layer_spans(rows) == [(0, 3), (3, 4), (4, 5), (5, 6)]
 
 
-def test_handoff_round_trips_through_protobuf():
-    src = KVLayout(3, 4, 4, 8, "bfloat16", tp_size=2)
+def test_destination_and_handoff_round_trip_through_protobuf():
     dst_layout = KVLayout(3, 4, 4, 8, "bfloat16", tp_size=4)
-    h = KVHandoff("req-1", list(range(9)), 42, [5, 1, 7], src)
-    assert h.transfer_id == "req-1#0" and h.num_tokens == 9 and h.destination is None
     dst = KVDestination(["10.0.0.1:5000", "a:1", "b:2", "c:3"], [2, 3, 0], dst_layout, "grpc")
-    h2 = KVHandoff.from_bytes(h.with_destination(dst).to_bytes())
-    assert h2 == h.with_destination(dst)
-    assert h.retry(1).transfer_id == "req-1#1"
-    with pytest.raises(KVLayoutError, match="3 source blocks but 2 reserved"):
-        h.with_destination(KVDestination(["a:1"] * 4, [1, 2], dst_layout))
-    with pytest.raises(KVLayoutError, match="need 3 blocks"):
-        KVHandoff("r", list(range(9)), 1, [5, 1], src)
+    assert KVDestination.from_bytes(dst.to_bytes()) == dst
+    h = Handoff(42, b"\x01\x02", {"prefill_start": 1.5}, "prefill-3")
+    back = Handoff.from_bytes(h.to_bytes())
+    assert back == h and back.phase_times == h.phase_times
+    with pytest.raises(KVLayoutError, match="2 addresses for a decode pool of tensor_parallel=4"):
+        KVDestination(["a:1", "b:2"], [1], dst_layout)
 
 
 def test_checksum_sees_a_flipped_bit_and_ignores_alignment():

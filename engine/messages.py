@@ -1,0 +1,62 @@
+"""The typed messages between the router and an engine instance, through Ray.
+
+``Attempt`` (router -> instance): one try at one request. ``Update`` (instance ->
+router): a request's new tokens, its end, or a failure, batched per engine step
+(``EngineWorker.poll``). No positional tuples cross the process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The id of a request's ``attempt``-th try on a prefill/decode pair."""
+    return f"{request_id}#{attempt}"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try at running a request.
+
+    ``id`` names the request on the instances, its KV transfer and its updates: in
+    disaggregated mode ``attempt_id(request id, n)``, new for every try, so that
+    anything late from an abandoned try can never be taken for the retry's; co-located,
+    the request id. A co-located instance reads ``id``, ``prompt_ids``, ``params`` and
+    ``consumer``; a decode instance's ``reserve`` also ``prefill_tp`` (which prefill ranks
+    send which heads); a prefill instance's ``prefill`` also ``destination`` (the decode
+    instance's answer to ``reserve``, opaque here: the router never reads it) and
+    ``decode`` (that instance's name, for messages).
+    """
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    consumer: str  # whose outbox on the instance gets its updates
+    prefill_tp: int = 1
+    decode: str = ""
+    destination: bytes = b""
+
+
+@dataclass
+class Update:
+    """What an instance reports about one attempt (``request_id`` is ``Attempt.id``)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # stop, length, abort: the request ended here
+    error: str | None = None  # the instance failed the request
+    # The error is a failed KV handoff (transfer cut, lease expired, peer gone): the
+    # request may be redone on another prefill/decode pair.
+    retryable: bool = False
+    handed_off: bool = False  # prefill: every decode rank acknowledged the request's KV
+    # phase times (wall clock, seconds), KV bytes moved, transfer seconds
+    info: dict = field(default_factory=dict)
+
+    @property
+    def final(self) -> bool:
+        """The request is gone from the instance after this update."""
+        return self.finish_reason is not None or self.error is not None or self.handed_off

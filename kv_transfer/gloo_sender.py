@@ -1,0 +1,340 @@
+"""Prefill side of the ``gloo`` and ``nccl`` backends: one two-rank group per decode rank,
+formed on first contact through the receiver's store (this side is rank 0), and batches
+of segments sent as a header, then the batch's pack and its direct K and V messages.
+
+A pair is rebuilt when it broke, and, on a transfer's first use of a pair idle for
+``verify_idle_s``, when the receiver behind the address restarted (its card in the store
+names another incarnation). A restarted receiver on a recently used pair is found by the
+transfer's first send failing: nothing of the transfer went there yet, so it joins the
+new receiver and sends again.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed import PrefixStore, TCPStore
+
+from kv_transfer import gloo_wire as wire
+from kv_transfer import kv_transfer_pb2 as pb
+from kv_transfer.gloo_wire import FOREVER, NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
+from kv_transfer.layout import KVLayout, KVLayoutError
+from kv_transfer.protocol import KVPeerError, KVTransferError, KVTransferTimeout, Status, kv_host
+from kv_transfer.segment import Source, typed
+from kv_transfer.sender import Ack, KVSender, Outgoing
+
+
+class SendPair:
+    """A two-rank group with the receiver at ``address``."""
+
+    def __init__(self, address: str, pg, card: pb.ReceiverCard, store, pack_bytes: int):
+        self.address, self.pg, self.card, self.store = address, pg, card, store
+        self.pack_bytes = min(pack_bytes, card.pack_bytes or pack_bytes)
+        self.lock = threading.Lock()
+        self.broken: Exception | None = None
+        self.acked_at = time.monotonic()  # when the receiver last answered (or joined)
+
+    def alive(self) -> bool:
+        """Whether the receiver it was formed with still serves the address (one store
+        round trip)."""
+        try:
+            with self.lock:
+                card = pb.ReceiverCard.FromString(self.store.get("kv/receiver"))
+        except Exception:  # noqa: BLE001 - unreachable: gone
+            return False
+        return card.incarnation == self.card.incarnation
+
+
+@dataclass(eq=False)
+class GlooOutgoing(Outgoing):
+    pairs: dict[str, SendPair] = field(default_factory=dict)  # the pair per address
+    sends: list = field(default_factory=list)  # (pair, tag, work, tensor) until done
+    packs: collections.deque = field(default_factory=collections.deque)  # (pair, work, buf)
+    acks: dict[str, list] = field(default_factory=dict)  # address -> [(pair, work, tensor)]
+    used: set[str] = field(default_factory=set)  # addresses something was posted to
+    aborted: bool = False
+
+
+class GlooSender(KVSender):
+    """Prefill side over torch.distributed point-to-point (gloo on CPU)."""
+
+    backend = "gloo"
+    group = GlooGroup
+    outgoing = GlooOutgoing
+
+    def __init__(self, layout: KVLayout, *, host: str | None = None, connect_timeout=30.0,
+                 pack_below=128 << 10, pack_bytes=4 << 20, pack_window=4, verify_idle_s=1.0,
+                 batch_bytes: int | None = None, **kwargs):  # fmt: skip
+        self.device_type = self.group.device_type
+        super().__init__(layout, **kwargs)
+        self.pack_below = pack_below  # K (or V) parts under this are packed, not sent alone
+        self.pack_bytes = pack_bytes  # most bytes in one pack (the receiver may ask for less)
+        self.pack_window = max(1, pack_window)  # packs of a transfer on their way at once
+        self.verify_idle_s = verify_idle_s
+        # data under one header (None: as much as fits); 4 MiB with checksums by default,
+        # since the sums are taken before the header goes and checked once the batch landed
+        self.batch_bytes = 4 << 20 if batch_bytes is None and self.checksum else batch_bytes
+        self.host = host or kv_host()
+        self.connect_timeout = datetime.timedelta(seconds=connect_timeout)
+        self._pairs: dict[str, SendPair] = {}
+        self._pairs_lock = threading.Lock()
+
+    # -- pairs -------------------------------------------------------------------------
+    def _pair(self, address: str, dst_rank: int) -> SendPair:
+        with self._pairs_lock:
+            pair = self._pairs.get(address)
+            if pair is not None and pair.broken is None:
+                if time.monotonic() - pair.acked_at < self.verify_idle_s or pair.alive():
+                    return pair
+            if pair is not None:
+                self._pairs.pop(address)
+                abort(pair.pg)
+            pair = self._pairs[address] = self._connect(address, dst_rank)
+            return pair
+
+    def _connect(self, address: str, dst_rank: int) -> SendPair:
+        """Join the receiver at ``address``: read its card, push a join, form the group."""
+        host, port = wire.split_address(address)
+        try:
+            store = TCPStore(host, port, None, False, self.connect_timeout)
+            card = pb.ReceiverCard.FromString(store.get("kv/receiver"))
+        except Exception as e:  # noqa: BLE001 - any failure to reach it means the same
+            raise KVPeerError(f"cannot reach KV receiver {address}: {e}") from e
+        theirs = KVLayout.from_proto(card.layout)
+        self.layout.check_compatible(theirs)
+        if theirs.tp_rank != dst_rank:
+            raise KVLayoutError(f"KV receiver {address} is decode rank {theirs.tp_rank}, but "
+                                f"the destination lists it as rank {dst_rank}")  # fmt: skip
+        if card.backend != self.backend:
+            raise KVPeerError(f"KV receiver {address} runs {card.backend!r}, not {self.backend!r}")
+        join = pb.Join(name=self.name, rank=self.layout.tp_rank, gen=uuid.uuid4().hex[:12])
+        self.layout.to_proto(join.layout)
+        store.queue_push("kv/joins", join.SerializeToString())
+        prefix = f"pair/{join.name}/{join.rank}/{join.gen}"
+        try:
+            pg = self.group.make_group(
+                PrefixStore(prefix, store), 0, self.host, self.connect_timeout
+            )
+        except Exception as e:  # noqa: BLE001
+            raise KVPeerError(f"cannot form a group with KV receiver {address}: {e}") from e
+        return SendPair(address, pg, card, store, self.pack_bytes)
+
+    def _transfer_pair(self, t: GlooOutgoing, address: str, dst_rank: int) -> SendPair:
+        if address not in t.pairs:
+            t.pairs[address] = self._pair(address, dst_rank)
+        return t.pairs[address]
+
+    def _disconnect(self, address: str) -> None:
+        with self._pairs_lock:
+            pair = self._pairs.pop(address, None)
+        if pair is not None:
+            pair.broken = KVPeerError("disconnected")
+            abort(pair.pg)
+
+    def _broken(self, pair: SendPair, error: Exception) -> KVPeerError:
+        pair.broken = error
+        abort(pair.pg)
+        return KVPeerError(f"connection to KV receiver {pair.address} lost: {error}")
+
+    # -- data --------------------------------------------------------------------------
+    def _part_limit(self, t, address, route) -> int:
+        return min(self.part_bytes, self._transfer_pair(t, address, route.dst_rank).pack_bytes // 2)
+
+    def _post(self, t: GlooOutgoing, route, address: str, source: Source, segments) -> None:
+        pair = self._transfer_pair(t, address, route.dst_rank)
+        per = self.layout.block_bytes(1)
+        for batch in wire.plan_batches(segments, source, per, pair.pack_bytes, self.pack_below,
+                                       self.batch_bytes):  # fmt: skip
+            self._post_batch(t, route, address, source, batch)
+
+    def _post_batch(self, t: GlooOutgoing, route, address, source: Source, batch) -> None:
+        """Gather the batch's pack, then send its header, the pack and the direct parts.
+        gloo's own thread writes them once the receiver has posted its receives, so the
+        next pack is gathered while this one travels."""
+        h = wire.header(Kind.DATA, t.key, self.layout.tp_rank, batch.pack_bytes)
+        pack = self._take_pack(t, batch.pack_bytes) if batch.pack_bytes else None
+        if pack is not None:
+            wire.fill_pack(pack, batch, source, self.layout.torch_dtype)
+        direct: list[torch.Tensor] = []
+        for i, (seg, nbytes, offset) in enumerate(batch.rows):
+            total = None
+            if offset == NOT_PACKED or self.checksum:
+                k, v = self._parts(t, source, seg, pack, offset, nbytes)
+                total = self._sum(t, seg, k, v) if self.checksum else None
+                direct += [k, v] if offset == NOT_PACKED else []
+            wire.put_row(h, i, seg, total, offset)
+        hdr = torch.tensor(h, dtype=torch.int64, device=self.device_type)
+        messages = [(hdr, wire.TAG_HDR, None)]
+        if pack is not None:
+            messages.append((pack[: batch.pack_bytes], wire.TAG_PACK, pack))
+        messages += [(part, wire.TAG_DATA, None) for part in direct]
+        pair = t.pairs[address]
+        try:
+            self._send(t, pair, messages)
+        except KVPeerError:
+            if address in t.used:
+                raise
+            # nothing of this transfer went there yet: the receiver restarted since the
+            # pair last answered (not asked then, see _pair); join it again and resend
+            t.sends = [s for s in t.sends if s[0] is not pair]
+            t.packs = collections.deque(p for p in t.packs if p[0] is not pair)
+            t.pairs[address] = self._pair(address, route.dst_rank)
+            self._send(t, t.pairs[address], messages)
+        t.used.add(address)
+
+    def _parts(self, t, source: Source, seg, pack, offset: int, nbytes: int):
+        """A segment's K and V as sent: in the pack, views of the cache, or (too large
+        for a pack) gathered on their own."""
+        dtype, shape = self.layout.torch_dtype, source.shape(seg)
+        if offset != NOT_PACKED:
+            return typed(pack[offset:], dtype, shape), typed(pack[offset + nbytes :], dtype, shape)
+        if (views := source.views(seg)) is not None:
+            return views
+        k, v = (typed(self._buffer(t, nbytes), dtype, shape) for _ in range(2))
+        source.gather(seg, k, v)
+        return k, v
+
+    def _end(self, t: GlooOutgoing, address: str, handoff: bytes) -> None:
+        pair = t.pairs[address]
+        end = wire.header(Kind.END, t.key, self.layout.tp_rank, len(handoff))
+        messages = [
+            (torch.tensor(end, dtype=torch.int64, device=self.device_type), wire.TAG_HDR, None)
+        ]
+        if handoff:
+            raw = torch.frombuffer(bytearray(handoff), dtype=torch.uint8).to(self.device_type)
+            messages.append((raw, wire.TAG_END, None))
+        ack = torch.empty(wire.HDR_LEN, dtype=torch.int64, device=self.device_type)
+        work = self._send(t, pair, messages, ack=ack)
+        t.acks.setdefault(address, []).append((pair, work, ack))
+
+    def _send(self, t: GlooOutgoing, pair: SendPair, messages: list, ack=None):
+        """Post ``(tensor, tag, pack buffer or None)`` sends; sends of one tag on a pair
+        complete in order, so only packs (to reuse their buffers) and, at the end, the
+        last send of each tag are waited for. With ``ack``, also post the receive of the
+        answer, under the same lock: receivers answer in the order ENDs arrive, and gloo
+        matches receives of a tag in the order they were posted."""
+        with pair.lock:
+            if pair.broken is not None:
+                raise KVPeerError(f"connection to KV receiver {pair.address} lost: {pair.broken}")
+            if t.aborted:
+                raise KVTransferError(f"KV transfer {t.transfer_id!r} was aborted")
+            try:
+                for tensor, tag, pack in messages:
+                    work = pair.pg.send([tensor], 1, tag)
+                    if pack is None:
+                        t.sends.append((pair, tag, work, tensor))
+                    else:
+                        t.packs.append((pair, work, pack))
+                if ack is not None:
+                    return pair.pg.recv([ack], 1, wire.TAG_ACK)
+            except Exception as e:  # noqa: BLE001
+                raise self._broken(pair, e) from e
+        return None
+
+    def _take_pack(self, t: GlooOutgoing, nbytes: int) -> torch.Tensor:
+        """A pooled buffer; with ``pack_window`` packs of the transfer still on their way,
+        first waits for the oldest (memory stays bounded, and recently written)."""
+        while len(t.packs) >= self.pack_window:
+            self._pack_sent(t, self.connect_timeout)
+        return self.pool.take(nbytes)
+
+    def _pack_sent(self, t: GlooOutgoing, wait_for) -> None:
+        pair, work, pack = t.packs.popleft()
+        self._wait(pair, work, wait_for, t)
+        self.group.sync(pack)
+        self.pool.give(pack)
+
+    def _buffer(self, t: Outgoing, nbytes: int) -> torch.Tensor:
+        buf = self.pool.take(nbytes)
+        t.buffers.append(buf)  # back to the pool at the end of the transfer
+        return buf
+
+    def _acks(self, t: GlooOutgoing, timeout: float | None) -> list[Ack]:
+        """Wait for every send (a send's work stays referenced until then: gloo drops the
+        message of a send whose work is destroyed early), then each END's answer."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait_for = FOREVER if timeout is None else datetime.timedelta(seconds=timeout)
+        while t.packs:
+            self._pack_sent(t, wait_for)
+        last = {(pair, tag): i for i, (pair, tag, _, _) in enumerate(t.sends)}
+        for i in sorted(last.values()):
+            self._wait(t.sends[i][0], t.sends[i][2], wait_for, t)
+        t.sends.clear()
+        out = []
+        for address in t.segments:
+            if address not in t.acks:  # no END went out: no answer will come
+                time.sleep(max(0.0, deadline - time.monotonic()) if deadline else 0)
+                raise KVTransferTimeout(f"KV transfer {t.transfer_id!r} to {address}: "
+                                        f"no acknowledgement within {timeout}s")  # fmt: skip
+            for pair, work, ack in t.acks[address]:
+                left = None if deadline is None else max(0.001, deadline - time.monotonic())
+                self._wait(
+                    pair, work, FOREVER if left is None else datetime.timedelta(seconds=left), t
+                )
+                self.group.sync(ack)
+                h = ack.tolist()
+                if (h[wire.H_MAGIC], h[wire.H_KIND], h[wire.H_KEY]) != (
+                    wire.MAGIC,
+                    Kind.ACK,
+                    t.key,
+                ):
+                    raise self._broken(pair, RuntimeError(f"unexpected acknowledgement {h[:4]}"))
+                pair.acked_at = time.monotonic()
+            out.append(Ack(address, Status(h[wire.H_STATUS]), wire.ack_text(h)))
+        return out
+
+    def _wait(self, pair: SendPair, work, wait_for, t: Outgoing) -> None:
+        try:
+            work.wait(wait_for)
+        except Exception as e:  # noqa: BLE001
+            err = self._broken(pair, e)
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise KVTransferTimeout(f"KV transfer {t.transfer_id!r} to {pair.address}: no "
+                                        f"acknowledgement in time ({e})") from e  # fmt: skip
+            raise err from e
+
+    def _abort(self, t: GlooOutgoing) -> None:
+        """What was posted still goes (the receiver drops it); its works are waited for in
+        the background, since gloo drops the message of a destroyed work and the pair's
+        receives would be left out of step. Nothing more of the transfer is posted."""
+        t.aborted = True
+        for pair in list(t.pairs.values()):
+            with pair.lock:  # a _send in progress ends first; later ones see "aborted"
+                pass
+        if t.sends or t.packs:
+            threading.Thread(target=self._drain, args=(t,), daemon=True).start()
+
+    def _drain(self, t: GlooOutgoing) -> None:
+        with contextlib.suppress(Exception):  # the pair broke: nothing more will be sent
+            while t.packs:
+                pair, work, pack = t.packs.popleft()
+                work.wait(self.connect_timeout)
+                self.pool.give(pack)
+            last = {(pair, tag): i for i, (pair, tag, _, _) in enumerate(t.sends)}
+            for i in sorted(last.values()):
+                t.sends[i][2].wait(self.connect_timeout)
+
+    def close(self) -> None:
+        with self._pairs_lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            if pair.broken is None:
+                bye = torch.tensor(wire.header(Kind.BYE, 0, self.layout.tp_rank),
+                                   dtype=torch.int64, device=self.device_type)  # fmt: skip
+                with contextlib.suppress(Exception), pair.lock:  # closing anyway
+                    pair.pg.send([bye], 1, wire.TAG_HDR).wait(self.connect_timeout)
+            abort(pair.pg)
+
+
+class NcclSender(GlooSender):
+    """Prefill side over NCCL point-to-point: the same protocol on CUDA tensors."""
+
+    backend = "nccl"
+    group = NcclGroup

@@ -1,0 +1,236 @@
+"""Prefill side of the ``grpc`` backend: one ``Push`` stream per (transfer, decode rank).
+
+``_post`` only queues segments; gRPC's sending thread encodes them when the stream is
+ready, several to a ``KVChunk`` of up to ``chunk_bytes``, reading the blocks straight
+out of the cache into the message bytes (one copy), so the copy runs at the network's
+pace, not in the forward pass. The message is written with its metadata first and its
+data last (``encode_chunk``), so the receiver reads the data in place; the END is the
+stream's last message, and the stream's close brings the receiver's ``PushAck``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kv_transfer import kv_transfer_pb2 as pb
+from kv_transfer.layout import KVLayout
+from kv_transfer.protocol import KVPeerError, KVTransferTimeout, Status
+from kv_transfer.segment import Source
+from kv_transfer.sender import Ack, KVSender, Outgoing
+
+METHOD = "/pdserve.kv_transfer.KVTransfer/Push"
+MAX_MESSAGE = 64 << 20  # both ends raise gRPC's message limits to this, explicitly
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def encode_chunk(head: pb.KVChunk, metas: list[pb.KVChunkMeta], parts: list) -> bytes:
+    """The bytes of ``head`` (a ``KVChunk`` without meta and data) plus ``meta: metas`` and
+    ``data: parts' bytes one after the other``, the data last: one copy of the tensors'
+    memory (``parts``: contiguous CPU tensors)."""
+    raws = [p.reshape(-1).view(torch.uint8).numpy() for p in parts]
+    out = [head.SerializeToString()]
+    for meta in metas:
+        raw = meta.SerializeToString()
+        out += [b"\x0a", _varint(len(raw)), raw]
+    out += [b"\x12", _varint(sum(r.nbytes for r in raws)), *raws]
+    return b"".join(out)
+
+
+class PushStream:
+    """The request side of one Push call: a bounded queue of items that gRPC's sending
+    thread drains, encoding the items queued by then (up to ``chunk`` bytes) into each
+    message as it goes. ``None`` for a stream that failed."""
+
+    def __init__(self, limit: int, chunk: int, encode):
+        self.limit, self.chunk, self.encode = limit, chunk, encode
+        self.queue: collections.deque = collections.deque()
+        self.queued, self.closed, self.failed = 0, False, None
+        self.cond = threading.Condition()
+        self.future = None
+
+    def put(self, item, size: int) -> None:
+        with self.cond:
+            while self.queued and self.queued + size > self.limit and not self.failed:
+                self.cond.wait()
+            if self.failed is not None:
+                raise KVPeerError(f"KV push stream failed: {self.failed}")
+            self.queue.append((item, size))
+            self.queued += size
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def fail(self, error) -> None:
+        with self.cond:
+            self.failed, self.closed = error, True
+            self.queue.clear()
+            self.queued = 0
+            self.cond.notify_all()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> bytes:
+        with self.cond:
+            while not self.queue and not self.closed:
+                self.cond.wait()
+            if not self.queue:
+                raise StopIteration
+            items, size = [], 0
+            while self.queue and (not items or size + self.queue[0][1] <= self.chunk):
+                item, n = self.queue.popleft()
+                items.append(item)
+                size += n
+        msg = self.encode(items)
+        with self.cond:
+            self.queued -= size
+            self.cond.notify_all()
+        return msg
+
+
+@dataclass(eq=False)
+class GrpcOutgoing(Outgoing):
+    streams: dict[str, PushStream] = field(default_factory=dict)  # per address
+    opened: set[str] = field(default_factory=set)  # streams whose first message went
+
+
+class GrpcSender(KVSender):
+    """Prefill side over gRPC streams."""
+
+    backend = "grpc"
+    device_type = None  # any: device memory goes through host bytes
+    outgoing = GrpcOutgoing
+
+    def __init__(self, layout: KVLayout, *, chunk_bytes=1 << 20, max_queued_bytes=256 << 20,
+                 **kwargs):  # fmt: skip
+        super().__init__(layout, **kwargs)
+        if chunk_bytes > MAX_MESSAGE - (1 << 16):
+            raise ValueError(f"chunk_bytes={chunk_bytes} exceeds the message limit")
+        self.chunk_bytes, self.max_queued_bytes = chunk_bytes, max_queued_bytes
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock_channels = threading.Lock()
+
+    def _stream(self, t: GrpcOutgoing, address: str) -> PushStream:
+        stream = t.streams.get(address)
+        if stream is None:
+            with self._lock_channels:
+                if address not in self._channels:
+                    self._channels[address] = grpc.insecure_channel(
+                        address, options=CHANNEL_OPTIONS
+                    )
+                call = self._channels[address].stream_unary(
+                    METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString
+                )
+            stream = t.streams[address] = PushStream(
+                self.max_queued_bytes,
+                self.chunk_bytes,
+                lambda items: self._encode(t, address, items),
+            )
+            stream.future = call.future(stream)
+            stream.future.add_done_callback(lambda f, s=stream: s.fail(_rpc_error(f)))
+        return stream
+
+    def _part_limit(self, t, address, route) -> int:
+        return self.chunk_bytes // 2  # a segment's K and V travel in one message
+
+    def _post(self, t: GrpcOutgoing, route, address: str, source: Source, segments) -> None:
+        stream = self._stream(t, address)
+        per = self.layout.block_bytes(1)
+        for seg in segments:
+            stream.put((source, seg), 2 * seg.count * seg.num_heads * per)
+
+    def _end(self, t: GrpcOutgoing, address: str, handoff: bytes) -> None:
+        stream = self._stream(t, address)
+        stream.put((None, handoff), 0)
+        stream.close()
+
+    def _encode(self, t: GrpcOutgoing, address: str, items: list) -> bytes:
+        head = pb.KVChunk()
+        if address not in t.opened:  # the stream's first message names the transfer
+            t.opened.add(address)
+            head.transfer_id = t.transfer_id
+            self.layout.to_proto(head.src_layout)
+        metas, parts, offset = [], [], 0
+        for source, item in items:
+            if source is None:  # the END
+                head.end, head.handoff = True, item
+                continue
+            seg = item
+            pieces = source.pieces(seg)
+            if pieces is None or pieces[0].device.type != "cpu" or pieces[0][0].nbytes % 8:
+                # partial heads, device memory, or blocks whose checksum words would not
+                # add up across pieces: gather first, then copy into bytes
+                k = torch.empty(source.shape(seg), dtype=self.layout.torch_dtype,
+                                device=source.layers[seg.layer][0].device)  # fmt: skip
+                v = torch.empty_like(k)
+                source.gather(seg, k, v)
+                pieces = [k.cpu(), v.cpu()]
+            meta = pb.KVChunkMeta(layer=seg.layer, block_offset=seg.start, num_blocks=seg.count,
+                                  head_start=seg.heads[0], head_end=seg.heads[1], offset=offset)  # fmt: skip
+            if self.checksum:
+                meta.has_checksum = True
+                meta.checksum = self._sum(t, seg, *pieces)
+            metas.append(meta)
+            parts += pieces
+            offset += sum(p.numel() * p.element_size() for p in pieces)
+        return encode_chunk(head, metas, parts)
+
+    def _acks(self, t: GrpcOutgoing, timeout: float | None) -> list[Ack]:
+        acks = []
+        for address in t.segments:
+            stream = t.streams[address]
+            try:
+                reply = stream.future.result(timeout=timeout)
+            except grpc.FutureTimeoutError as e:
+                stream.future.cancel()
+                raise KVTransferTimeout(f"KV transfer {t.transfer_id!r} to {address}: no "
+                                        f"acknowledgement within {timeout}s") from e  # fmt: skip
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                raise KVPeerError(f"KV transfer {t.transfer_id!r} to {address} failed: "
+                                  f"{_rpc_text(e)}") from e  # fmt: skip
+            acks.append(Ack(address, Status(reply.status), reply.message))
+        return acks
+
+    def _abort(self, t: GrpcOutgoing) -> None:
+        for stream in t.streams.values():
+            stream.close()
+            stream.future.cancel()
+
+    def _disconnect(self, address: str) -> None:
+        with self._lock_channels:
+            channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close()  # its calls in flight end with CANCELLED
+
+    def close(self) -> None:
+        for address in list(self._channels):
+            self._disconnect(address)
+
+
+def _rpc_error(future) -> BaseException | None:
+    return KVPeerError("push cancelled") if future.cancelled() else future.exception()
+
+
+def _rpc_text(e) -> str:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    return f"{code.name if code else type(e).__name__}: {details}"

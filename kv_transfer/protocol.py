@@ -1,0 +1,142 @@
+"""What the two sides of a transfer tell each other, and how a transfer can fail.
+
+``KVDestination`` is the decode instance's answer to a reservation (where KV goes);
+``Handoff`` is what the END of source rank 0 carries (what decode needs to run the
+request); ``Status`` is a receiver's acknowledgement of one source's END. Both records
+travel as protobuf bytes (``kv_transfer.proto``), never pickled. Every error names the
+transfer and what went wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kv_transfer import kv_transfer_pb2 as pb
+from kv_transfer.layout import KVLayout, KVLayoutError
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed: the peer is gone, refused it, or the data did not arrive intact."""
+
+
+class KVTransferTimeout(KVTransferError, TimeoutError):
+    """A transfer made no progress within its lease (or the given timeout)."""
+
+
+class KVChecksumError(KVTransferError):
+    """A segment's bytes differ from what the sender summed: the transfer is dropped."""
+
+
+class KVPeerError(KVTransferError):
+    """The connection to the other side failed or was lost."""
+
+
+class Status(IntEnum):
+    """A receiver's answer to one source's END (``PushAck.Status`` on the grpc wire)."""
+
+    OK = 0
+    INCOMPLETE = 1
+    CHECKSUM = 2
+    UNKNOWN = 3
+    REJECTED = 4
+
+    def error(self, transfer_id: str, peer: str, text: str) -> KVTransferError | None:
+        """The sender's error for this answer (None for OK)."""
+        if self == Status.OK:
+            return None
+        why = f"KV transfer {transfer_id!r} to {peer}: receiver answered {self.name}"
+        why += f" ({text})" if text else ""
+        return KVChecksumError(why) if self == Status.CHECKSUM else KVTransferError(why)
+
+
+def status_of(error: KVTransferError) -> Status:
+    """What a failed transfer acknowledges to its sources."""
+    if isinstance(error, KVChecksumError):
+        return Status.CHECKSUM
+    return Status.UNKNOWN if isinstance(error, KVTransferTimeout) else Status.REJECTED
+
+
+def kv_host() -> str:
+    """The address a worker's KV endpoints listen on and advertise: ``PDSERVE_KV_HOST``,
+    else Ray's address of this node (in a Ray worker), else loopback."""
+    if "PDSERVE_KV_HOST" in os.environ:
+        return os.environ["PDSERVE_KV_HOST"]
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def transfer_key(transfer_id: str) -> int:
+    """A 63-bit integer naming a transfer id (the gloo/nccl header has no strings)."""
+    digest = hashlib.blake2b(transfer_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """The decode side of one transfer: its ranks' receiver addresses (index = decode
+    tensor-parallel rank), the blocks it reserved, and its pool layout."""
+
+    addresses: tuple[str, ...]
+    block_ids: tuple[int, ...]
+    layout: KVLayout
+    backend: str = "gloo"
+
+    def __post_init__(self):
+        object.__setattr__(self, "addresses", tuple(self.addresses))
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+        if len(self.addresses) != self.layout.tp_size:
+            raise KVLayoutError(
+                f"KVDestination has {len(self.addresses)} addresses for a decode pool of "
+                f"tensor_parallel={self.layout.tp_size}: one address per rank is needed"
+            )
+
+    def to_proto(self, msg=None) -> pb.KVDestination:
+        msg = pb.KVDestination() if msg is None else msg
+        msg.addresses.extend(self.addresses)
+        msg.block_ids.extend(self.block_ids)
+        self.layout.to_proto(msg.layout)
+        msg.backend = self.backend
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: pb.KVDestination) -> KVDestination:
+        layout = KVLayout.from_proto(msg.layout)
+        return cls(tuple(msg.addresses), tuple(msg.block_ids), layout, msg.backend)
+
+    def to_bytes(self) -> bytes:
+        return self.to_proto().SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVDestination:
+        return cls.from_proto(pb.KVDestination.FromString(data))
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A request leaving prefill, as the END of source rank 0 carries it: the first token
+    sampled there, the seeded generator's state after it, the prefill's phase times
+    (wall clock: prefill_start, prefill_end, transfer_start) and the instance's name."""
+
+    first_token: int
+    sampler_state: bytes = b""
+    phase_times: dict[str, float] = field(default_factory=dict, compare=False)
+    prefill_instance: str = ""
+
+    def to_bytes(self) -> bytes:
+        msg = pb.Handoff(
+            first_token=self.first_token,
+            sampler_state=self.sampler_state,
+            phase_times=self.phase_times,
+            prefill_instance=self.prefill_instance,
+        )
+        return msg.SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Handoff:
+        msg = pb.Handoff.FromString(data)
+        times = dict(msg.phase_times)
+        return cls(msg.first_token, msg.sampler_state, times, msg.prefill_instance)
