@@ -132,11 +132,19 @@ class GlooSender(KVSender):
         return t.pairs[address]
 
     def _disconnect(self, address: str) -> None:
+        """Say BYE (the receiver's pair thread ends at once: gloo's abort() does not close
+        the connection while this process lives) and drop the pair."""
         with self._pairs_lock:
             pair = self._pairs.pop(address, None)
-        if pair is not None:
-            pair.broken = KVPeerError("disconnected")
-            abort(pair.pg)
+        if pair is None:
+            return
+        if pair.broken is None:
+            bye = wire.header(Kind.BYE, 0, self.layout.tp_rank)
+            with contextlib.suppress(Exception), pair.lock:  # leaving anyway
+                hdr = torch.tensor(bye, dtype=torch.int64, device=self.device_type)
+                pair.pg.send([hdr], 1, wire.TAG_HDR).wait(self.connect_timeout)
+        pair.broken = KVPeerError("disconnected")
+        abort(pair.pg)
 
     def _broken(self, pair: SendPair, error: Exception) -> KVPeerError:
         pair.broken = error
@@ -322,15 +330,8 @@ class GlooSender(KVSender):
                 t.sends[i][2].wait(self.connect_timeout)
 
     def close(self) -> None:
-        with self._pairs_lock:
-            pairs, self._pairs = list(self._pairs.values()), {}
-        for pair in pairs:
-            if pair.broken is None:
-                bye = torch.tensor(wire.header(Kind.BYE, 0, self.layout.tp_rank),
-                                   dtype=torch.int64, device=self.device_type)  # fmt: skip
-                with contextlib.suppress(Exception), pair.lock:  # closing anyway
-                    pair.pg.send([bye], 1, wire.TAG_HDR).wait(self.connect_timeout)
-            abort(pair.pg)
+        for address in list(self._pairs):
+            self._disconnect(address)
 
 
 class NcclSender(GlooSender):

@@ -132,9 +132,14 @@ class Disaggregated(Placement):
     def _end_attempt(
         self, stream: RequestStream, error: str, retryable: bool, reported_by=None
     ) -> None:
-        """The attempt failed: drop it everywhere, then redo it on another pair or fail."""
+        """The attempt failed: drop it everywhere, then redo it on another pair or fail.
+        Once the decode instance streams tokens, its KV has landed: a failure reported by
+        the prefill instance (a lost acknowledgement, its death) no longer concerns it."""
         if reported_by is not None:  # it already dropped the attempt itself
             self._release(reported_by, stream)
+            if reported_by.role == "prefill" and stream.num_tokens > 0:
+                log.warning("request %s: %s (after its KV landed)", stream.request_id, error)
+                return
         self._drop(stream, abort=True)
         can_retry = retryable and stream.num_tokens == 0 and stream.attempt + 1 < MAX_ATTEMPTS
         if can_retry and self.alive:

@@ -9,17 +9,21 @@ every step, so a test changes it while a cluster runs. A rule:
 
     side    "sender" | "receiver"
     step    "data" (a sender's segments for one decode rank / a receiver's claim),
-            "end" (a sender's END / a receiver's END from a source)
-    action  drop | delay | duplicate | corrupt | cut | disconnect | kill
+            "end" (a sender's END / a receiver's END from a source),
+            "ack" (a sender about to wait for its ENDs' answers)
+    action  drop | delay | duplicate | corrupt | cut | disconnect | kill | abort
     match   a substring of the transfer id ("" matches all)
     nth     the occurrence of the step within the transfer (1-based; 0: every one)
     rank    the rank of the process's sender or receiver (-1: any)
     seconds how long ``delay`` sleeps
+    pause_s how long to wait before acting (a ``kill`` after what was posted went out)
 
 ``corrupt`` makes the segment's checksum lie (the receiver sees bytes that differ from
 what was summed); ``cut`` drops this message and every later one of the transfer (the
 link went down); ``disconnect`` closes the connection; ``kill`` sends SIGKILL to the
-process itself.
+process itself; ``abort`` (receiver) releases the transfer on another thread, as its
+owner would on a cancel, racing the write or the END that goes on meanwhile, and zeroes
+its blocks once released (so any byte that lands afterwards shows).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Faults:
                 and rule.get("nth", 1) in (0, n)
                 and rule.get("rank", -1) in (-1, rank)
             ):
+                time.sleep(rule.get("pause_s", 0))
                 if rule["action"] == "cut":
                     self.cut.add(transfer_id)
                     return {"action": "drop"}
@@ -117,6 +122,10 @@ class FaultySender:
     def _end(self, t, address, handoff):
         self._act("end", t, address, lambda: super(FaultySender, self)._end(t, address, handoff))
 
+    def _acks(self, t, timeout):
+        self._act("ack", t, None, lambda: None)
+        return super()._acks(t, timeout)
+
     def _sum(self, t, seg, *parts):
         total = super()._sum(t, seg, *parts)
         if t.transfer_id in self._lying:
@@ -139,7 +148,13 @@ class FaultyReceiver:
         rule = self.faults.take(step, tid, self.layout.tp_rank)
         if rule is not None and rule["action"] == "delay":
             time.sleep(rule["seconds"])
+        if rule is not None and rule["action"] == "abort" and t is not None:
+            threading.Thread(target=self._abort_transfer, args=(t,), daemon=True).start()
         return rule
+
+    def _abort_transfer(self, t) -> None:
+        self.release(t.transfer_id)
+        self.kv_cache[:, :, list(t.dst_block_ids)] = 0
 
     def claim(self, key, src_rank, src_layout, segs, link=None, on_stuck=None):
         rule = self._rule("data", key)

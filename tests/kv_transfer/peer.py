@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from kv_transfer import Handoff, KVDestination, get_transport
-from tests.kv_transfer.helpers import layout, reference, shard
+from engine.block_manager import BlockManager
+from kv_transfer import Handoff, KVDestination, KVTransferError, get_transport
+from tests.kv_transfer.helpers import BS, layout, reference, shard
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -27,6 +28,8 @@ class PeerState:
         self.senders: dict[str, list] = {}
         self.receivers = []
         self.caches = []
+        self.blocks: BlockManager | None = None  # this side's pool, for the handoff table
+        self.outcomes: dict[str, object] = {}  # transfer id -> the receiver's Outcome
 
     def senders_(self, key: str, backend: str, tp: int, name: str, checksum: bool,
                  layers: int, device: str = "cpu", **options):  # fmt: skip
@@ -46,13 +49,19 @@ class PeerState:
         destination = KVDestination.from_bytes(bytes.fromhex(dst))
         senders = self.senders[key]
         full = reference(senders[0].layout, num_blocks, seed)
-        for s in senders:
-            cache = shard(full, s.layout).to(device)
-            if send_layers is None:
-                s.send_all(tid, cache, src_ids, destination)
-            else:
-                for layer in send_layers:
-                    s.send_layer(tid, layer, cache[layer, 0], cache[layer, 1], src_ids, destination)
+        try:
+            for s in senders:
+                cache = shard(full, s.layout).to(device)
+                if send_layers is None:
+                    s.send_all(tid, cache, src_ids, destination)
+                else:
+                    for layer in send_layers:
+                        k, v = cache[layer, 0], cache[layer, 1]
+                        s.send_layer(tid, layer, k, v, src_ids, destination)
+        except KVTransferError:  # as a prefill instance does: no END from any rank
+            for s in senders:
+                s.abort(tid)
+            raise
         if die_after_s is not None:  # die without finishing, some data on the wire
             time.sleep(die_after_s)
             os._exit(3)
@@ -61,6 +70,66 @@ class PeerState:
         handoff = Handoff(first_token=seed)
         acks = [s.finish(tid, handoff if s.layout.tp_rank == 0 else None, timeout) for s in senders]
         return {"acks": [[a.status.name for a in ack.acks] for ack in acks]}
+
+    # -- the handoff table (tests/kv_transfer/test_handoff.py): each side's block pool --
+    def pool(self, num_blocks: int):
+        self.blocks = BlockManager(num_blocks, BS)
+        return {}
+
+    def handoff(self, key, tid, seed, count, dst, timeout):
+        """Prefill side: blocks held for the transfer, its layers sent one by one, each
+        rank's END (rank 0's with the handoff) and answers; the blocks freed whatever
+        happened (as a prefill instance does once ``finish`` returned or raised)."""
+        src_ids = self.blocks.allocate(tid, count * BS)
+        try:
+            return self.send(key, tid, seed, self.blocks.num_blocks, src_ids, dst,
+                             send_layers=[0, 1, 2], timeout=timeout)  # fmt: skip
+        finally:
+            self.blocks.free(tid)
+
+    def reserve(self, tid, count, src_tp, lease_s):
+        """Decode side: blocks held and expected by rank 0's receiver."""
+        ids = self.blocks.allocate(tid, count * BS)
+        receiver = self.receivers[0]
+        receiver.on_event = lambda o: self.outcomes.__setitem__(o.transfer_id, o)
+        receiver.expect(tid, ids, layout(src_tp, 0, receiver.layout.num_layers), lease_s=lease_s)
+        dst = KVDestination([receiver.address], ids, receiver.layout, receiver.backend)
+        return {"dst": dst.to_bytes().hex(), "ids": ids}
+
+    def outcome(self, tid, timeout):
+        """The transfer's end as its owner hears it (None while it runs, or once gone)."""
+        deadline = time.monotonic() + timeout
+        while tid not in self.outcomes and time.monotonic() < deadline:
+            if self.receivers[0].state(tid) is None:
+                return {"state": "released"}
+            time.sleep(0.01)
+        o = self.outcomes.get(tid)
+        if o is None:
+            state = self.receivers[0].state(tid)
+            return {"state": None if state is None else state.value}
+        error = None if o.error is None else f"{type(o.error).__name__}: {o.error}"
+        landed = o.handoff.first_token if o.handoff is not None else None
+        return {"state": o.state.value, "error": error, "first_token": landed}
+
+    def release(self, tid):
+        """As the owner: out of the receiver, blocks freed and zeroed (a byte landing in
+        them after this shows)."""
+        self.receivers[0].release(tid)
+        ids = self.blocks.block_table(tid)
+        self.blocks.free(tid)
+        self.caches[0][:, :, ids] = 0
+        return {}
+
+    def zeroed(self, ids):
+        return {"zeroed": not self.caches[0][:, :, ids].any()}
+
+    def landed_equal(self, ids, seed, src_ids):
+        return {"equal": tensor_digest(self.caches[0][:, :, ids]) == tensor_digest(
+            reference(self.receivers[0].layout, self.blocks.num_blocks, seed)[:, :, src_ids])}  # fmt: skip
+
+    def integrity(self):
+        self.blocks.check_integrity()
+        return {"free": self.blocks.num_free_blocks, "total": self.blocks.num_blocks}
 
     def receivers_(self, backend: str, tp: int, layers: int, num_blocks: int, ports=None):
         for r in self.receivers:
@@ -102,6 +171,14 @@ def main() -> None:
         "expect": state.expect,
         "wait": state.wait,
         "digest": state.digest,
+        "pool": state.pool,
+        "handoff": state.handoff,
+        "reserve": state.reserve,
+        "outcome": state.outcome,
+        "release": state.release,
+        "zeroed": state.zeroed,
+        "landed_equal": state.landed_equal,
+        "integrity": state.integrity,
     }
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
