@@ -1,1 +1,2 @@
-"""The gRPC front door: admission, tokenization, routing policies, token streaming, client."""
+"""The router: a core (admission, placement, streams) behind a gRPC and an HTTP front end,
+and ``RouterClient``, the Python client of its gRPC API."""

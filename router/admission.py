@@ -1,7 +1,8 @@
 """The router's admission queue: requests waiting for an instance with room.
 
-Bounded: past ``max_size`` waiting requests, ``offer`` refuses and the caller
-answers RESOURCE_EXHAUSTED. FIFO, so a request is never overtaken by a later one.
+Bounded: past ``max_size`` waiting requests, ``offer`` refuses and the core refuses
+the request as busy (router/request.py). FIFO, so a request is never overtaken by a
+later one.
 """
 
 from __future__ import annotations

@@ -292,9 +292,6 @@ class RouterClient:
             out.add(chunk)
         return out
 
-    async def aabort(self, request_id: str) -> bool:
-        return (await self._astub().Abort(pb.AbortRequest(request_id=request_id))).found
-
     async def astats(self) -> pb.StatsResponse:
         return await self._astub().Stats(pb.StatsRequest())
 

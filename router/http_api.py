@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (docs/serving.md), on the router's event loop beside gRPC.
+"""The HTTP front end: the OpenAI-compatible API (docs/serving.md) over the router core
+(router/core.py), on the router's event loop beside gRPC.
 
     POST /v1/completions        one prompt (text or token ids); SSE with "stream": true
     POST /v1/chat/completions   messages, rendered with the model's chat template
@@ -6,10 +7,10 @@
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus text: the router's queue, each instance's load
 
-A request takes the gRPC path's validation, admission and placement
-(``RouterServer.open_stream``); its refusals map to HTTP statuses in OpenAI's error
-shape. Extra body fields beyond OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids``
-(as vLLM accepts them).
+A request body becomes the core's ``GenerateRequest`` (router/request.py), checked
+for JSON types here and for values by the core; the core's refusals map to HTTP
+statuses (``HTTP_STATUS``) in OpenAI's error shape. Extra body fields beyond OpenAI's:
+``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them).
 """
 
 from __future__ import annotations
@@ -17,18 +18,18 @@ from __future__ import annotations
 import json
 import time
 
-import grpc
 from aiohttp import web
 
-from router import pdserve_pb2 as pb
-from router.server import Refused
-from router.stream import merge_waiting
+from router.core import RouterCore
+from router.metrics import prometheus_text
+from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
+from router.stream import Usage
 
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
+    Refusal.INVALID: 400,
+    Refusal.EXISTS: 409,
+    Refusal.BUSY: 429,
+    Refusal.UNAVAILABLE: 503,
 }
 CHAT_MAX_TOKENS = 512  # when a chat request sets no limit
 
@@ -37,18 +38,12 @@ class BadRequest(Exception):
     pass
 
 
-def generate_request(body: dict, chat: bool) -> pb.GenerateRequest:
-    """An OpenAI request body as our ``GenerateRequest``."""
-    req = pb.GenerateRequest()
+def generate_request(body: dict, chat: bool) -> GenerateRequest:
+    """An OpenAI request body as the core's ``GenerateRequest``; raises ``BadRequest``
+    for a body of the wrong shape or JSON types."""
+    req = GenerateRequest()
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            raise BadRequest("messages: a list of {role, content} is required")
-        for m in messages:
-            content = m.get("content") or ""
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            req.messages.messages.add(role=str(m.get("role", "user")), content=content)
+        req.messages = _messages(body.get("messages"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
@@ -56,31 +51,70 @@ def generate_request(body: dict, chat: bool) -> pb.GenerateRequest:
         if isinstance(prompt, str):
             req.prompt = prompt
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            req.prompt_token_ids.ids.extend(prompt)
+            req.prompt_token_ids = prompt
         else:
             raise BadRequest("prompt: one string or one list of token ids per request")
     if body.get("n", 1) != 1:
         raise BadRequest("n: only 1 is supported")
-    s = req.sampling
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is None and chat:
         limit = CHAT_MAX_TOKENS
-    for key, value in (("max_tokens", limit), ("temperature", body.get("temperature"))):
-        if value is not None:
-            setattr(s, key, value)
-    for key in ("top_p", "top_k", "seed"):
-        if body.get(key) is not None:
-            setattr(s, key, body[key])
     stop = body.get("stop")
-    s.stop.extend([stop] if isinstance(stop, str) else stop or [])
-    s.stop_token_ids.extend(body.get("stop_token_ids") or [])
-    s.ignore_eos = bool(body.get("ignore_eos", False))
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        raise BadRequest(f"stop={stop!r}: must be a string or a list of strings")
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
+        raise BadRequest(f"stop_token_ids={stop_token_ids!r}: must be a list of integers")
+    req.sampling = SamplingOptions(
+        max_tokens=_number("max_tokens", limit, integer=True),
+        temperature=_number("temperature", body.get("temperature"), integer=False),
+        top_k=_number("top_k", body.get("top_k"), integer=True),
+        top_p=_number("top_p", body.get("top_p"), integer=False),
+        seed=_number("seed", body.get("seed"), integer=True),
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=bool(body.get("ignore_eos", False)),
+    )
     return req
 
 
+def _messages(messages) -> list[ChatMessage]:
+    if not isinstance(messages, list):
+        raise BadRequest("messages: a list of {role, content} is required")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") or ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if not isinstance(content, str):
+            raise BadRequest(
+                f"messages[{i}].content={content!r}: must be a string or a list of parts"
+            )
+        out.append(ChatMessage(str(m.get("role", "user")), content))
+    return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(key: str, value, integer: bool) -> int | float | None:
+    """A JSON number for ``key`` as the core takes it (floats as float); None: unset."""
+    if value is None:
+        return None
+    if integer and not _is_int(value):
+        raise BadRequest(f"{key}={value!r}: must be an integer")
+    if not integer and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise BadRequest(f"{key}={value!r}: must be a number")
+    return value if integer else float(value)
+
+
 class HttpApi:
-    def __init__(self, router, model: str):
-        self.router, self.model = router, model  # router.server.RouterServer
+    """The aiohttp server of the router; started and stopped on the router's event loop."""
+
+    def __init__(self, core: RouterCore, model: str):
+        self.core, self.model = core, model
         self.created = int(time.time())
         app = web.Application()
         app.add_routes(
@@ -122,37 +156,34 @@ class HttpApi:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
-        r = self.router
-        ok = r.ready and r.alive and not r.draining
+        ok = self.core.serving
         return web.Response(status=200 if ok else 503, text="ok" if ok else "not serving")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        from router.metrics import prometheus_text
-
-        return web.Response(text=prometheus_text(await self.router.stats()))
+        return web.Response(text=prometheus_text(await self.core.stats()))
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
         try:
             body = await request.json()
-            stream = self.router.open_stream(generate_request(body, chat), arrival)
+            stream = self.core.open_stream(generate_request(body, chat), arrival)
         except (BadRequest, json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
             return _error(400, str(e))
         except Refused as e:
-            return _error(HTTP_STATUS.get(e.code, 500), e.message)
+            return _error(HTTP_STATUS[e.kind], e.message)
         reply = Reply(stream.request_id, self.model, chat)
         try:
             if body.get("stream"):
                 return await self._stream(request, stream, reply, body)
             text, delta = "", None
             while delta is None or delta.finish_reason is None:
-                delta = merge_waiting(await stream.queue.get(), stream.queue)
+                delta = await stream.read()
                 if delta.error is not None:
                     return _error(500, delta.error)
                 text += delta.text
-            return web.json_response(reply.whole(text, delta.finish_reason, _usage(stream)))
+            return web.json_response(reply.whole(text, delta.finish_reason, _usage(stream.usage())))
         finally:
-            self.router.finish(stream)  # finished, failed, or the client went away
+            self.core.finish(stream)  # finished, failed, or the client went away
 
     async def _stream(self, request, stream, reply, body) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -160,14 +191,14 @@ class HttpApi:
         if chat_role := reply.role_chunk():
             await _send(resp, chat_role)
         while True:
-            delta = merge_waiting(await stream.queue.get(), stream.queue)
+            delta = await stream.read()
             if delta.error is not None:
                 await _send(resp, {"error": {"message": delta.error, "type": "server_error"}})
                 break
             await _send(resp, reply.chunk(delta.text, delta.finish_reason))
             if delta.finish_reason is not None:
                 if (body.get("stream_options") or {}).get("include_usage"):
-                    await _send(resp, reply.usage_chunk(_usage(stream)))
+                    await _send(resp, reply.usage_chunk(_usage(stream.usage())))
                 break
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -219,12 +250,11 @@ class Reply:
         return {**self._base(kind), "choices": [], "usage": usage}
 
 
-def _usage(stream) -> dict:
-    prompt, completion = len(stream.prompt_ids), stream.num_tokens
+def _usage(usage: Usage) -> dict:
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
     }
 
 

@@ -21,7 +21,7 @@ INSTANCE = (
 
 
 def prometheus_text(stats: dict) -> str:
-    """``RouterServer.stats()`` as Prometheus exposition text."""
+    """``RouterCore.stats()`` as Prometheus exposition text."""
     lines = []
     for key, kind, text in ROUTER:
         lines += [f"# HELP pdserve_router_{key} {text}", f"# TYPE pdserve_router_{key} {kind}"]

@@ -1,9 +1,10 @@
-"""One request's life at the router: its output queue, its clock, its final message.
+"""One request's life at the router: its output queue, its clock, its final usage and
+timings (plain dataclasses; each front end renders them in its own wire format).
 
 TTFT, TPOT and e2e come from the router's clock (``time.monotonic``): arrival is
-stamped when the RPC arrives, first/last token when their batches reach the router.
-Phase times (``Phases``) mix the router's and the instances' wall clocks
-(``time.time``) and are reported relative to the arrival's wall-clock stamp.
+stamped when the request reaches a front end, first/last token when their batches
+reach the router. Phase times (``Phases``) mix the router's and the instances' wall
+clocks (``time.time``) and are reported relative to the arrival's wall-clock stamp.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from router import pdserve_pb2 as pb
 
 _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_start")
 
@@ -26,8 +26,55 @@ class Delta:
     error: str | None = None  # set when the instance failed the request
 
 
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Phases:
+    """When each phase of a request began or ended, in ms since its arrival (0: not
+    applicable, e.g. no transfer when co-located); ``tokens``: each token's arrival."""
+
+    queued: float = 0.0  # left the admission queue (placed on instances)
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+    transfer_start: float = 0.0
+    transfer_end: float = 0.0
+    decode_start: float = 0.0
+    tokens: list[float] = field(default_factory=list)
+    finish: float = 0.0
+
+
+@dataclass
+class Timings:
+    """A finished request's times in ms (the router's clock) and where it ran."""
+
+    queue_ms: float  # arrival -> sent to an instance
+    ttft_ms: float  # arrival -> first token (0 without tokens)
+    tpot_ms: float  # mean gap between later tokens (0 with one token)
+    e2e_ms: float  # arrival -> last token
+    instances: list[str]
+    kv_bytes: int = 0  # disaggregated: KV moved from the prefill to the decode instance
+    transfer_ms: float = 0.0
+    attempts: int = 1
+    phases: Phases = field(default_factory=Phases)
+
+
 @dataclass(eq=False)
 class RequestStream:
+    """One admitted request until its final delta.
+
+    The placement delivers its instances' output (``deliver``, on the router's event
+    loop); a front end reads it (``read``) until a delta has a finish reason or an
+    error, then reports ``usage()`` and ``timings()``.
+    """
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -69,45 +116,41 @@ class RequestStream:
             self.finished = True
         self.queue.put_nowait(delta)
 
-    def response(self, delta: Delta) -> pb.GenerateResponse:
-        msg = pb.GenerateResponse(
-            request_id=self.request_id, token_ids=delta.token_ids, text=delta.text
-        )
-        if delta.finish_reason is not None:
-            msg.finish_reason = delta.finish_reason
-            msg.usage.prompt_tokens = len(self.prompt_ids)
-            msg.usage.completion_tokens = self.num_tokens
-            msg.timings.CopyFrom(self.timings())
-        return msg
+    async def read(self) -> Delta:
+        """The next delta for the client: every delta already waiting, merged."""
+        return _merge_waiting(await self.queue.get(), self.queue)
 
-    def timings(self) -> pb.Timings:
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_ids), self.num_tokens)
+
+    def timings(self) -> Timings:
         end = self.last_token_at or time.monotonic()
         first = self.first_token_at
         gaps = self.num_tokens - 1
-        out = pb.Timings(
+        since = self._since_arrival
+        phases = self.info.get("phases", {})
+        return Timings(
             queue_ms=_ms((self.dispatched_at or end) - self.arrival),
             ttft_ms=_ms(first - self.arrival) if first is not None else 0.0,
             tpot_ms=_ms((end - first) / gaps) if first is not None and gaps > 0 else 0.0,
             e2e_ms=_ms(end - self.arrival),
-            instances=self.instances,
+            instances=list(self.instances),
             kv_bytes=int(self.info.get("kv_bytes", 0)),
             transfer_ms=_ms(self.info.get("transfer_s", 0.0)),
             attempts=self.attempt + 1,
+            phases=Phases(
+                queued=since(self.placed_wall),
+                **{name: since(phases.get(name)) for name in _PHASES},
+                tokens=[since(t) for t in self.token_walls],
+                finish=since(self.token_walls[-1] if self.token_walls else None),
+            ),
         )
-        since = self._since_arrival
-        phases = self.info.get("phases", {})
-        out.phases.queued = since(self.placed_wall)
-        for name in _PHASES:
-            setattr(out.phases, name, since(phases.get(name)))
-        out.phases.tokens.extend(since(t) for t in self.token_walls)
-        out.phases.finish = since(self.token_walls[-1] if self.token_walls else None)
-        return out
 
     def _since_arrival(self, wall: float | None) -> float:
         return _ms(wall - self.arrival_wall) if wall else 0.0
 
 
-def merge_waiting(delta: Delta, queue) -> Delta:
+def _merge_waiting(delta: Delta, queue) -> Delta:
     """One message for every delta already waiting (a slow client gets fewer, larger ones)."""
     while delta.finish_reason is None and not queue.empty():
         more = queue.get_nowait()

@@ -1,7 +1,8 @@
-"""Turn a ``GenerateRequest`` into prompt token ids and sampling settings, or refuse it.
+"""Turn a ``GenerateRequest`` (router/request.py) into prompt token ids and sampling
+settings, or refuse it.
 
 Runs at the router, before admission, so that a request that can never run is
-refused at once (INVALID_ARGUMENT with the reason) instead of failing on an instance.
+refused at once (``Refusal.INVALID`` with the reason) instead of failing on an instance.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from router.request import ChatMessage, GenerateRequest
 
 
 class InvalidRequest(ValueError):
@@ -24,25 +26,31 @@ class ModelLimits:
 
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+_SEEDS = (-(2**63), 2**63)  # torch's generators take 64-bit seeds
 
 
 class RequestValidator:
     def __init__(self, tokenizer: Tokenizer | None, limits: ModelLimits):
         self.tokenizer, self.limits = tokenizer, limits
 
-    def prompt_ids(self, request) -> list[int]:
-        kind = request.WhichOneof("input")
-        if kind is None:
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        given = request.inputs_given()
+        if not given:
             raise InvalidRequest("prompt: empty; send prompt, messages or prompt_token_ids")
+        if len(given) > 1:
+            raise InvalidRequest(
+                f"{', '.join(given)}: give exactly one of prompt, messages, prompt_token_ids"
+            )
+        kind = given[0]
         if kind == "prompt_token_ids":
-            ids = list(request.prompt_token_ids.ids)
+            ids = list(request.prompt_token_ids)
             vocab = self.limits.vocab_size
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise InvalidRequest(f"prompt_token_ids: token ids must be in [0, {vocab})")
         elif kind == "prompt":
             ids = self._encode(request.prompt, "prompt") if request.prompt else []
         else:
-            ids = self._encode(self._render(request.messages.messages), "messages")
+            ids = self._encode(self._render(request.messages), "messages")
         if not ids:
             raise InvalidRequest("prompt: empty; give at least one token")
         if len(ids) >= self.limits.max_context:
@@ -57,12 +65,15 @@ class RequestValidator:
             )
         return ids
 
-    def sampling(self, request) -> SamplingParams:
+    def sampling(self, request: GenerateRequest) -> SamplingParams:
         s = request.sampling
-        kwargs = {name: getattr(s, name) for name in _SAMPLING_FIELDS if s.HasField(name)}
+        kwargs = {name: getattr(s, name) for name in _SAMPLING_FIELDS}
+        kwargs = {name: value for name, value in kwargs.items() if value is not None}
         kwargs.update(
             stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos
         )
+        if s.seed is not None and not _SEEDS[0] <= s.seed < _SEEDS[1]:
+            raise InvalidRequest(f"sampling.seed={s.seed!r}: must be in [-2**63, 2**63)")
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
@@ -73,7 +84,7 @@ class RequestValidator:
             raise InvalidRequest(f"{field}: this model has no tokenizer; send prompt_token_ids")
         return self.tokenizer.encode(text)
 
-    def _render(self, messages) -> str:
+    def _render(self, messages: list[ChatMessage]) -> str:
         if not messages:
             raise InvalidRequest("messages: empty; give at least one message")
         for i, m in enumerate(messages):

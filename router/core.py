@@ -1,0 +1,231 @@
+"""The router core: the control plane both front ends serve, in the router's own types.
+
+``RouterCore`` owns the admission queue, the requests in flight (their
+``RequestStream``s), the placement of the serving mode, request validation, drain and
+the load statistics. It reaches the engine instances only through their Ray handles
+(router/instances.py) and knows no wire format: the gRPC front end
+(router/grpc_api.py) and the HTTP one (router/http_api.py) translate their requests
+into ``GenerateRequest`` and its ``Refused`` into their own codes (router/request.py).
+
+Every method runs on the router's event loop and none blocks; the streams are only
+touched from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from engine.tokenizer import Tokenizer
+from router.admission import AdmissionQueue
+from router.disagg import Disaggregated
+from router.instances import Instance
+from router.placement import Colocated
+from router.policies import make_policy
+from router.request import GenerateRequest, Refusal, Refused
+from router.stream import Delta, RequestStream
+from router.validation import InvalidRequest, ModelLimits, RequestValidator
+
+
+class RouterCore:
+    """The control plane.
+
+    Front ends call ``open_stream`` (raises ``Refused``), read the stream until a delta
+    has a finish reason or an error, then ``finish`` it; ``abort`` ends a request by
+    id; ``serving`` is their health. The placement calls ``requeue``, ``after_updates``
+    and ``cancel``. The owner (router/server.py) calls ``bring_up``, ``stop_admitting``,
+    ``drain``, ``stop`` and ``stats``.
+    """
+
+    def __init__(
+        self,
+        router_config: dict,
+        workers: list[tuple[str, str, object]],
+        mode: str = "colocated",
+        tokenizer: Tokenizer | None = None,
+    ):
+        """``workers``: (name, role, Ray actor handle) of every engine instance;
+        ``tokenizer``: the model's, None when it has none (token ids only)."""
+        self.tokenizer = tokenizer
+        self.instances = [Instance(n, r, h, i) for i, (n, r, h) in enumerate(workers)]
+        self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
+        placement = Disaggregated if mode == "disaggregated" else Colocated
+        self.placement = placement(self, self.instances, make_policy(router_config["policy"]))
+        self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
+        self.validator: RequestValidator | None = None  # set once every instance is ready
+        self.draining = False
+
+    # ---- state ----
+
+    @property
+    def ready(self) -> bool:
+        """Every instance has loaded the model (``bring_up`` returned)."""
+        return self.validator is not None
+
+    @property
+    def alive(self) -> bool:
+        """Some instance (a prefill and a decode one when disaggregated) still runs."""
+        return self.placement.alive
+
+    @property
+    def serving(self) -> bool:
+        """Taking requests: ready, alive and not draining."""
+        return self.ready and self.alive and not self.draining
+
+    # ---- lifecycle ----
+
+    async def bring_up(self) -> list[dict]:
+        """Wait for every instance's ``ready()`` facts, then take requests: the model's
+        limits for validation, one update loop per instance."""
+        infos = await asyncio.gather(*(i.wait_ready() for i in self.instances))
+        self.validator = RequestValidator(
+            self.tokenizer,
+            ModelLimits(
+                max_context=min(i["max_context"] for i in infos),
+                vocab_size=min(i["vocab_size"] for i in infos),
+                kv_tokens=min(i["num_blocks"] * i["block_size"] for i in infos),
+            ),
+        )
+        for inst in self.instances:
+            inst.start_polling(self._on_updates, self._on_dead)
+        return infos
+
+    def stop_admitting(self) -> None:
+        """Refuse every new request from now on (UNAVAILABLE: draining)."""
+        self.draining = True
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and wait for those in flight; returns how many were still
+        running at the timeout (they are aborted)."""
+        self.stop_admitting()
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = list(self.streams.values())
+        for stream in left:
+            self.cancel(stream, "abort")
+        return len(left)
+
+    async def stop(self) -> None:
+        for inst in self.instances:
+            await inst.stop_polling()
+
+    async def stats(self) -> dict:
+        """The queue and every instance's load: ``queued``, ``max_queue``, ``in_flight``,
+        ``draining``, ``instances`` (each instance's ``stats()`` with ``role``,
+        ``outstanding`` and ``requests_total``; ``dead`` instead for one that failed)."""
+        per = await asyncio.gather(*(i.stats() for i in self.instances), return_exceptions=True)
+        instances = []
+        for inst, s in zip(self.instances, per, strict=True):
+            s = s if isinstance(s, dict) else {"name": inst.name, "dead": str(s)}
+            s.update(role=inst.role, outstanding=inst.load.outstanding)
+            s["requests_total"] = inst.requests_total
+            instances.append(s)
+        return {
+            "queued": len(self.admission),
+            "max_queue": self.admission.max_size,
+            "in_flight": len(self.streams),
+            "draining": self.draining,
+            "instances": instances,
+        }
+
+    # ---- requests (called by the front ends) ----
+
+    def open_stream(self, request: GenerateRequest, arrival: float) -> RequestStream:
+        """Validate, tokenize and admit ``request`` (``arrival``: ``time.monotonic()``
+        when it reached the front end): its stream, placed or queued.
+
+        Raises ``Refused``. The caller reads the stream to its end and then calls
+        ``finish`` (also when its client goes away)."""
+        if self.draining:
+            raise Refused(Refusal.UNAVAILABLE, "the router is draining")
+        if not self.ready:
+            raise Refused(Refusal.UNAVAILABLE, "the instances are still loading")
+        if not self.alive:
+            raise Refused(Refusal.UNAVAILABLE, "every engine instance has failed")
+        try:
+            prompt_ids = self.validator.prompt_ids(request)
+            params = self.validator.sampling(request)
+        except InvalidRequest as e:
+            raise Refused(Refusal.INVALID, str(e)) from e
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.streams:
+            raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
+        stream = RequestStream(request_id, prompt_ids, params, arrival=arrival)
+        if not self.admit(stream):
+            raise Refused(
+                Refusal.BUSY,
+                f"admission queue full: {self.admission.max_size} requests are waiting "
+                "for an instance (router.max_queue); retry later",
+            )
+        return stream
+
+    def finish(self, stream: RequestStream) -> None:
+        """The stream ended (finished, failed, or its client went away)."""
+        if not stream.finished or stream.request_id in self.streams:
+            self.cancel(stream)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in flight with finish reason ``abort``; False when none has that id."""
+        stream = self.streams.get(request_id)
+        return stream is not None and self.cancel(stream, "abort")
+
+    # ---- the placement's side ----
+
+    def admit(self, stream: RequestStream) -> bool:
+        """Place the request now, or queue it; False when the queue is full."""
+        if not self.admission and self.placement.can_place(stream):
+            self.streams[stream.request_id] = stream
+            self.placement.place(stream)
+            return True
+        if not self.admission.offer(stream):
+            return False
+        self.streams[stream.request_id] = stream
+        self._dispatch()
+        return True
+
+    def requeue(self, stream: RequestStream) -> None:
+        """An admitted request the placement could not start after all: it goes back to
+        the head of the queue (whatever the bound) and waits for room."""
+        if stream.finished or self.streams.get(stream.request_id) is not stream:
+            return
+        self.admission.push_front(stream)
+        asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def after_updates(self, ended: list[RequestStream]) -> None:
+        """Requests ended (finished or failed): forget them; room for waiting ones."""
+        for stream in ended:
+            if self.streams.get(stream.request_id) is stream:
+                del self.streams[stream.request_id]
+        self._dispatch()
+
+    def cancel(self, stream: RequestStream, reason: str | None = None) -> bool:
+        """Take a request out of the router and its instances (frees its KV blocks).
+
+        With ``reason``, the stream's client is told it finished that way."""
+        if self.streams.pop(stream.request_id, None) is None:
+            return False
+        if not self.admission.remove(stream):
+            self.placement.cancel(stream)
+        if reason is not None:
+            stream.deliver(Delta([], "", reason))
+        stream.finished = True
+        self._dispatch()
+        return True
+
+    def _dispatch(self) -> None:
+        """Start waiting requests, oldest first, while the placement has room."""
+        if not self.alive:  # nothing will ever take them
+            for stream in self.admission.drain():
+                self.streams.pop(stream.request_id, None)
+                stream.deliver(Delta([], "", "error", "the engine instances have failed"))
+            return
+        while self.admission and self.placement.can_place(self.admission.peek()):
+            self.placement.place(self.admission.pop())
+
+    def _on_updates(self, inst: Instance, updates: list) -> None:
+        self.after_updates(self.placement.on_updates(inst, updates))
+
+    def _on_dead(self, inst: Instance) -> None:
+        self.after_updates(self.placement.on_dead(inst))

@@ -1,0 +1,167 @@
+"""The gRPC front end: the ``pdserve.v1.Router`` service (router/pdserve.proto) and the
+standard ``grpc.health.v1`` service, over the router core (router/core.py).
+
+The handlers translate protobuf messages into the core's types (router/request.py,
+router/stream.py) and back; a refusal of the core becomes its status code
+(``GRPC_STATUS``), a request an instance failed ends with INTERNAL. Health is set by
+the owner of the server (router/server.py): NOT_SERVING from ``start`` until
+``set_serving(True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from router import pdserve_pb2 as pb
+from router import pdserve_pb2_grpc as pb_grpc
+from router.core import RouterCore
+from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
+from router.stream import Delta, RequestStream, Timings
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # pdserve.v1.Router
+GRPC_STATUS = {
+    Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    Refusal.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Refusal.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+_STAT_FIELDS = (
+    "queued",
+    "running",
+    "free_blocks",
+    "total_blocks",
+    "outstanding",
+    "requests_total",
+    "tokens_total",
+    "steps_total",
+)
+
+
+class GrpcApi:
+    """The gRPC server of the router: ``Router`` and ``grpc.health.v1`` on one port.
+
+    Built, started and stopped on the router's event loop."""
+
+    def __init__(self, core: RouterCore):
+        self._server = grpc.aio.server()
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        pb_grpc.add_RouterServicer_to_server(RouterService(core), self._server)
+
+    async def start(self, host: str, port: int) -> int:
+        """Serve on ``host:port`` (0: any free port), NOT_SERVING; the bound port."""
+        await self.set_serving(False)
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"router.port={port}: cannot bind {host}:{port} ({e}); is it in use?"
+            ) from e
+        await self._server.start()
+        return bound
+
+    async def set_serving(self, serving: bool) -> None:
+        """The health status of ``""`` and ``pdserve.v1.Router``."""
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace_s)
+
+
+class RouterService(pb_grpc.RouterServicer):
+    """The ``pdserve.v1.Router`` handlers: translate, call the core, translate back."""
+
+    def __init__(self, core: RouterCore):
+        self.core = core
+
+    async def Generate(self, request, context):
+        arrival = time.monotonic()
+        try:
+            stream = self.core.open_stream(generate_request(request), arrival)
+        except Refused as e:
+            await context.abort(GRPC_STATUS[e.kind], e.message)
+        try:
+            await context.send_initial_metadata((("request-id", stream.request_id),))
+            while True:
+                delta = await stream.read()
+                if delta.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, delta.error)
+                yield generate_response(stream, delta)
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            self.core.finish(stream)  # the client went away, or the stream ended
+
+    async def Abort(self, request, context):
+        return pb.AbortResponse(found=self.core.abort(request.request_id))
+
+    async def Stats(self, request, context):
+        s = await self.core.stats()
+        out = pb.StatsResponse(
+            queued=s["queued"],
+            max_queue=s["max_queue"],
+            in_flight=s["in_flight"],
+            draining=s["draining"],
+        )
+        for inst in s["instances"]:
+            out.instances.append(
+                pb.InstanceStats(
+                    name=inst["name"],
+                    role=inst["role"],
+                    **{k: inst[k] for k in _STAT_FIELDS if k in inst},
+                )
+            )
+        return out
+
+
+def generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
+    """A protobuf ``GenerateRequest`` in the core's terms: the input the ``oneof`` holds
+    (an empty one included), the sampling fields that are set."""
+    s = msg.sampling
+    req = GenerateRequest(
+        sampling=SamplingOptions(
+            **{name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)},
+            stop=list(s.stop),
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        ),
+        request_id=msg.request_id,
+    )
+    kind = msg.WhichOneof("input")
+    if kind == "prompt":
+        req.prompt = msg.prompt
+    elif kind == "messages":
+        req.messages = [ChatMessage(m.role, m.content) for m in msg.messages.messages]
+    elif kind == "prompt_token_ids":
+        req.prompt_token_ids = list(msg.prompt_token_ids.ids)
+    return req
+
+
+def generate_response(stream: RequestStream, delta: Delta) -> pb.GenerateResponse:
+    """One message of the stream; the last (with a finish reason) has usage and timings."""
+    msg = pb.GenerateResponse(
+        request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
+    )
+    if delta.finish_reason is not None:
+        usage = stream.usage()
+        msg.finish_reason = delta.finish_reason
+        msg.usage.prompt_tokens = usage.prompt_tokens
+        msg.usage.completion_tokens = usage.completion_tokens
+        msg.timings.CopyFrom(timings_message(stream.timings()))
+    return msg
+
+
+def timings_message(timings: Timings) -> pb.Timings:
+    """``Timings`` as the protobuf message (same field names)."""
+    fields = dataclasses.asdict(timings)
+    return pb.Timings(**{**fields, "phases": pb.Phases(**fields["phases"])})

@@ -1,0 +1,76 @@
+"""What the router core takes and how it says no: ``GenerateRequest`` and ``Refused``.
+
+Both front ends (router/grpc_api.py, router/http_api.py) translate their wire format
+into these types and the core's refusals back into their own codes; nothing here
+knows either wire format.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class SamplingOptions:
+    """Sampling as the client sent it: ``None`` is unset and takes the default of
+    ``engine.SamplingParams``; the router's validation checks the values."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request.
+
+    The input is exactly one of ``prompt`` (text, tokenized by the router),
+    ``messages`` (rendered with the model's chat template) or ``prompt_token_ids``;
+    the others stay ``None``. An empty string or list counts as given (the router
+    then says what is empty); none or several given is refused as INVALID.
+    ``request_id`` is optional: the router assigns one when it is empty.
+    """
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    request_id: str = ""
+
+    def inputs_given(self) -> list[str]:
+        """The names of the inputs that are set (not ``None``)."""
+        return [
+            name
+            for name in ("prompt", "messages", "prompt_token_ids")
+            if getattr(self, name) is not None
+        ]
+
+
+class Refusal(enum.Enum):
+    """Why the router will not take a request; each front end maps it to its own code
+    (gRPC status, HTTP status)."""
+
+    INVALID = "invalid"  # it can never run as sent: the message names the field
+    EXISTS = "exists"  # its request_id is already in flight
+    BUSY = "busy"  # the admission queue is full; retrying later may succeed
+    UNAVAILABLE = "unavailable"  # loading, draining, or every instance has failed
+
+
+class Refused(Exception):
+    """A request the router will not take: the kind of refusal and why."""
+
+    def __init__(self, kind: Refusal, message: str):
+        super().__init__(message)
+        self.kind, self.message = kind, message

@@ -1,0 +1,37 @@
+"""The core's validation of a ``GenerateRequest`` on its own (no cluster): the checks
+that no front end's wire format can reach, beside those tests/router/test_admission.py
+makes through gRPC."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.request import GenerateRequest, SamplingOptions
+from router.validation import InvalidRequest, ModelLimits, RequestValidator
+
+
+@pytest.fixture
+def validator() -> RequestValidator:
+    return RequestValidator(None, ModelLimits(max_context=64, vocab_size=256, kv_tokens=512))
+
+
+def test_exactly_one_input(validator):
+    with pytest.raises(InvalidRequest, match="prompt: empty; send prompt, messages or"):
+        validator.prompt_ids(GenerateRequest())
+    both = GenerateRequest(prompt="hi", prompt_token_ids=[5])
+    with pytest.raises(InvalidRequest, match="prompt, prompt_token_ids: give exactly one of"):
+        validator.prompt_ids(both)
+    assert validator.prompt_ids(GenerateRequest(prompt_token_ids=[5, 6])) == [5, 6]
+
+
+def test_text_needs_a_tokenizer(validator):
+    with pytest.raises(InvalidRequest, match="prompt: this model has no tokenizer"):
+        validator.prompt_ids(GenerateRequest(prompt="hi"))
+
+
+def test_sampling_unset_takes_the_defaults_and_seeds_fit_64_bits(validator):
+    params = validator.sampling(GenerateRequest(prompt_token_ids=[5]))
+    assert (params.max_tokens, params.temperature, params.top_k, params.seed) == (16, 1.0, 0, None)
+    huge = GenerateRequest(prompt_token_ids=[5], sampling=SamplingOptions(seed=2**64))
+    with pytest.raises(InvalidRequest, match=r"sampling.seed=18446744073709551616: must be in"):
+        validator.sampling(huge)
