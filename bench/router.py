@@ -24,6 +24,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from engine.messages import Attempt
+from engine.sampling_params import SamplingParams
+
 CONSUMER = "bench-direct"
 
 
@@ -49,8 +52,8 @@ class DirectClient:
         with self._lock:
             self._streams[request_id] = stream
             handle = self.handles[next(self._next)]
-        params = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        handle.add.remote(request_id, ids, params, CONSUMER)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        handle.add.remote(Attempt(request_id, tuple(ids), params, CONSUMER))
         tokens: list[int] = []
         while True:
             token_ids, reason = stream.get()

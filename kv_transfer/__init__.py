@@ -1,36 +1,19 @@
 """KV cache transfer between the prefill and decode pools (docs/kv_transfer.md).
 
-Contract
---------
-Prefill side, one ``KVSender`` per tensor-parallel rank (its ``KVLayout``):
+Prefill side, one ``KVSender`` per tensor-parallel rank: ``send_layer`` (from the
+forward pass, right after the layer is computed) or ``send_all`` hand this rank's share
+of a request's KV to the transport; ``finish(transfer_id, handoff)`` sends the END
+(source rank 0's carries the ``Handoff``) and returns once every decode rank answered
+that its share landed, or raises a ``KVTransferError``; ``abort`` forgets a transfer.
+The source blocks stay untouched until ``finish`` returned.
 
-* ``send_layer(transfer_id, layer, k_cache, v_cache, src_block_ids, dst)`` sends this
-  rank's share of one layer of a request to every decode rank whose heads intersect
-  its own (``layout.routes_from``). It returns once the data is handed to the
-  transport, not when it arrived, so the forward pass calls it right after the layer
-  is computed (layer-wise); ``send_all`` sends every layer of the cache at once.
-* ``finish(transfer_id, handoff, timeout)`` sends the END (source rank 0's carries the
-  ``Handoff``: what decode needs to run the request) and waits until every decode rank
-  it went to answered that its share landed: a ``TransferAck``, else a
-  ``KVTransferError``. Until then the source blocks must not be overwritten.
-* ``abort(transfer_id)`` forgets a transfer without an END.
+Decode side, one ``KVReceiver`` per rank, owning its cache: ``expect`` reserves (its
+``address`` goes into the ``KVDestination``); the transfer then lands, fails or expires,
+reported once to ``on_event``; ``release`` takes it out in any state, after which no byte
+of it is written, so the blocks may be freed.
 
-Decode side, one ``KVReceiver`` per tensor-parallel rank, owning its cache tensor:
-
-* ``address`` is where senders reach it; the decode instance publishes it in the
-  ``KVDestination`` of its reservations.
-* ``expect(transfer_id, dst_block_ids, src_layout, lease_s, ranks)`` reserves before
-  the transfer can arrive. The transfer then goes RESERVED -> RECEIVING -> LANDED (every
-  segment from every source rank, every END, every other rank's report), or FAILED /
-  EXPIRED; each end is reported once to ``on_event`` as an ``Outcome``.
-* ``release(transfer_id)`` takes it out whatever its state; once it returns no byte of
-  it is written any more, so the blocks may be freed. ``wait`` blocks until the
-  transfer ended, releases it and returns its outcome or raises its error.
-
-Backends are chosen by name (``kv_transfer.backend``): ``gloo``, ``nccl`` and ``grpc``,
-or ``package.module:attribute`` naming a ``Transport`` defined elsewhere (the tests'
-fault-injecting transport). Groups are formed per (sender, receiver) pair when they
-first talk, never as one world frozen at launch.
+Backends by name (``kv_transfer.backend``): ``gloo``, ``nccl``, ``grpc``, or
+``package.module:attribute`` naming a ``Transport`` (the tests' fault injector).
 """
 
 from __future__ import annotations
@@ -96,27 +79,7 @@ def get_transport(name: str) -> Transport:
     return transport
 
 
-__all__ = [
-    "BACKENDS",
-    "Ack",
-    "Handoff",
-    "HeadRoute",
-    "KVChecksumError",
-    "KVDestination",
-    "KVLayout",
-    "KVLayoutError",
-    "KVPeerError",
-    "KVReceiver",
-    "KVSender",
-    "KVTransferError",
-    "KVTransferTimeout",
-    "Outcome",
-    "State",
-    "Status",
-    "TransferAck",
-    "Transport",
-    "all_routes",
-    "get_transport",
-    "routes_from",
-    "routes_into",
-]
+__all__ = ["BACKENDS", "Ack", "Handoff", "HeadRoute", "KVChecksumError", "KVDestination",
+    "KVLayout", "KVLayoutError", "KVPeerError", "KVReceiver", "KVSender",
+    "KVTransferError", "KVTransferTimeout", "Outcome", "State", "Status", "TransferAck",
+    "Transport", "all_routes", "get_transport", "routes_from", "routes_into"]  # fmt: skip

@@ -62,7 +62,7 @@ class GlooReceiver(KVReceiver):
     group = GlooGroup
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str | None = None,
-                 port: int = 0, connect_timeout=30.0, slots=4, pack_bytes=4 << 20, **kwargs):  # fmt: skip
+                 port=0, connect_timeout=30.0, slots=4, pack_bytes=4 << 20, **kwargs):  # fmt: skip
         if kv_cache.device.type != self.group.device_type:
             raise KVLayoutError(f"the {self.backend} backend needs a {self.group.device_type} "
                                 f"cache, got {kv_cache.device}")  # fmt: skip
@@ -276,8 +276,9 @@ class GlooReceiver(KVReceiver):
                 continue  # not expected (any more): dropped
             shape = (segs[0].count, self.layout.block_size, segs[0].num_heads, self.layout.head_dim)
             data = typed(buf[packed[i][1] :], dtype, (j - i, 2, *shape))
+            sums = [p[3] for p in packed[i:j]]
             ok = all(total is None or self.verify(c, total, *data[r].unbind(0))
-                     for r, (c, (_, _, _, total)) in enumerate(zip(claims, packed[i:j], strict=True)))  # fmt: skip
+                     for r, (c, total) in enumerate(zip(claims, sums, strict=True)))  # fmt: skip
             if ok:
                 self.write_layers(claims, data)
                 self.group.sync()

@@ -90,9 +90,9 @@ class GlooSender(KVSender):
     def _pair(self, address: str, dst_rank: int) -> SendPair:
         with self._pairs_lock:
             pair = self._pairs.get(address)
-            if pair is not None and pair.broken is None:
-                if time.monotonic() - pair.acked_at < self.verify_idle_s or pair.alive():
-                    return pair
+            fresh = pair is not None and time.monotonic() - pair.acked_at < self.verify_idle_s
+            if pair is not None and pair.broken is None and (fresh or pair.alive()):
+                return pair
             if pair is not None:
                 self._pairs.pop(address)
                 abort(pair.pg)

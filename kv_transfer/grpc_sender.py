@@ -185,7 +185,8 @@ class GrpcSender(KVSender):
                 source.gather(seg, k, v)
                 pieces = [k.cpu(), v.cpu()]
             meta = pb.KVChunkMeta(layer=seg.layer, block_offset=seg.start, num_blocks=seg.count,
-                                  head_start=seg.heads[0], head_end=seg.heads[1], offset=offset)  # fmt: skip
+                                  head_start=seg.heads[0], head_end=seg.heads[1])  # fmt: skip
+            meta.offset = offset
             if self.checksum:
                 meta.has_checksum = True
                 meta.checksum = self._sum(t, seg, *pieces)

@@ -52,18 +52,13 @@ class KVLayout:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise KVLayoutError(f"KVLayout.{name}={value!r} must be a positive integer")
         if self.dtype not in DTYPES:
-            raise KVLayoutError(
-                f"KVLayout.dtype={self.dtype!r} is not supported; allowed: {sorted(DTYPES)}"
-            )
+            raise KVLayoutError(f"KVLayout.dtype={self.dtype!r}: allowed {sorted(DTYPES)}")
         if self.num_kv_heads % self.tp_size:
-            raise KVLayoutError(
-                f"num_kv_heads={self.num_kv_heads} is not divisible by "
-                f"tensor_parallel={self.tp_size}: every rank must hold the same number of KV heads"
-            )
+            raise KVLayoutError(f"num_kv_heads={self.num_kv_heads} is not divisible by "
+                                f"tensor_parallel={self.tp_size}: every rank must hold the "
+                                "same number of KV heads")  # fmt: skip
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
-            raise KVLayoutError(
-                f"KVLayout.tp_rank={self.tp_rank!r} must be in [0, tp_size={self.tp_size})"
-            )
+            raise KVLayoutError(f"KVLayout.tp_rank={self.tp_rank!r}: allowed [0, {self.tp_size})")
 
     @property
     def heads_per_rank(self) -> int:
@@ -108,23 +103,16 @@ class KVLayout:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
-                what = (
-                    "the pools must use the same block size (set decode.block_size to match)"
-                    if name == "block_size"
-                    else "both pools must serve the same model with the same KV dtype"
-                )
-                raise KVLayoutError(
-                    f"KV layouts differ in {name}: this pool has {name}={a!r}, "
-                    f"the other has {name}={b!r}; {what}"
-                )
+                what = "both pools must serve the same model with the same KV dtype"
+                if name == "block_size":
+                    what = "the pools must use the same block size (set decode.block_size to match)"
+                raise KVLayoutError(f"KV layouts differ in {name}: this pool has {name}={a!r}, "
+                                    f"the other has {name}={b!r}; {what}")  # fmt: skip
 
     def describe(self) -> str:
-        h0, h1 = self.head_range
-        return (
-            f"{self.num_layers} layers, block_size {self.block_size}, "
-            f"{self.num_kv_heads} kv heads x {self.head_dim} ({self.dtype}), "
-            f"rank {self.tp_rank}/{self.tp_size} holding heads [{h0}, {h1})"
-        )
+        return (f"{self.num_layers} layers, block_size {self.block_size}, {self.num_kv_heads} kv "
+                f"heads x {self.head_dim} ({self.dtype}), rank {self.tp_rank}/{self.tp_size} "
+                f"holding heads {list(self.head_range)}")  # fmt: skip
 
     def to_proto(self, msg=None):
         """The layout as ``kv_transfer.proto``'s ``KVLayout`` (its only serialized form)."""
@@ -161,9 +149,7 @@ def all_routes(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[HeadRoute]:
     """Every (source rank, destination rank) route, ordered by source then destination."""
     for side, tp in (("source", src_tp), ("destination", dst_tp)):
         if tp < 1 or num_kv_heads % tp:
-            raise KVLayoutError(
-                f"{side} tensor_parallel={tp} does not divide num_kv_heads={num_kv_heads}"
-            )
+            raise KVLayoutError(f"{side} tensor_parallel={tp} does not divide {num_kv_heads} heads")
     sp, dp = num_kv_heads // src_tp, num_kv_heads // dst_tp
     routes = []
     for s in range(src_tp):
@@ -193,6 +179,8 @@ def cache_layout(engine) -> KVLayout:
     """The layout of one rank's cache, from its engine (``engine.LLMEngine`` or a rank's
     ``RankEngine``: the model shard's config, dtype and tensor-parallel place, and the
     block size of its runner's block manager)."""
-    model, cfg = engine.model, engine.model.cfg
-    return KVLayout(cfg.num_layers, engine.runner.blocks.block_size, cfg.num_kv_heads,
-                    cfg.head_dim, dtype_name(model.dtype), model.tp.size, model.tp.rank)  # fmt: skip
+    m, cfg, size = engine.model, engine.model.cfg, engine.runner.blocks.block_size
+    dtype = dtype_name(m.dtype)
+    return KVLayout(
+        cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim, dtype, m.tp.size, m.tp.rank
+    )

@@ -1,22 +1,19 @@
 """``KVReceiver``: the decode side of one tensor-parallel rank, shared by every backend:
-the book of the transfers it expects, each one the state machine of
-docs/kv_transfer.md, and the writes into its cache. A backend adds its ``address`` and
-the transport that feeds the book (``claim``/``commit``, ``end``, ``fail``,
-``link_lost``).
+the transfers it expects, each one the state machine of docs/kv_transfer.md, and the
+writes into its cache. A backend adds its ``address`` and the transport that feeds it
+(``claim``/``commit``, ``end``, ``fail``, ``link_lost``).
 
-    expect --> RESERVED --first byte--> RECEIVING --every piece and every END--> LANDED
-                   |                        |---- bad checksum / refused / link lost --> FAILED
-                   |                        `---- no progress for lease_s -------------> EXPIRED
-                   `--------- release (any state): out of the book, no byte lands after
+    expect -> RESERVED -first byte-> RECEIVING -every segment and END-> LANDED
+                                         |-- bad checksum, refused, link lost -> FAILED
+                                         `-- no progress for lease_s ---------> EXPIRED
+    release (any state): out of the book; no byte of it lands afterwards
 
-RESERVED has no timer: the owner releases it (the prefill failed, the client left).
-The lease is the only timer: it starts with the transfer's first byte (or END, or
-another rank's report) and every piece that lands renews it, so it measures the
-transfer, not the prefill queue. LANDED, FAILED and EXPIRED are reported once each, as
-an ``Outcome``, to ``on_event`` (on the book's own thread, never a transport's); the
-record stays until the owner ``release``s it, and claims are refused from then on.
-Rank 0 of a tensor-parallel instance expects ``ranks`` parts: its own and one report
-per other rank (``rank_event``), and lands when all have.
+RESERVED has no timer (the prefill may be queued; the owner releases it when the
+prefill fails). The lease is the only timer: the first byte, END or report of another
+rank starts it, each one renews it. LANDED, FAILED and EXPIRED are reported once, as an
+``Outcome``, to ``on_event`` on the receiver's own thread; claims are refused from then
+on. Rank 0 of a tensor-parallel instance expects ``ranks`` parts: its own and a report
+from each other rank (``rank_event``).
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ from kv_transfer.protocol import (
     status_of,
     transfer_key,
 )
-from kv_transfer.segment import Segment, checksum, scatter
+from kv_transfer.segment import Segment, checksum, runs, scatter
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +80,6 @@ class Transfer:
     others: int  # other ranks still to report (rank 0)
     state: State = State.RESERVED
     deadline: float | None = None
-    missing: int = 0
     ended: set[int] = field(default_factory=set)  # source ranks whose END arrived
     handoff: Handoff | None = None
     links: set = field(default_factory=set)  # the connections that fed it
@@ -95,19 +91,24 @@ class Transfer:
 
     def __post_init__(self):
         self.rows = {src: i for i, src in enumerate(sorted(self.routes))}
-        self.missing = int(self.have.size)
+
+    @property
+    def live(self) -> bool:
+        return self.state in (State.RESERVED, State.RECEIVING)
 
     def describe_missing(self) -> str:
         parts = []
         for src, row in self.rows.items():
-            layers = np.flatnonzero(~self.have[row].all(axis=1)).tolist()
-            if layers or src not in self.ended:
-                what = f"layers {_ranges(layers)}" if layers else "its END"
-                parts.append(f"{what} from source rank {src}")
+            v = np.flatnonzero(~self.have[row].all(axis=1)).tolist()
+            if v or src not in self.ended:
+                spans = ",".join(
+                    f"{v[i]}" + (f"-{v[i + n - 1]}" if n > 1 else "") for i, n in runs(v)
+                )
+                parts.append(f"{f'layers {spans}' if v else 'its END'} from source rank {src}")
         return "; ".join(parts) + (f"; {self.others} other rank(s)" if self.others else "")
 
     def complete(self) -> bool:
-        return self.missing == 0 and len(self.ended) == len(self.routes) and not self.others
+        return bool(self.have.all()) and len(self.ended) == len(self.routes) and not self.others
 
 
 @dataclass(eq=False)
@@ -184,15 +185,11 @@ class KVReceiver:
         """Rank 0: another rank's part of the transfer landed (``error`` None) or failed."""
         with self._cond:
             t = self._by_id.get(transfer_id)
-            if t is None or t.state not in (State.RESERVED, State.RECEIVING):
-                return
-            if error is not None:
-                return self._finish(
-                    t, State.FAILED, KVTransferError(f"decode rank {rank}: {error}")
-                )
-            t.others -= 1
-            t.bytes += nbytes
-            self._progress(t)
+            if t is not None and t.live and error is not None:
+                self._finish(t, State.FAILED, KVTransferError(f"decode rank {rank}: {error}"))
+            elif t is not None and t.live:
+                t.others, t.bytes = t.others - 1, t.bytes + nbytes
+                self._progress(t)
 
     def wait(self, transfer_id: str, timeout: float | None = None) -> Outcome:
         """Block until the transfer landed, failed or expired (or ``timeout``), release it
@@ -203,11 +200,9 @@ class KVReceiver:
             if t is None:
                 raise KVTransferError(f"transfer {transfer_id!r} is not expected here (never "
                                       "expected, already released or waited for)")  # fmt: skip
-            while t.state in (State.RESERVED, State.RECEIVING) and (
-                deadline is None or (left := deadline - time.monotonic()) > 0
-            ):
+            while t.live and (deadline is None or (left := deadline - time.monotonic()) > 0):
                 self._cond.wait(None if deadline is None else left)
-            if t.state in (State.RESERVED, State.RECEIVING):
+            if t.live:
                 self._finish(t, State.EXPIRED, self._timeout(t, f"within {timeout}s"))
             self._drop(t)
         if t.error is not None:
@@ -237,7 +232,7 @@ class KVReceiver:
         ``on_stuck`` is called to break it (it must make the write fail)."""
         with self._cond:
             t = self._by_key.get(key)
-            if t is None or t.state not in (State.RESERVED, State.RECEIVING):
+            if t is None or not t.live:
                 return None, *self._status(t, key, src_rank)
             if problem := self._misfit(t, src_rank, src_layout, segs):
                 self._finish(t, State.FAILED, KVTransferError(
@@ -253,12 +248,9 @@ class KVReceiver:
         """K's and V's regions of the cache a claimed segment fills, when each is one
         contiguous tensor (consecutive blocks, all of this rank's heads): receive there."""
         ids = c.dst_ids
-        if c.dst_heads != (0, self.layout.heads_per_rank) or any(
-            ids[k] != ids[0] + k for k in range(len(ids))
-        ):
+        if c.dst_heads != (0, self.layout.heads_per_rank) or runs(ids) != [(0, len(ids))]:
             return None
-        k, v = self.layer_caches[c.seg.layer]
-        return k[ids[0] : ids[0] + len(ids)], v[ids[0] : ids[0] + len(ids)]
+        return tuple(x[ids[0] : ids[0] + len(ids)] for x in self.layer_caches[c.seg.layer])
 
     def write(self, c: Claim, k: torch.Tensor, v: torch.Tensor) -> None:
         caches = self.layer_caches[c.seg.layer]
@@ -291,12 +283,9 @@ class KVReceiver:
                 t = c.transfer
                 t.inflight.discard(c)
                 if ok and t.state == State.RECEIVING:
-                    row = t.have[
-                        t.rows[c.src_rank], c.seg.layer, c.seg.start : c.seg.start + c.seg.count
-                    ]
-                    t.missing -= int(c.seg.count - row.sum())
-                    row[:] = True
-                    t.bytes += 2 * c.seg.count * self.layout.block_bytes(c.seg.num_heads)
+                    s = c.seg
+                    t.have[t.rows[c.src_rank], s.layer, s.start : s.start + s.count] = True
+                    t.bytes += 2 * s.count * self.layout.block_bytes(s.num_heads)
                     self._progress(t)
             self._cond.notify_all()
 
@@ -305,7 +294,7 @@ class KVReceiver:
         acknowledge. A source whose share is incomplete at its END fails the transfer."""
         with self._cond:
             t = self._by_key.get(key)
-            if t is not None and t.state in (State.RESERVED, State.RECEIVING):
+            if t is not None and t.live:
                 t.links.add(link)
                 if src_rank not in t.routes:
                     return Status.REJECTED, f"source rank {src_rank} has no heads for this rank"
@@ -323,7 +312,7 @@ class KVReceiver:
     def fail(self, key: int, error: KVTransferError) -> None:
         with self._cond:
             t = self._by_key.get(key)
-            if t is not None and t.state in (State.RESERVED, State.RECEIVING):
+            if t is not None and t.live:
                 self._finish(t, State.FAILED, error)
 
     def link_lost(self, link, src_rank: int, why: str) -> None:
@@ -331,8 +320,7 @@ class KVReceiver:
         END from that rank had not come fail at once."""
         with self._cond:
             for t in list(self._by_id.values()):
-                live = t.state in (State.RESERVED, State.RECEIVING)
-                if live and link in t.links and src_rank not in t.ended:
+                if t.live and link in t.links and src_rank not in t.ended:
                     self._finish(t, State.FAILED, KVPeerError(
                         f"KV transfer {t.transfer_id!r}: connection lost ({why})"))  # fmt: skip
 
@@ -389,9 +377,7 @@ class KVReceiver:
     def _status(self, t: Transfer | None, key: int, src_rank: int) -> tuple[Status, str]:
         """How a source's share stands: what its END's acknowledgement says."""
         if t is None:
-            return self._recent.get(
-                key, (Status.UNKNOWN, "transfer not expected (never, or no longer)")
-            )
+            return self._recent.get(key, (Status.UNKNOWN, "transfer not expected"))
         if t.error is not None:
             return status_of(t.error), str(t.error)
         if src_rank not in t.rows:
@@ -416,7 +402,7 @@ class KVReceiver:
                     c.on_stuck()
         if t.inflight:
             log.error("transfer %r released with %d writes pending", t.transfer_id, len(t.inflight))
-        if t.state in (State.RESERVED, State.RECEIVING):
+        if t.live:
             self._recent[t.key] = (Status.UNKNOWN, "released before it completed")
         else:
             self._recent[t.key] = self._status(t, t.key, min(t.rows, default=0))
@@ -445,14 +431,3 @@ class KVReceiver:
                         self.on_event(outcome)
                     except Exception:  # the owner's bug must not stop the clock
                         log.exception("KV receiver: on_event failed for %s", outcome.transfer_id)
-
-
-def _ranges(values: Sequence[int]) -> str:
-    out, i = [], 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ",".join(out)

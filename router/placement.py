@@ -1,6 +1,6 @@
 """How requests reach engine instances: one ``Placement`` per mode, chosen by the config.
 
-The router (router/server.py) owns admission and the streams; a placement decides
+The router core (router/core.py) owns admission and the streams; a placement decides
 where a request runs, starts it there, routes the instances' updates back to its
 stream, and cleans up on cancel or instance death.
 """

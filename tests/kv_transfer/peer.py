@@ -124,8 +124,8 @@ class PeerState:
         return {"zeroed": not self.caches[0][:, :, ids].any()}
 
     def landed_equal(self, ids, seed, src_ids):
-        return {"equal": tensor_digest(self.caches[0][:, :, ids]) == tensor_digest(
-            reference(self.receivers[0].layout, self.blocks.num_blocks, seed)[:, :, src_ids])}  # fmt: skip
+        want = reference(self.receivers[0].layout, self.blocks.num_blocks, seed)[:, :, src_ids]
+        return {"equal": tensor_digest(self.caches[0][:, :, ids]) == tensor_digest(want)}
 
     def integrity(self):
         self.blocks.check_integrity()

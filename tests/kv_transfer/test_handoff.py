@@ -225,7 +225,12 @@ def _run_row(sides: Sides, row: Row, tid: str) -> None:
 def _subtypes(name: str) -> set[str]:
     """The error types a row's named type admits (its subclasses)."""
     family = {
-        "KVTransferError": {"KVTransferError", "KVPeerError", "KVTransferTimeout", "KVChecksumError"},
+        "KVTransferError": {
+            "KVTransferError",
+            "KVPeerError",
+            "KVTransferTimeout",
+            "KVChecksumError",
+        },
         "KVPeerError": {"KVPeerError", "KVTransferTimeout"},
     }
     return family.get(name, {name})
