@@ -121,3 +121,30 @@ def test_32_concurrent_requests_equal_offline(chat_model, expected, backend, lay
         assert wait_until(lambda: all_blocks_free(client.stats()), 10), client.stats()
         check_pools(cluster)
         client.close()
+
+
+def test_a_queued_prefill_never_expires_its_lease(chat_model):
+    """48 long prompts at once on one prefill instance with a small token budget: most
+    wait in its queue several times kv_transfer.lease_s, with their decode blocks reserved.
+    The lease runs from the first byte of a transfer, so none expires and none is redone."""
+    from cluster import launch
+
+    lease_s = 0.3
+    config = disagg_config(chat_model, "gloo", True, 1, lease_s=lease_s)
+    config["prefill"]["max_batch_tokens"] = 4
+    config["decode"].update(kv_blocks=2048, max_batch_size=64)
+    work = [([3 + (i + j) % 250 for j in range(500)], 2) for i in range(48)]
+    with launch(config) as cluster:
+        client = cluster.client()
+        streams = run_concurrently(client, work)
+        waits = []
+        for chunks in streams:
+            t = chunks[-1].timings
+            assert chunks[-1].finish_reason == "length" and t.attempts == 1
+            waits.append(t.phases["prefill_start"] - t.phases["queued"])
+        assert max(waits) > 3 * lease_s * 1000, max(waits)  # the backlog was real
+        decode = next(s for s in cluster.stats()["instances"] if s["role"] == "decode")
+        assert decode["leases_expired_total"] == 0, decode
+        assert wait_until(lambda: all_blocks_free(client.stats()), 10), client.stats()
+        check_pools(cluster)
+        client.close()
