@@ -161,18 +161,14 @@ class EngineWorker:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._inbox or self._stopping or self._has_work()):
-                    idle_s = self._idle_wait_s()
-                    self._work.wait(idle_s)
-                    if idle_s is not None:
-                        break  # waiting on something outside the engine: look again
+                while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
+                    self._work.wait()  # every event reaches the loop as an op in the inbox
                 if self._stopping:
                     return
                 ops = list(self._inbox)
                 self._inbox.clear()
             started = time.perf_counter()
             produced = [u for op in ops for u in self._apply(op)]
-            produced += self._between_steps()
             if self.engine.has_unfinished_requests():
                 produced += self._step()
                 if self.engine.last_shape is not None:  # recorded before its updates go out
@@ -189,17 +185,6 @@ class EngineWorker:
 
     def _setup(self) -> None:
         """A role's own state (the KV transfer endpoints), before the step loop starts."""
-
-    def _has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
-
-    def _idle_wait_s(self) -> float | None:
-        """How long the loop, with nothing to step, sleeps before ``_between_steps`` looks
-        again (None: until a call arrives)."""
-        return None
-
-    def _between_steps(self) -> list[Update]:
-        return []
 
     def _apply(self, op: tuple) -> list[Update]:
         return self._ops[op[0]](*op[1:])

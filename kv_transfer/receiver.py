@@ -138,7 +138,9 @@ class KVReceiver:
         self.layer_caches = [layer.unbind(0) for layer in kv_cache.unbind(0)]  # [layer][kv]
         self.stuck_s = stuck_s  # how long a release waits for a write in progress
         self.on_event: Callable[[Outcome], None] | None = None
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # waits for writes, ends and releases
+        self._clock = threading.Condition(lock)  # the watcher's: outcomes, a lease starting
         self._by_id: dict[str, Transfer] = {}
         self._by_key: dict[int, Transfer] = {}
         self._recent: OrderedDict[int, tuple[Status, str]] = OrderedDict()  # released
@@ -221,7 +223,7 @@ class KVReceiver:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._clock.notify()
 
     # -- the transport ----------------------------------------------------------------
     def claim(self, key, src_rank, src_layout: KVLayout, segs: Sequence[Segment], link=None,
@@ -350,11 +352,12 @@ class KVReceiver:
     def _progress(self, t: Transfer) -> None:
         now = time.monotonic()
         t.first_at, t.last_at = t.first_at or now, now
+        if t.lease_s is not None:
+            if t.deadline is None:  # the clock starts (a renewal only moves it later)
+                self._clock.notify()
+            t.deadline = now + t.lease_s
         if t.state == State.RESERVED:
             t.state = State.RECEIVING
-        if t.lease_s is not None:
-            t.deadline = now + t.lease_s
-            self._cond.notify_all()
         if t.complete() and not t.inflight:
             self._finish(t, State.LANDED, None)
 
@@ -362,6 +365,7 @@ class KVReceiver:
         t.state, t.error = state, error
         self._events.append(self._outcome(t))
         self._cond.notify_all()
+        self._clock.notify()
 
     def _outcome(self, t: Transfer) -> Outcome:
         first, last = t.first_at or 0.0, t.last_at or 0.0
@@ -421,7 +425,7 @@ class KVReceiver:
                         self._finish(t, State.EXPIRED, self._timeout(t, f"for {t.lease_s:g}s"))
                     if self._events:
                         break
-                    self._cond.wait(min((t.deadline - now for t in due), default=None))
+                    self._clock.wait(min((t.deadline - now for t in due), default=None))
                 if self._closed:
                     return
                 events, self._events = list(self._events), deque()

@@ -108,7 +108,7 @@ def scatter(cache: torch.Tensor, ids: Sequence[int], heads: tuple[int, int], dat
     if is_run(ids):
         dst.narrow(dim, ids[0], len(ids)).copy_(data)
     elif cache.device.type == "cpu" and cache.element_size() in _WORD:
-        # numpy's indexed assignment copies whole blocks (index_copy_ is ~3x slower)
+        # numpy's indexed assignment copies whole blocks (docs/kv_transfer.md, "Things learned")
         word = _WORD[cache.element_size()]
         dst.view(word).numpy()[(slice(None),) * dim + (np.asarray(ids),)] = data.view(word).numpy()
     else:
