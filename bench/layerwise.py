@@ -12,6 +12,11 @@ the client (median of ``--runs`` after one warm-up request per cluster).
 
     exposed transfer = TTFT(disaggregated) - TTFT(co-located)
     hidden           = 1 - exposed(layer-wise) / exposed(whole)
+    handoff          = first token at the router - first token sampled on the prefill
+                       instance (the request's phase times; disaggregated only)
+
+The handoff needs no second cluster to compare against, so the run-to-run swings of a
+one-core prefill (several percent of seconds) do not hide it.
 """
 
 from __future__ import annotations
@@ -56,16 +61,19 @@ def measure(model: str, mode: dict, backend: str, prompts: dict, runs: int) -> d
     with launch(config(model, mode, backend)) as cluster, cluster.client() as client:
         client.complete(prompt_token_ids=prompts[min(prompts)], max_tokens=1)  # warm-up
         for n, ids in prompts.items():
-            ttft, transfer, kv = [], [], 0
+            ttft, transfer, handoff, kv = [], [], [], 0
             for _ in range(runs):
                 started = time.perf_counter()
                 done = client.complete(prompt_token_ids=ids, max_tokens=1, ignore_eos=True)
                 ttft.append((time.perf_counter() - started) * 1000)
                 transfer.append(done.timings.transfer_ms)
                 kv = done.timings.kv_bytes
+                phases = done.timings.phases
+                handoff.append(phases["tokens"][0] - phases.get("prefill_end", 0.0))
             out[n] = {
                 "ttft_ms": statistics.median(ttft),
                 "transfer_ms": statistics.median(transfer),
+                "handoff_ms": statistics.median(handoff),
                 "kv_mb": kv / 1e6,
             }
             print(f"  {n:5d} tokens: TTFT {out[n]['ttft_ms']:8.1f} ms", flush=True)
@@ -89,8 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     local, whole, lw = (results[m] for m in MODES)
     print(
         "\n| prompt tokens | KV MB | TTFT co-located ms | TTFT disagg whole ms | "
-        "TTFT disagg layer-wise ms | exposed whole ms | exposed layer-wise ms | hidden |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "TTFT disagg layer-wise ms | exposed whole ms | exposed layer-wise ms | hidden | "
+        "handoff whole ms | handoff layer-wise ms |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for n in lengths:
         exp_whole = whole[n]["ttft_ms"] - local[n]["ttft_ms"]
@@ -99,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {n} | {whole[n]['kv_mb']:.1f} | {local[n]['ttft_ms']:.1f} | "
             f"{whole[n]['ttft_ms']:.1f} | {lw[n]['ttft_ms']:.1f} | {exp_whole:.1f} | "
-            f"{exp_lw:.1f} | {hidden:.0%} |"
+            f"{exp_lw:.1f} | {hidden:.0%} | {whole[n]['handoff_ms']:.1f} | "
+            f"{lw[n]['handoff_ms']:.1f} |"
         )
 
 
