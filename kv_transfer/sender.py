@@ -1,13 +1,8 @@
-"""``KVSender``: the prefill side of one tensor-parallel rank, shared by every backend.
-
-It checks what it is given, cuts each call into ``Segment``s per destination rank
-(``layout.routes_from``) and keeps each transfer's state (``Outgoing``; a backend
-subclasses it for its own). A backend implements the four steps every transfer goes
-through, which are also the points a test transport overrides to inject faults
-(tests/kv_transfer/faults.py): ``_post`` (segments for one destination rank),
-``_end`` (the END, with the handoff bytes from source rank 0), ``_acks`` (every END's
-answer) and ``_disconnect`` (drop the link to a receiver); checksums are taken by
-``_sum``. The contract is in ``kv_transfer/__init__.py``.
+"""``KVSender``: the prefill side of one tensor-parallel rank, shared by every backend:
+checks, ``Segment``s per destination rank, each transfer's state (``Outgoing``, which a
+backend subclasses). A backend implements the steps every transfer goes through, which
+are also where a test transport injects faults: ``_post``, ``_end``, ``_acks``,
+``_disconnect`` (and ``_sum``, the checksum). The contract: ``kv_transfer/__init__.py``.
 """
 
 from __future__ import annotations
@@ -65,15 +60,8 @@ class KVSender(ABC):
     device_type: str | None = "cpu"  # the caches it sends from (None: any device)
     outgoing = Outgoing
 
-    def __init__(
-        self,
-        layout: KVLayout,
-        *,
-        checksum: bool = False,
-        name: str | None = None,
-        part_bytes: int = 4 << 20,
-        min_run: int = 4,
-    ):
+    def __init__(self, layout: KVLayout, *, checksum=False, name: str | None = None,
+                 part_bytes=4 << 20, min_run=4):  # fmt: skip
         self.layout, self.checksum = layout, checksum
         self.name = name or f"sender-{uuid.uuid4().hex[:8]}"
         self.part_bytes = part_bytes  # most bytes of K (or of V) in one segment
@@ -126,9 +114,7 @@ class KVSender(ABC):
         t.layers.update(layer for layer, _, _ in layers)
         return sent
 
-    def finish(
-        self, transfer_id: str, handoff: Handoff | None = None, timeout: float | None = 60.0
-    ) -> TransferAck:
+    def finish(self, transfer_id: str, handoff: Handoff | None = None, timeout=60.0) -> TransferAck:
         """End the transfer on every decode rank it went to (the END; source rank 0's
         carries ``handoff``) and wait for their answers: a ``TransferAck`` when each
         says its share landed, else a ``KVTransferError`` (``KVChecksumError``,
@@ -149,10 +135,8 @@ class KVSender(ABC):
         for ack in acks:
             if (error := ack.status.error(transfer_id, ack.address, ack.message)) is not None:
                 raise error
-        segments = sum(t.segments.values())
-        return TransferAck(
-            transfer_id, t.bytes, segments, time.monotonic() - t.started, tuple(acks)
-        )
+        seconds, segments = time.monotonic() - t.started, sum(t.segments.values())
+        return TransferAck(transfer_id, t.bytes, segments, seconds, tuple(acks))
 
     def abort(self, transfer_id: str) -> None:
         """Forget a transfer: what was posted may still go (the receiver drops it); no END."""
@@ -205,23 +189,20 @@ class KVSender(ABC):
             t = self._transfers.get(transfer_id)
             if t is None:
                 self.layout.check_compatible(dst.layout)
-                t = self._transfers[transfer_id] = self.outgoing(
-                    transfer_id, transfer_key(transfer_id), dst
-                )
+                t = self.outgoing(transfer_id, transfer_key(transfer_id), dst)
+                self._transfers[transfer_id] = t
             elif t.dst != dst:
-                raise KVTransferError(
-                    f"transfer {transfer_id!r} is already going to {t.dst.addresses}; "
-                    "use a new transfer id for another destination"
-                )
+                raise KVTransferError(f"transfer {transfer_id!r} already goes to "
+                                      f"{t.dst.addresses}: use another id")  # fmt: skip
             return t
 
     def _check_blocks(self, t: Outgoing, ids: list[int], offset: int, layers) -> None:
         if not ids:
             raise KVTransferError(f"transfer {t.transfer_id!r}: no source blocks")
         if offset < 0 or offset + len(ids) > len(t.dst.block_ids):
+            end, have = offset + len(ids), len(t.dst.block_ids)
             raise KVLayoutError(
-                f"transfer {t.transfer_id!r}: blocks [{offset}, {offset + len(ids)}) but "
-                f"only {len(t.dst.block_ids)} are reserved"
+                f"transfer {t.transfer_id!r}: blocks [{offset}, {end}), {have} reserved"
             )
         num_blocks = min(min(k.shape[0], v.shape[0]) for _, k, v in layers)
         if bad := [b for b in ids if not 0 <= b < num_blocks]:
@@ -236,9 +217,7 @@ class KVSender(ABC):
             size = kv_cache.element_size()
         for layer, k_cache, v_cache in layers:
             if not 0 <= layer < self.layout.num_layers:
-                raise KVLayoutError(
-                    f"layer={layer} is outside the model's {self.layout.num_layers} layers"
-                )
+                raise KVLayoutError(f"layer={layer}: the model has {self.layout.num_layers}")
             if layer in t.layers and offset == 0:
                 raise KVTransferError(f"transfer {t.transfer_id!r}: layer {layer} sent twice")
             if kv_cache is not None:
@@ -254,22 +233,13 @@ class KVSender(ABC):
         """A layer's K or V cache (``dim`` 4), or the rank's whole cache (6)."""
         lay = self.layout
         want = (lay.block_size, lay.heads_per_rank, lay.head_dim)
-        lead_ok = dim == 4 or tuple(c.shape[:2]) == (lay.num_layers, 2)
-        if (
-            c.dim() != dim
-            or tuple(c.shape[-3:]) != want
-            or c.dtype != lay.torch_dtype
-            or not lead_ok
-        ):
-            lead = "blocks" if dim == 4 else f"{lay.num_layers}, 2, blocks"
-            raise KVLayoutError(
-                f"{name} is {tuple(c.shape)} {c.dtype}; this rank's cache is "
-                f"[{lead}, {want[0]}, {want[1]}, {want[2]}] {lay.dtype}"
-            )
+        lead = ("blocks",) if dim == 4 else (lay.num_layers, 2, "blocks")
+        shape = (*c.shape[:-3], *c.shape[-3:]) if c.dim() == dim else ()
+        if shape[-3:] != want or c.dtype != lay.torch_dtype or (dim == 6 and shape[:2] != lead[:2]):
+            raise KVLayoutError(f"{name} is {tuple(c.shape)} {c.dtype}; this rank's cache is "
+                                f"{[*lead, *want]} {lay.dtype}")  # fmt: skip
         if not c.is_contiguous():
             raise KVLayoutError(f"{name} must be contiguous (the cache or a layer view of it)")
         if self.device_type is not None and c.device.type != self.device_type:
-            raise KVLayoutError(
-                f"{name} is on {c.device}; the {self.backend} backend sends "
-                f"{self.device_type} tensors"
-            )
+            raise KVLayoutError(f"{name} is on {c.device}; the {self.backend} backend sends "
+                                f"{self.device_type} tensors")  # fmt: skip
