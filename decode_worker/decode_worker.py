@@ -89,7 +89,13 @@ class DecodeWorker(EngineWorker):
             raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
         block_ids = e.blocks.allocate(attempt.id, n)
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
-        self.receiver.expect(attempt.id, block_ids, src, self.lease_s, ranks=1 + len(self.ranks))
+        try:
+            self.receiver.expect(
+                attempt.id, block_ids, src, self.lease_s, ranks=1 + len(self.ranks)
+            )
+        except Exception:  # a layout the receiver refuses: nothing stays held
+            e.blocks.free(attempt.id)
+            raise
         self.reservations[attempt.id] = attempt
         self._consumer[attempt.id] = attempt.consumer
         return KVDestination(self.addresses, block_ids, self.layout, self.transport.name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import socket
 import threading
 import time
 import uuid
@@ -101,9 +102,8 @@ class GlooSender(KVSender):
 
     def _connect(self, address: str, dst_rank: int) -> SendPair:
         """Join the receiver at ``address``: read its card, push a join, form the group."""
-        host, port = wire.split_address(address)
         try:
-            store = TCPStore(host, port, None, False, self.connect_timeout)
+            store = self._store(address)
             card = pb.ReceiverCard.FromString(store.get("kv/receiver"))
         except Exception as e:  # noqa: BLE001 - any failure to reach it means the same
             raise KVPeerError(f"cannot reach KV receiver {address}: {e}") from e
@@ -125,6 +125,24 @@ class GlooSender(KVSender):
         except Exception as e:  # noqa: BLE001
             raise KVPeerError(f"cannot form a group with KV receiver {address}: {e}") from e
         return SendPair(address, pg, card, store, self.pack_bytes)
+
+    def _store(self, address: str) -> TCPStore:
+        """A client of the receiver's store. A TCPStore client retries a refused
+        connection for its whole timeout (docs/kv_transfer.md, "Things learned"), so each
+        try is short and preceded by a plain connect, which a dead receiver refuses at once."""
+        host, port = wire.split_address(address)
+        deadline = time.monotonic() + self.connect_timeout.total_seconds()
+        while True:
+            left = deadline - time.monotonic()
+            socket.create_connection((host, port), timeout=max(0.1, left)).close()
+            try:
+                store = TCPStore(host, port, None, False, datetime.timedelta(seconds=min(5, left)))
+            except Exception:  # noqa: BLE001 - slow, or gone between the two connects
+                if time.monotonic() > deadline - 0.1:
+                    raise
+                continue
+            store.set_timeout(self.connect_timeout)
+            return store
 
     def _transfer_pair(self, t: GlooOutgoing, address: str, dst_rank: int) -> SendPair:
         if address not in t.pairs:

@@ -26,6 +26,10 @@ from tests.kv_transfer.helpers import Peer
 
 LEASE_S = 1.0
 LATE_S = 1.6  # a delay past the lease
+# the prefill side's answer comes within its wait for answers (1.5 x lease) after the
+# sends, which the delay of a row and the store connect to a dying receiver (a plain
+# connect, then 5 s tries) can precede
+PREFILL_BOUND_S = 1.5 * LEASE_S + LATE_S + 2 * 5.0
 COUNT = 5  # blocks per transfer (3 layers of K and V each)
 POOL = 64
 
@@ -181,6 +185,7 @@ def _run_row(sides: Sides, row: Row, tid: str) -> None:
     started = time.monotonic()
     sent = _ask_or_dead(sides.prefill, op="handoff", key="p", tid=tid, seed=7, count=COUNT,
                         dst=reply["dst"], timeout=1.5 * LEASE_S)  # fmt: skip
+    assert time.monotonic() - started < PREFILL_BOUND_S, "the prefill side's answer came late"
     if sent is None:
         sides.prefill = None
     # the prefill side's answer
