@@ -1,19 +1,18 @@
 """``cluster.launch`` on a real embedded Ray: named actors with their resources, the
-standard health check, draining, and a clean stop."""
+standard health check, round-robin placement, and a clean stop. Tests that kill an
+instance or drain have clusters of their own (tests/cluster/test_lifecycle.py)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
-import threading
-import time
 
 import grpc
 import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.cluster.helpers import ray_temp_dirs, small_cluster_config, wait_until
+from tests.cluster.helpers import ray_temp_dirs, small_cluster_config
 
 
 @pytest.fixture(scope="module")
@@ -67,44 +66,5 @@ def test_round_robin_alternates_instances(cluster):
     served = [
         client.complete(prompt_token_ids=[5, 6, 7], max_tokens=2).timings.instances[0]
         for _ in range(4)
-    ]
-    assert served == ["colocated-0", "colocated-1", "colocated-0", "colocated-1"]
-
-
-def test_a_dead_instance_fails_its_requests_and_the_other_keeps_serving(cluster):
-    client = cluster.client()
-    stream = client.generate(prompt_token_ids=[8] * 20, max_tokens=900, ignore_eos=True)
-    next(stream)
-    busy = [i.name for i in client.stats().instances if i.outstanding == 1]
-    assert len(busy) == 1
-    ray.kill(ray.get_actor(busy[0], namespace="pdserve"))
-    with pytest.raises(grpc.RpcError) as err:
-        list(stream)
-    assert err.value.code() == grpc.StatusCode.INTERNAL
-    assert f"instance {busy[0]} failed" in err.value.details()
-    for _ in range(3):
-        done = client.complete(prompt_token_ids=[5, 6], max_tokens=2)
-        assert done.timings.instances[0] != busy[0]
-
-
-def test_drain_reports_not_serving_and_finishes_in_flight_requests(cluster):
-    """Last in this module: the cluster stops taking requests."""
-    client = cluster.client()
-    stream = client.generate(prompt_token_ids=[9] * 50, max_tokens=900, ignore_eos=True)
-    first = next(stream)
-    drained = {}
-    drainer = threading.Thread(target=lambda: drained.update(cut=cluster.drain(timeout_s=60)))
-    drainer.start()
-    assert wait_until(lambda: health(cluster.address) == "NOT_SERVING", timeout_s=5)
-    with pytest.raises(grpc.RpcError) as err:
-        client.complete("late", max_tokens=1)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert drainer.is_alive()  # still waiting for the stream
-    rest = list(stream)
-    drainer.join(timeout=30)
-    assert drained == {"cut": 0}
-    assert rest[-1].finish_reason == "length"
-    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 900
-    t0 = time.monotonic()
-    assert health(cluster.address) == "NOT_SERVING"
-    assert time.monotonic() - t0 < 5
+    ]  # where the cursor starts depends on the requests other tests sent
+    assert served[:2] == served[2:] and sorted(served[:2]) == ["colocated-0", "colocated-1"]
