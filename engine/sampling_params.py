@@ -1,8 +1,15 @@
-"""Per-request sampling settings, validated at construction."""
+"""Per-request sampling settings, validated at construction: whatever a request
+carries either fits here or is refused with the field, the value and what is allowed,
+so that no value reaches a step that could make it raise (a batch is shared)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# the smallest temperature that divides float32 logits without overflowing them to inf;
+# below it (0 excepted: greedy) a request is refused rather than sampled as greedy
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -26,13 +33,18 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r}: must be an integer >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r}: must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
+        t = self.temperature
+        if not _number(t) or not math.isfinite(t) or math.copysign(1, t) < 0:
+            raise ValueError(f"temperature={t!r}: must be a finite number >= 0 (0 is greedy)")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature={t!r}: must be 0 (greedy) or at least {MIN_TEMPERATURE:g}"
+            )
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _integer(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")
         if any(not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: stop strings must not be empty")
@@ -40,3 +52,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -18,10 +18,12 @@ that the pools never import each other. No Ray import: the cluster wraps it.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import traceback
+import uuid
 from collections import OrderedDict, defaultdict, deque
 from concurrent.futures import Future
 
@@ -31,6 +33,8 @@ from engine import EngineConfig, LLMEngine
 from engine.messages import Attempt, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
 from engine.step_log import StepLog
+
+log = logging.getLogger(__name__)
 
 
 class EngineWorker:
@@ -243,7 +247,10 @@ class EngineWorker:
         return out
 
     def _fail_all(self) -> list[Update]:
-        message = f"{self.name}: engine step failed:\n{traceback.format_exc()}"
+        incident = uuid.uuid4().hex[:12]  # the traceback stays in the log, under this id
+        log.error("%s: engine step failed (incident %s)\n%s", self.name, incident,
+                  traceback.format_exc())  # fmt: skip
+        message = f"{self.name}: engine step failed (incident {incident}, in the instance's log)"
         failed = list(self.engine.requests)
         for request_id in failed:
             self.engine.abort_request(request_id)

@@ -102,3 +102,48 @@ def test_bench_endpoint_client_measures_our_server(cluster):
     asyncio.run(run())
     assert record.error is None and record.completion_tokens == 6
     assert 0 < record.ttft_ms <= record.e2e_ms and record.finish_reason == "length"
+
+
+HOSTILE = {"temperature": ["NaN", "Infinity", "-Infinity", "1e-40", "-0.0"],
+           "top_p": ["NaN", "-0.0", "Infinity"]}  # fmt: skip
+
+
+def test_hostile_sampling_values_fail_alone(cluster, chat_model, offline):
+    """Non-finite, denormal and negative-zero sampling values, over HTTP and gRPC, are
+    refused at the edge (400 / INVALID_ARGUMENT, naming the field and no traceback)
+    while four greedy streams run on the same instances; those finish intact."""
+    import grpc
+
+    from router.client import RouterClient
+
+    prompts = [[5 + i, 9, 33, 81] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in offline.generate(prompts, params)]
+    client = RouterClient(cluster.address)
+
+    async def run():
+        streams = [
+            asyncio.ensure_future(client.acomplete(prompt_token_ids=ids, max_tokens=40,
+                                                   temperature=0, ignore_eos=True))
+            for ids in prompts
+        ]  # fmt: skip
+        async with httpx.AsyncClient(base_url=f"http://{cluster.http_address}") as http:
+            for key, values in HOSTILE.items():
+                for value in values:
+                    body = f'{{"model": "{chat_model}", "prompt": [5, 9], "{key}": {value}}}'
+                    r = await http.post("/v1/completions", content=body,
+                                        headers={"Content-Type": "application/json"})  # fmt: skip
+                    assert r.status_code == 400, (key, value, r.text)
+                    message = r.json()["error"]["message"]
+                    assert message.startswith(f"sampling.{key}=") and "Traceback" not in message
+                    with pytest.raises(grpc.RpcError) as err:
+                        await client.acomplete(prompt_token_ids=[5, 9], **{key: float(value)})
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (key, value)
+        done = [c.token_ids for c in await asyncio.gather(*streams)]
+        await client.aclose()
+        return done
+
+    try:
+        assert asyncio.run(run()) == want
+    finally:
+        client.close()
