@@ -39,6 +39,7 @@ class DecodeWorker(EngineWorker):
         self.receiver.on_event = lambda outcome: self._post(("landed", outcome))
         self.lease_s = kv_config["lease_s"]
         self.reservations: dict[str, Attempt] = {}
+        self._releasing: dict[str, int] = {}  # attempt id -> ranks yet to confirm a release
         self.addresses = [self.receiver.address]  # one KV receiver per tensor-parallel rank
         if self.ranks:
             import ray
@@ -143,19 +144,16 @@ class DecodeWorker(EngineWorker):
                 self.engine.blocks.free(attempt_id)
             return
         refs = [r.release.remote(attempt_id) for r in self.ranks]
-        if free:  # once every rank confirms: no byte lands after that
-            left = [len(refs)]
-
-            def done(_):
-                left[0] -= 1
-                if left[0] == 0:
-                    self._post(("free", attempt_id))
-
+        if free:  # once every rank confirmed (counted on the loop): no byte lands after
+            self._releasing[attempt_id] = len(refs)
             for ref in refs:
-                ref.future().add_done_callback(done)
+                ref.future().add_done_callback(lambda _: self._post(("free", attempt_id)))
 
     def _op_free(self, attempt_id: str) -> list[Update]:
-        self.engine.blocks.free(attempt_id)
+        self._releasing[attempt_id] -= 1
+        if not self._releasing[attempt_id]:
+            del self._releasing[attempt_id]
+            self.engine.blocks.free(attempt_id)
         return []
 
     def _owns(self, request_id: str) -> bool:

@@ -25,7 +25,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.gloo_wire import FOREVER, NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
+from kv_transfer.gloo_wire import NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
 from kv_transfer.layout import KVLayout, KVLayoutError
 from kv_transfer.protocol import KVPeerError, KVTransferError, KVTransferTimeout, Status, kv_host
 from kv_transfer.segment import Source, typed
@@ -282,32 +282,31 @@ class GlooSender(KVSender):
         t.buffers.append(buf)  # back to the pool at the end of the transfer
         return buf
 
-    def _acks(self, t: GlooOutgoing, timeout: float | None) -> list[Ack]:
-        """Wait for every send (a send's work stays referenced until then: gloo drops the
-        message of a send whose work is destroyed early), then each END's answer."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        wait_for = FOREVER if timeout is None else datetime.timedelta(seconds=timeout)
+    def _all_sent(self, t: GlooOutgoing, wait_for: datetime.timedelta) -> None:
+        """Wait for every send of the transfer. A send's work stays referenced until
+        then: gloo drops the message of a send whose work is destroyed early. Sends of
+        one tag on a pair complete in order, so the last of each is waited for."""
         while t.packs:
             self._pack_sent(t, wait_for)
         last = {(pair, tag): i for i, (pair, tag, _, _) in enumerate(t.sends)}
         for i in sorted(last.values()):
             self._wait(t.sends[i][0], t.sends[i][2], wait_for, t)
         t.sends.clear()
+
+    def _acks(self, t: GlooOutgoing, timeout: float) -> list[Ack]:
+        """Every send, then each END's answer, within ``timeout`` in all."""
+        deadline = time.monotonic() + timeout
+        self._all_sent(t, datetime.timedelta(seconds=timeout))
         out = []
         for address in t.segments:
-            if address not in t.acks:  # no END went out: no answer will come
-                time.sleep(max(0.0, deadline - time.monotonic()) if deadline else 0)
-                raise KVTransferTimeout(f"KV transfer {t.transfer_id!r} to {address}: "
-                                        f"no acknowledgement within {timeout}s")  # fmt: skip
+            if address not in t.acks:
+                raise KVTransferError(f"KV transfer {t.transfer_id!r}: no END went to {address}")
             for pair, work, ack in t.acks[address]:
-                left = None if deadline is None else max(0.001, deadline - time.monotonic())
-                self._wait(
-                    pair, work, FOREVER if left is None else datetime.timedelta(seconds=left), t
-                )
+                left = max(0.001, deadline - time.monotonic())
+                self._wait(pair, work, datetime.timedelta(seconds=left), t)
                 self.group.sync(ack)
                 h = ack.tolist()
-                if (h[wire.H_MAGIC], h[wire.H_KIND], h[wire.H_KEY]) != (
-                    wire.MAGIC,
+                if h[wire.H_MAGIC] != wire.MAGIC or (h[wire.H_KIND], h[wire.H_KEY]) != (
                     Kind.ACK,
                     t.key,
                 ):
@@ -338,14 +337,8 @@ class GlooSender(KVSender):
             threading.Thread(target=self._drain, args=(t,), daemon=True).start()
 
     def _drain(self, t: GlooOutgoing) -> None:
-        with contextlib.suppress(Exception):  # the pair broke: nothing more will be sent
-            while t.packs:
-                pair, work, pack = t.packs.popleft()
-                work.wait(self.connect_timeout)
-                self.pool.give(pack)
-            last = {(pair, tag): i for i, (pair, tag, _, _) in enumerate(t.sends)}
-            for i in sorted(last.values()):
-                t.sends[i][2].wait(self.connect_timeout)
+        with contextlib.suppress(KVTransferError):  # the pair broke: nothing more will go
+            self._all_sent(t, self.connect_timeout)
 
     def close(self) -> None:
         for address in list(self._pairs):

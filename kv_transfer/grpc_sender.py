@@ -55,10 +55,11 @@ def encode_chunk(head: pb.KVChunk, metas: list[pb.KVChunkMeta], parts: list) -> 
 class PushStream:
     """The request side of one Push call: a bounded queue of items that gRPC's sending
     thread drains, encoding the items queued by then (up to ``chunk`` bytes) into each
-    message as it goes. ``None`` for a stream that failed."""
+    message as it goes. A ``put`` that finds the queue full for ``stall_s`` (the
+    receiver stopped reading) fails the stream rather than hold the forward pass."""
 
-    def __init__(self, limit: int, chunk: int, encode):
-        self.limit, self.chunk, self.encode = limit, chunk, encode
+    def __init__(self, limit: int, chunk: int, encode, stall_s: float = 30.0):
+        self.limit, self.chunk, self.encode, self.stall_s = limit, chunk, encode, stall_s
         self.queue: collections.deque = collections.deque()
         self.queued, self.closed, self.failed = 0, False, None
         self.cond = threading.Condition()
@@ -66,8 +67,9 @@ class PushStream:
 
     def put(self, item, size: int) -> None:
         with self.cond:
-            while self.queued and self.queued + size > self.limit and not self.failed:
-                self.cond.wait()
+            full = lambda: self.queued and self.queued + size > self.limit
+            if not self.cond.wait_for(lambda: not full() or self.failed, self.stall_s):
+                self.fail(f"no progress for {self.stall_s:g}s")  # ends the iterator, the call
             if self.failed is not None:
                 raise KVPeerError(f"KV push stream failed: {self.failed}")
             self.queue.append((item, size))
@@ -195,7 +197,7 @@ class GrpcSender(KVSender):
             offset += sum(p.numel() * p.element_size() for p in pieces)
         return encode_chunk(head, metas, parts)
 
-    def _acks(self, t: GrpcOutgoing, timeout: float | None) -> list[Ack]:
+    def _acks(self, t: GrpcOutgoing, timeout: float) -> list[Ack]:
         acks = []
         for address in t.segments:
             stream = t.streams[address]

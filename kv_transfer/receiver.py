@@ -193,17 +193,17 @@ class KVReceiver:
                 t.others, t.bytes = t.others - 1, t.bytes + nbytes
                 self._progress(t)
 
-    def wait(self, transfer_id: str, timeout: float | None = None) -> Outcome:
+    def wait(self, transfer_id: str, timeout: float) -> Outcome:
         """Block until the transfer landed, failed or expired (or ``timeout``), release it
         and return the outcome, or raise its error (``KVTransferTimeout`` on timeout)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
         with self._cond:
             t = self._by_id.get(transfer_id)
             if t is None:
                 raise KVTransferError(f"transfer {transfer_id!r} is not expected here (never "
                                       "expected, already released or waited for)")  # fmt: skip
-            while t.live and (deadline is None or (left := deadline - time.monotonic()) > 0):
-                self._cond.wait(None if deadline is None else left)
+            while t.live and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
             if t.live:
                 self._finish(t, State.EXPIRED, self._timeout(t, f"within {timeout}s"))
             self._drop(t)
@@ -281,6 +281,7 @@ class KVReceiver:
     def commit(self, claims: Sequence[Claim], ok: bool) -> None:
         """End claims; when ``ok`` their segments count as landed (and renew the lease)."""
         with self._cond:
+            landed = {}
             for c in claims:
                 t = c.transfer
                 t.inflight.discard(c)
@@ -288,7 +289,9 @@ class KVReceiver:
                     s = c.seg
                     t.have[t.rows[c.src_rank], s.layer, s.start : s.start + s.count] = True
                     t.bytes += 2 * s.count * self.layout.block_bytes(s.num_heads)
-                    self._progress(t)
+                    landed[id(t)] = t
+            for t in landed.values():  # once per transfer, after all its claims ended
+                self._progress(t)
             self._cond.notify_all()
 
     def end(self, key: int, src_rank: int, handoff: bytes, link=None) -> tuple[Status, str]:

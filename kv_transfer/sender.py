@@ -162,7 +162,7 @@ class KVSender(ABC):
         """Post the transfer's END to one destination rank, after everything posted."""
 
     @abstractmethod
-    def _acks(self, t: Outgoing, timeout: float | None) -> list[Ack]:
+    def _acks(self, t: Outgoing, timeout: float) -> list[Ack]:
         """Wait for every END's answer; raise ``KVPeerError`` / ``KVTransferTimeout``."""
 
     @abstractmethod

@@ -40,7 +40,7 @@ from kv_transfer.gloo_receiver import GlooReceiver
 from kv_transfer.gloo_sender import GlooSender
 from kv_transfer.grpc_receiver import GrpcReceiver
 from kv_transfer.grpc_sender import GrpcSender
-from kv_transfer.protocol import Status
+from kv_transfer.protocol import KVTransferError, KVTransferTimeout, Status
 
 ENV = "PDSERVE_KV_FAULTS"
 
@@ -100,6 +100,7 @@ class FaultySender:
         super().__init__(*args, **kwargs)
         self.faults = Faults("sender")
         self._lying: set[str] = set()
+        self._silent: set[str] = set()  # transfers whose END this sender dropped
 
     def _act(self, step, t, address, go) -> None:
         rule = self.faults.take(step, t.transfer_id, self.layout.tp_rank)
@@ -110,6 +111,8 @@ class FaultySender:
             self._lying.add(t.transfer_id)
         elif action == "disconnect":
             self._disconnect(address)
+        elif action == "drop" and step == "end":
+            self._silent.add(t.transfer_id)
         if action != "drop":
             go()
         if action == "duplicate":
@@ -124,7 +127,18 @@ class FaultySender:
 
     def _acks(self, t, timeout):
         self._act("ack", t, None, lambda: None)
-        return super()._acks(t, timeout)
+        started = time.monotonic()
+        try:
+            return super()._acks(t, timeout)
+        except KVTransferTimeout:
+            raise
+        except KVTransferError:
+            if t.transfer_id not in self._silent:
+                raise
+            # over a real link the END would have gone out and no answer come back
+            time.sleep(max(0.0, timeout - (time.monotonic() - started)))
+            why = f"no acknowledgement within {timeout}s (END dropped, injected)"
+            raise KVTransferTimeout(f"KV transfer {t.transfer_id!r}: {why}") from None
 
     def _sum(self, t, seg, *parts):
         total = super()._sum(t, seg, *parts)
