@@ -46,6 +46,10 @@ def tcp_port(v: int) -> str | None:
     return None if 0 <= v <= 65535 else "must be a TCP port in [0, 65535] (0: any free port)"
 
 
+def seconds(v: float) -> str | None:
+    return None if 0 < v < float("inf") else "must be a positive finite number of seconds"
+
+
 def in_unit(v: float) -> str | None:
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
@@ -106,6 +110,12 @@ class RouterConfig:
     http_port: int = spec(8000, tcp_port, "OpenAI-compatible HTTP port (0: any free port)")
     policy: str = spec("least_loaded", one_of(*POLICIES), "routing policy")
     max_queue: int = spec(1024, at_least(0), "requests waiting for an instance before refusal")
+    queue_timeout_s: float = spec(
+        60.0, seconds, "a request still waiting for an instance this long after arrival is refused"
+    )
+    max_concurrent_requests: int = spec(
+        4096, at_least(1), "generate calls served at once over gRPC and HTTP; past it: refused"
+    )
     drain_timeout_s: float = spec(30.0, at_least(0), "how long shutdown waits for requests")
 
 

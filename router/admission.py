@@ -1,14 +1,21 @@
-"""The router's admission queue: requests waiting for an instance with room.
+"""Who gets into the router: the admission queue and the bound on concurrent calls.
 
-Bounded: past ``max_size`` waiting requests, ``offer`` refuses and the core refuses
-the request as busy (router/request.py). FIFO, so a request is never overtaken by a
-later one.
+``AdmissionQueue``: requests waiting for an instance with room. Bounded: past
+``max_size`` waiting requests, ``offer`` refuses and the core refuses the request as
+busy (router/request.py). FIFO, so a request is never overtaken by a later one.
+
+``CallLimit``: generate calls in progress at the front ends, from the moment a call
+arrives until its handler returns (its last bytes written), over both front ends.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
+
+from router.request import Refusal, Refused
 
 T = TypeVar("T")
 
@@ -22,6 +29,9 @@ class AdmissionQueue(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __contains__(self, item: T) -> bool:
+        return item in self._items
 
     def offer(self, item: T) -> bool:
         """Append ``item``; False (and nothing queued) when the queue is full."""
@@ -52,3 +62,32 @@ class AdmissionQueue(Generic[T]):
         items = list(self._items)
         self._items.clear()
         return items
+
+
+class CallLimit:
+    """At most ``max_calls`` generate calls at once (``router.max_concurrent_requests``).
+
+    Invariant: ``active`` is the number of ``call()`` blocks entered and not yet left,
+    and never exceeds ``max_calls``; a call past the bound is refused at once, before it
+    reads its body or reaches the core."""
+
+    def __init__(self, max_calls: int):
+        if max_calls < 1:
+            raise ValueError(f"router.max_concurrent_requests={max_calls!r}: must be >= 1")
+        self.max_calls = max_calls
+        self.active = 0
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Hold a place for the block; raises ``Refused`` (BUSY) when none is left."""
+        if self.active >= self.max_calls:
+            raise Refused(
+                Refusal.BUSY,
+                f"{self.active} requests in progress, the most the router serves at once "
+                "(router.max_concurrent_requests); retry later",
+            )
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1

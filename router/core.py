@@ -18,7 +18,7 @@ import time
 import uuid
 
 from engine.tokenizer import Tokenizer
-from router.admission import AdmissionQueue
+from router.admission import AdmissionQueue, CallLimit
 from router.disagg import Disaggregated
 from router.instances import Instance
 from router.placement import Colocated
@@ -31,9 +31,11 @@ from router.validation import InvalidRequest, ModelLimits, RequestValidator
 class RouterCore:
     """The control plane.
 
-    Front ends call ``open_stream`` (raises ``Refused``), read the stream until a delta
-    has a finish reason or an error, then ``finish`` it; ``abort`` ends a request by
-    id; ``serving`` is their health. The placement calls ``requeue``, ``after_updates``
+    Front ends hold a place in ``calls`` for each generate call, call ``open_stream``
+    (raises ``Refused``), read the stream until a delta has a finish reason or an error
+    (or ``read`` raises ``Refused``: the request's deadline or the queue's timeout
+    passed), then ``finish`` it; ``abort`` ends a request by id; ``serving`` is their
+    health. The placement calls ``requeue``, ``after_updates``
     and ``cancel``. The owner (router/server.py) calls ``bring_up``, ``stop_admitting``,
     ``drain``, ``stop`` and ``stats``.
     """
@@ -50,6 +52,8 @@ class RouterCore:
         self.tokenizer = tokenizer
         self.instances = [Instance(n, r, h, i) for i, (n, r, h) in enumerate(workers)]
         self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
+        self.queue_timeout_s: float = router_config["queue_timeout_s"]
+        self.calls = CallLimit(router_config["max_concurrent_requests"])
         placement = Disaggregated if mode == "disaggregated" else Colocated
         self.placement = placement(self, self.instances, make_policy(router_config["policy"]))
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
@@ -132,12 +136,18 @@ class RouterCore:
 
     # ---- requests (called by the front ends) ----
 
-    def open_stream(self, request: GenerateRequest, arrival: float) -> RequestStream:
+    def open_stream(
+        self, request: GenerateRequest, arrival: float, deadline: float | None = None
+    ) -> RequestStream:
         """Validate, tokenize and admit ``request`` (``arrival``: ``time.monotonic()``
         when it reached the front end): its stream, placed or queued.
 
         Raises ``Refused``. The caller reads the stream to its end and then calls
-        ``finish`` (also when its client goes away)."""
+        ``finish`` (also when its client goes away). The router gives up on the request
+        (taken out of the router and its instances; ``read`` raises ``Refused``) at
+        ``deadline`` (``time.monotonic()``; DEADLINE), and when it is still waiting in
+        the admission queue, no token sent, ``router.queue_timeout_s`` after its
+        arrival (BUSY)."""
         if self.draining:
             raise Refused(Refusal.UNAVAILABLE, "the router is draining")
         if not self.ready:
@@ -159,11 +169,42 @@ class RouterCore:
                 f"admission queue full: {self.admission.max_size} requests are waiting "
                 "for an instance (router.max_queue); retry later",
             )
+        loop = asyncio.get_running_loop()
+        waited = time.monotonic() - arrival
+        stream.timers.append(
+            loop.call_later(self.queue_timeout_s - waited, self._queue_timeout, stream)
+        )
+        if deadline is not None:
+            late = Refused(
+                Refusal.DEADLINE,
+                f"deadline exceeded: the request had not finished {deadline - arrival:.3g} s "
+                "after its arrival",
+            )
+            stream.timers.append(
+                loop.call_later(deadline - time.monotonic(), self._give_up, stream, late)
+            )
         return stream
 
     def finish(self, stream: RequestStream) -> None:
-        """The stream ended (finished, failed, or its client went away)."""
+        """The stream ended (finished, failed, given up on, or its client went away)."""
+        for timer in stream.timers:  # they would keep the stream until they fire
+            timer.cancel()
         if not stream.finished or stream.request_id in self.streams:
+            self.cancel(stream)
+
+    def _queue_timeout(self, stream: RequestStream) -> None:
+        if stream.num_tokens == 0 and stream in self.admission:
+            waited = time.monotonic() - stream.arrival
+            message = (
+                f"waited {waited:.3g} s in the admission queue, past router.queue_timeout_s="
+                f"{self.queue_timeout_s:g}; every instance is busy, retry later"
+            )
+            self._give_up(stream, Refused(Refusal.BUSY, message))
+
+    def _give_up(self, stream: RequestStream, refused: Refused) -> None:
+        """Take the request out of the router and its instances; its reader gets ``refused``."""
+        if self.streams.get(stream.request_id) is stream and not stream.finished:
+            stream.deliver(Delta([], "", refused=refused))
             self.cancel(stream)
 
     def abort(self, request_id: str) -> bool:

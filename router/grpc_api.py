@@ -3,14 +3,23 @@ standard ``grpc.health.v1`` service, over the router core (router/core.py).
 
 The handlers translate protobuf messages into the core's types (router/request.py,
 router/stream.py) and back; a refusal of the core becomes its status code
-(``GRPC_STATUS``), a request an instance failed ends with INTERNAL. Health is set by
-the owner of the server (router/server.py): NOT_SERVING from ``start`` until
-``set_serving(True)``.
+(``GRPC_STATUS``; BUSY with trailing metadata ``retry-after``, in seconds), a request
+an instance failed ends with INTERNAL. Health is set by the owner of the server
+(router/server.py): NOT_SERVING from ``start`` until ``set_serving(True)``.
+
+Invariants of a Generate call: it holds a place in ``core.calls`` until it returns
+(past the bound: RESOURCE_EXHAUSTED at once; Abort, Stats and Health are never
+bounded, so a client can always cancel and probe); the call's deadline is the
+request's (passed: DEADLINE_EXCEEDED); whatever ends it (finished, refused, failed,
+its deadline, the client cancelling) ``core.finish`` takes its request out of the
+router and the instances. An unexpected exception reaches the client as INTERNAL with
+an incident id only (router/incidents.py), never grpc's "Unexpected <exception>".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import grpc
@@ -19,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
 from router.core import RouterCore
+from router.incidents import internal_error, one_line
 from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
 from router.stream import Delta, RequestStream, Timings
 
@@ -28,6 +38,7 @@ GRPC_STATUS = {
     Refusal.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     Refusal.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Refusal.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Refusal.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed")
 _STAT_FIELDS = (
@@ -78,6 +89,30 @@ class GrpcApi:
         await self._server.stop(grace_s)
 
 
+async def _abort(context, refused: Refused) -> None:
+    """End the call with the refusal's status (and ``retry-after`` when it has one)."""
+    trailing = ()
+    if refused.retry_after_s is not None:
+        trailing = (("retry-after", str(refused.retry_after_s)),)
+    await context.abort(GRPC_STATUS[refused.kind], refused.message, trailing_metadata=trailing)
+
+
+def _no_tracebacks(handler):
+    """A unary handler whose unexpected exceptions end the call with INTERNAL and an
+    incident id (the traceback goes to the log)."""
+
+    @functools.wraps(handler)
+    async def wrapped(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await context.abort(grpc.StatusCode.INTERNAL, internal_error(handler.__name__))
+
+    return wrapped
+
+
 class RouterService(pb_grpc.RouterServicer):
     """The ``pdserve.v1.Router`` handlers: translate, call the core, translate back."""
 
@@ -87,24 +122,33 @@ class RouterService(pb_grpc.RouterServicer):
     async def Generate(self, request, context):
         arrival = time.monotonic()
         try:
-            stream = self.core.open_stream(generate_request(request), arrival)
+            with self.core.calls.call():
+                left = context.time_remaining()  # None: the call has no deadline
+                deadline = None if left is None else time.monotonic() + left
+                stream = self.core.open_stream(generate_request(request), arrival, deadline)
+                try:
+                    await context.send_initial_metadata((("request-id", stream.request_id),))
+                    while True:
+                        delta = await stream.read()
+                        if delta.error is not None:
+                            await context.abort(grpc.StatusCode.INTERNAL, one_line(delta.error))
+                        yield generate_response(stream, delta)
+                        if delta.finish_reason is not None:
+                            return
+                finally:
+                    self.core.finish(stream)  # ended, refused, failed, or the client left
         except Refused as e:
-            await context.abort(GRPC_STATUS[e.kind], e.message)
-        try:
-            await context.send_initial_metadata((("request-id", stream.request_id),))
-            while True:
-                delta = await stream.read()
-                if delta.error is not None:
-                    await context.abort(grpc.StatusCode.INTERNAL, delta.error)
-                yield generate_response(stream, delta)
-                if delta.finish_reason is not None:
-                    return
-        finally:
-            self.core.finish(stream)  # the client went away, or the stream ended
+            await _abort(context, e)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await context.abort(grpc.StatusCode.INTERNAL, internal_error("Generate"))
 
+    @_no_tracebacks
     async def Abort(self, request, context):
         return pb.AbortResponse(found=self.core.abort(request.request_id))
 
+    @_no_tracebacks
     async def Stats(self, request, context):
         s = await self.core.stats()
         out = pb.StatsResponse(

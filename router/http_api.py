@@ -9,28 +9,42 @@
 
 A request body becomes the core's ``GenerateRequest`` (router/request.py), checked
 for JSON types here and for values by the core; the core's refusals map to HTTP
-statuses (``HTTP_STATUS``) in OpenAI's error shape. Extra body fields beyond OpenAI's:
-``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them).
+statuses in OpenAI's error shape (router/openai_shapes.py). Extra body fields beyond
+OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them), and
+``timeout`` (seconds; past it the request ends with 408).
+
+Invariants of a generate call: it holds a place in ``core.calls`` from arrival to its
+last byte (past the bound: 429 before the body is read); whatever ends it (finished,
+refused, timed out, failed, or its client closing the connection, which cancels the
+handler) ``core.finish`` takes its request out of the router and the instances; the
+status line waits for the request's first output, so a refusal or a timeout before any
+output is a plain error response, and one after it an error event ending the stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 
 from aiohttp import web
 
 from router.core import RouterCore
+from router.incidents import internal_error, one_line
 from router.metrics import prometheus_text
-from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
-from router.stream import Usage
+from router.openai_shapes import (
+    Reply,
+    error_body,
+    error_response,
+    internal_errors,
+    refusal_event,
+    refusal_response,
+    usage_object,
+)
+from router.request import ChatMessage, GenerateRequest, Refused, SamplingOptions
+from router.stream import Delta, RequestStream
 
-HTTP_STATUS = {
-    Refusal.INVALID: 400,
-    Refusal.EXISTS: 409,
-    Refusal.BUSY: 429,
-    Refusal.UNAVAILABLE: 503,
-}
 CHAT_MAX_TOKENS = 512  # when a chat request sets no limit
 
 
@@ -41,6 +55,8 @@ class BadRequest(Exception):
 def generate_request(body: dict, chat: bool) -> GenerateRequest:
     """An OpenAI request body as the core's ``GenerateRequest``; raises ``BadRequest``
     for a body of the wrong shape or JSON types."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
     req = GenerateRequest()
     if chat:
         req.messages = _messages(body.get("messages"))
@@ -84,8 +100,12 @@ def _messages(messages) -> list[ChatMessage]:
         raise BadRequest("messages: a list of {role, content} is required")
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}]: must be an object with role and content")
         content = m.get("content") or ""
         if isinstance(content, list):  # content parts: keep the text ones
+            if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+                raise BadRequest(f"messages[{i}].content: parts must be objects with a text")
             content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
         if not isinstance(content, str):
             raise BadRequest(
@@ -93,6 +113,18 @@ def _messages(messages) -> list[ChatMessage]:
             )
         out.append(ChatMessage(str(m.get("role", "user")), content))
     return out
+
+
+def timeout_s(body: dict) -> float | None:
+    """The body's ``timeout`` (seconds, a positive finite number); None: unset."""
+    value = body.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRequest(f"timeout={value!r}: must be a positive finite number of seconds")
+    if value <= 0:
+        raise BadRequest(f"timeout={value!r}: must be a positive finite number of seconds")
+    return float(value)
 
 
 def _is_int(value) -> bool:
@@ -116,7 +148,7 @@ class HttpApi:
     def __init__(self, core: RouterCore, model: str):
         self.core, self.model = core, model
         self.created = int(time.time())
-        app = web.Application()
+        app = web.Application(middlewares=[internal_errors])
         app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -126,7 +158,8 @@ class HttpApi:
                 web.get("/metrics", self.metrics),
             ]
         )
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client closing its connection cancels its handler
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port); the bound port."""
@@ -165,105 +198,75 @@ class HttpApi:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
         try:
+            with self.core.calls.call():
+                return await self._serve(request, chat, arrival)
+        except BadRequest as e:
+            return error_response(400, str(e))
+        except Refused as e:  # before any output: the response is the refusal
+            return refusal_response(e)
+
+    async def _serve(self, request: web.Request, chat: bool, arrival: float):
+        try:
             body = await request.json()
-            stream = self.core.open_stream(generate_request(body, chat), arrival)
-        except (BadRequest, json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
-            return _error(400, str(e))
-        except Refused as e:
-            return _error(HTTP_STATUS[e.kind], e.message)
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise BadRequest(f"the body is not valid JSON: {e}") from e
+        req = generate_request(body, chat)
+        timeout = timeout_s(body)
+        deadline = None if timeout is None else arrival + timeout
+        stream = self.core.open_stream(req, arrival, deadline)
         reply = Reply(stream.request_id, self.model, chat)
         try:
+            delta = await stream.read()
             if body.get("stream"):
-                return await self._stream(request, stream, reply, body)
-            text, delta = "", None
-            while delta is None or delta.finish_reason is None:
+                return await self._stream(request, stream, reply, body, delta)
+            text = delta.text
+            while delta.finish_reason is None and delta.error is None:
                 delta = await stream.read()
-                if delta.error is not None:
-                    return _error(500, delta.error)
                 text += delta.text
-            return web.json_response(reply.whole(text, delta.finish_reason, _usage(stream.usage())))
+            if delta.error is not None:
+                return error_response(500, one_line(delta.error))
+            return web.json_response(
+                reply.whole(text, delta.finish_reason, usage_object(stream.usage()))
+            )
         finally:
-            self.core.finish(stream)  # finished, failed, or the client went away
+            self.core.finish(stream)  # finished, failed, refused, or the client went away
 
-    async def _stream(self, request, stream, reply, body) -> web.StreamResponse:
+    async def _stream(self, request, stream: RequestStream, reply, body, delta: Delta):
+        """Server-sent events from the request's first output on."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        if chat_role := reply.role_chunk():
-            await _send(resp, chat_role)
-        while True:
-            delta = await stream.read()
-            if delta.error is not None:
-                await _send(resp, {"error": {"message": delta.error, "type": "server_error"}})
-                break
-            await _send(resp, reply.chunk(delta.text, delta.finish_reason))
-            if delta.finish_reason is not None:
-                if (body.get("stream_options") or {}).get("include_usage"):
-                    await _send(resp, reply.usage_chunk(_usage(stream.usage())))
-                break
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            if chat_role := reply.role_chunk():
+                await _send(resp, chat_role)
+            while not await self._event(resp, stream, reply, body, delta):
+                try:
+                    delta = await stream.read()
+                except Refused as e:
+                    await _send(resp, refusal_event(e))
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:  # the client went away; _serve's finally cancels
+            pass
+        except Exception:  # the status line is sent: the incident ends the stream instead
+            message = internal_error(f"stream of request {stream.request_id}")
+            with contextlib.suppress(ConnectionResetError):
+                await _send(resp, error_body(500, message))
+                await resp.write_eof()
         return resp
 
-
-class Reply:
-    """OpenAI's response objects for one request."""
-
-    def __init__(self, request_id: str, model: str, chat: bool):
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.model, self.chat, self.created = model, chat, int(time.time())
-
-    def _base(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            out = self._base("chat.completion")
-        else:
-            choice, out = (
-                {"index": 0, "text": text, "logprobs": None},
-                self._base("text_completion"),
-            )
-        choice["finish_reason"] = finish_reason
-        return {**out, "choices": [choice], "usage": usage}
-
-    def role_chunk(self) -> dict | None:
-        if not self.chat:
-            return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return {**self._base("chat.completion.chunk"), "choices": [choice]}
-
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": text}}
-            out = self._base("chat.completion.chunk")
-        else:
-            choice, out = (
-                {"index": 0, "text": text, "logprobs": None},
-                self._base("text_completion"),
-            )
-        choice["finish_reason"] = finish_reason
-        return {**out, "choices": [choice]}
-
-    def usage_chunk(self, usage: dict) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(kind), "choices": [], "usage": usage}
-
-
-def _usage(usage: Usage) -> dict:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-    }
+    async def _event(self, resp, stream: RequestStream, reply, body, delta: Delta) -> bool:
+        """Send one delta; True when it was the last."""
+        if delta.error is not None:
+            await _send(resp, error_body(500, one_line(delta.error)))
+            return True
+        await _send(resp, reply.chunk(delta.text, delta.finish_reason))
+        if delta.finish_reason is None:
+            return False
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await _send(resp, reply.usage_chunk(usage_object(stream.usage())))
+        return True
 
 
 async def _send(resp: web.StreamResponse, payload: dict) -> None:
     await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
-
-
-def _error(status: int, message: str) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": status}}, status=status
-    )

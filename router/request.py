@@ -59,18 +59,26 @@ class GenerateRequest:
 
 
 class Refusal(enum.Enum):
-    """Why the router will not take a request; each front end maps it to its own code
-    (gRPC status, HTTP status)."""
+    """Why the router will not take a request, or gave up on one it took; each front end
+    maps it to its own code (gRPC status, HTTP status)."""
 
     INVALID = "invalid"  # it can never run as sent: the message names the field
     EXISTS = "exists"  # its request_id is already in flight
-    BUSY = "busy"  # the admission queue is full; retrying later may succeed
+    BUSY = "busy"  # overloaded (queue full, waited too long, too many calls): retry later
     UNAVAILABLE = "unavailable"  # loading, draining, or every instance has failed
+    DEADLINE = "deadline"  # its deadline passed before it finished
+
+
+RETRY_AFTER_S = 1  # what a BUSY refusal asks the client to wait before retrying, in seconds
 
 
 class Refused(Exception):
-    """A request the router will not take: the kind of refusal and why."""
+    """A request the router will not take, or gave up on: the kind of refusal and why.
+
+    ``retry_after_s`` is set exactly for BUSY (``RETRY_AFTER_S``): the front ends send
+    it as HTTP ``Retry-After`` and gRPC trailing metadata ``retry-after``."""
 
     def __init__(self, kind: Refusal, message: str):
         super().__init__(message)
         self.kind, self.message = kind, message
+        self.retry_after_s = RETRY_AFTER_S if kind is Refusal.BUSY else None

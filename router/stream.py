@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from router.request import Refused
 
 _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_start")
 
@@ -24,6 +25,12 @@ class Delta:
     text: str
     finish_reason: str | None = None
     error: str | None = None  # set when the instance failed the request
+    refused: Refused | None = None  # set when the router gave up on it (``read`` raises it)
+
+    @property
+    def last(self) -> bool:
+        """Nothing follows it: the request finished, failed or was given up on."""
+        return self.finish_reason is not None or self.error is not None or self.refused is not None
 
 
 @dataclass
@@ -73,6 +80,10 @@ class RequestStream:
     The placement delivers its instances' output (``deliver``, on the router's event
     loop); a front end reads it (``read``) until a delta has a finish reason or an
     error, then reports ``usage()`` and ``timings()``.
+
+    Memory, whatever the reader's pace: deliveries not yet read are merged into one
+    waiting delta, so an unread stream holds at most its own output (``max_tokens``
+    token ids and their text) and one delta object.
     """
 
     request_id: str
@@ -88,7 +99,9 @@ class RequestStream:
     token_walls: list[float] = field(default_factory=list)
     num_tokens: int = 0
     finished: bool = False
-    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    waiting: Delta | None = None  # delivered, not yet read (every such delivery merged)
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)  # the core's deadlines
+    _delivered: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # waiting set
     # placement: the id the instances know this attempt by, and the attempt's history
     attempt_id: str = ""
     attempt: int = 0
@@ -112,13 +125,35 @@ class RequestStream:
             self.last_token_at = now
             self.num_tokens += len(delta.token_ids)
             self.token_walls += [time.time()] * len(delta.token_ids)
-        if delta.finish_reason is not None or delta.error is not None:
+        if delta.last:
             self.finished = True
-        self.queue.put_nowait(delta)
+        if self.waiting is None:  # ours: later deliveries extend it in place
+            self.waiting = Delta([], "")
+        merged = self.waiting
+        merged.token_ids += delta.token_ids
+        merged.text += delta.text
+        merged.finish_reason, merged.error, merged.refused = (
+            delta.finish_reason,
+            delta.error,
+            delta.refused,
+        )
+        self._delivered.set()
 
     async def read(self) -> Delta:
-        """The next delta for the client: every delta already waiting, merged."""
-        return _merge_waiting(await self.queue.get(), self.queue)
+        """The next delta for the client: every delivery since the previous read, merged.
+
+        Raises ``Refused`` when the router gave up on the request (its deadline, the
+        queue's timeout), after handing out the tokens delivered before that."""
+        await self._delivered.wait()
+        delta, self.waiting = self.waiting, None
+        self._delivered.clear()
+        if delta.refused is not None:
+            if delta.token_ids:  # the tokens first; the refusal on the next read
+                self.waiting = Delta([], "", refused=delta.refused)
+                self._delivered.set()
+                return Delta(delta.token_ids, delta.text)
+            raise delta.refused
+        return delta
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt_ids), self.num_tokens)
@@ -148,16 +183,6 @@ class RequestStream:
 
     def _since_arrival(self, wall: float | None) -> float:
         return _ms(wall - self.arrival_wall) if wall else 0.0
-
-
-def _merge_waiting(delta: Delta, queue) -> Delta:
-    """One message for every delta already waiting (a slow client gets fewer, larger ones)."""
-    while delta.finish_reason is None and not queue.empty():
-        more = queue.get_nowait()
-        delta = Delta(
-            delta.token_ids + more.token_ids, delta.text + more.text, more.finish_reason, more.error
-        )
-    return delta
 
 
 def _ms(seconds: float) -> float:

@@ -43,6 +43,16 @@ BROKEN = [
     ("unknown policy", "model: MODEL\nrouter: {policy: random}\n", "router.policy"),
     ("port out of range", "model: MODEL\nrouter: {port: 70000}\n", "router.port"),
     ("negative queue", "model: MODEL\nrouter: {max_queue: -1}\n", "router.max_queue"),
+    (
+        "zero queue timeout",
+        "model: MODEL\nrouter: {queue_timeout_s: 0}\n",
+        "router.queue_timeout_s",
+    ),
+    (
+        "no concurrent requests",
+        "model: MODEL\nrouter: {max_concurrent_requests: 0}\n",
+        "router.max_concurrent_requests",
+    ),
     ("unknown mode", "model: MODEL\nmode: hybrid\n", "mode"),
     ("unknown kv backend", "model: MODEL\nkv_transfer: {backend: mpi}\n", "kv_transfer.backend"),
     ("attainment above 1", "model: MODEL\nslo: {attainment: 1.5}\n", "slo.attainment"),
@@ -97,6 +107,12 @@ def test_messages_name_value_and_what_is_allowed(chat_model):
     assert "allowed keys here are host, port" in message({"router": {"polcy": 1}})
     assert "allowed values are round_robin, least_loaded" in message({"router": {"policy": "x"}})
     assert "allowed: 1, 2" in message({"colocated": {"tensor_parallel": 3}})
+    assert message({"router": {"queue_timeout_s": float("inf")}}) == (
+        "router.queue_timeout_s: inf is not allowed; must be a positive finite number of seconds"
+    )
+    assert message({"router": {"max_concurrent_requests": 0}}) == (
+        "router.max_concurrent_requests: 0 is not allowed; must be >= 1"
+    )
 
 
 def test_invalid_yaml_syntax(tmp_path):

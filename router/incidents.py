@@ -1,0 +1,39 @@
+"""What a client is told when something inside the router goes wrong: one line, never a
+traceback.
+
+Invariant of both front ends: the text of an exception a client did not cause never
+reaches it. An unexpected exception is logged with its traceback under a new incident
+id (``internal_error``); an instance's failure (``Delta.error``) reaches the client as
+its first line, and when more was cut, the whole is logged under an incident id that
+the line names (``one_line``). The id is what an operator greps the router's log for.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+log = logging.getLogger(__name__)
+
+
+def _incident() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def internal_error(where: str) -> str:
+    """Log the exception being handled, with its traceback, under a new incident id
+    (call from an ``except`` block); the one line its client gets."""
+    incident = _incident()
+    log.exception("%s: internal error (incident %s)", where, incident)
+    return f"internal error in the router (incident {incident}; the router's log has the details)"
+
+
+def one_line(error: str) -> str:
+    """An instance's failure as its client sees it: the first line of ``error``; the
+    whole is logged under an incident id, which the line then names, when more was cut."""
+    first, _, rest = error.strip().partition("\n")
+    if not rest.strip():
+        return first
+    incident = _incident()
+    log.error("request failed (incident %s): %s", incident, error)
+    return f"{first} (incident {incident}; the router's log has the details)"

@@ -1,0 +1,125 @@
+"""OpenAI's response objects and error shape for the HTTP front end
+(router/http_api.py), and the HTTP statuses of the core's refusals.
+
+``Reply`` builds one request's completion, chunk and usage objects.
+
+Every error a client gets over HTTP is ``{"error": {"message", "type", "param",
+"code"}}`` with ``code`` the HTTP status: as a response, or as an event of a stream
+whose headers were already sent. A BUSY refusal also carries ``Retry-After`` (seconds).
+Messages are one line; exception text never reaches a client (router/incidents.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from router.incidents import internal_error
+from router.request import Refusal, Refused
+from router.stream import Usage
+
+HTTP_STATUS = {
+    Refusal.INVALID: 400,
+    Refusal.EXISTS: 409,
+    Refusal.BUSY: 429,
+    Refusal.UNAVAILABLE: 503,
+    Refusal.DEADLINE: 408,
+}
+_TYPES = {408: "timeout_error", 429: "rate_limit_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+    """OpenAI's error object for ``status``."""
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return web.json_response(error_body(status, message), status=status)
+
+
+def refusal_response(refused: Refused) -> web.Response:
+    """The response for a refusal, with ``Retry-After`` when it says when to retry."""
+    resp = error_response(HTTP_STATUS[refused.kind], refused.message)
+    if refused.retry_after_s is not None:
+        resp.headers["Retry-After"] = str(refused.retry_after_s)
+    return resp
+
+
+def refusal_event(refused: Refused) -> dict:
+    """The refusal as an event of a stream already sending (its status in ``code``)."""
+    return error_body(HTTP_STATUS[refused.kind], refused.message)
+
+
+@web.middleware
+async def internal_errors(request: web.Request, handler) -> web.StreamResponse:
+    """An unexpected exception in a handler: a 500 in OpenAI's shape naming an incident
+    id; the traceback goes to the log only. (aiohttp's own HTTP errors pass through.)"""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception:
+        return error_response(500, internal_error(f"{request.method} {request.path}"))
+
+
+class Reply:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool):
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model, self.chat, self.created = model, chat, int(time.time())
+
+    def _base(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            out = self._base("chat.completion")
+        else:
+            choice, out = (
+                {"index": 0, "text": text, "logprobs": None},
+                self._base("text_completion"),
+            )
+        choice["finish_reason"] = finish_reason
+        return {**out, "choices": [choice], "usage": usage}
+
+    def role_chunk(self) -> dict | None:
+        if not self.chat:
+            return None
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return {**self._base("chat.completion.chunk"), "choices": [choice]}
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}}
+            out = self._base("chat.completion.chunk")
+        else:
+            choice, out = (
+                {"index": 0, "text": text, "logprobs": None},
+                self._base("text_completion"),
+            )
+        choice["finish_reason"] = finish_reason
+        return {**out, "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(kind), "choices": [], "usage": usage}
+
+
+def _usage(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def usage_object(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
