@@ -54,6 +54,24 @@ def all_blocks_free(stats) -> bool:
     return stats.in_flight == 0 and all(i.free_blocks == i.total_blocks for i in stats.instances)
 
 
+def seconds_until_blocks_free(cluster, within_s: float = 10.0) -> float:
+    """Seconds until every instance's block manager passes ``check_integrity()`` with
+    every block free, asked on each instance's loop (an abort still on its way there is
+    waited for, not missed); fails the test past ``within_s``."""
+    import ray
+
+    started = time.monotonic()
+
+    def blocks():
+        return {n: ray.get(h.check_integrity.remote()) for n, h in cluster.workers.items()}
+
+    def free():
+        return all(b["free_blocks"] == b["total_blocks"] for b in blocks().values())
+
+    assert wait_until(free, within_s, interval_s=0.05), blocks()
+    return time.monotonic() - started
+
+
 def fill_then_refuse(client, prompt_ids: list[int], sent: int, max_queue: int, check) -> None:
     """Start ``sent + max_queue`` long streams, wait until ``max_queue`` of them wait at
     the router, run ``check(stats)``, and expect one more request to be refused with
@@ -81,6 +99,7 @@ def fill_then_refuse(client, prompt_ids: list[int], sent: int, max_queue: int, c
                 await client.acomplete(prompt_token_ids=prompt_ids, max_tokens=1)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "admission queue full" in err.value.details()
+            assert ("retry-after", "1") in tuple(err.value.trailing_metadata())
         finally:
             for s in streams:
                 s.cancel()

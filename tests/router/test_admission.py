@@ -1,9 +1,12 @@
 """Refusals through a real router: INVALID_ARGUMENT with a reason, RESOURCE_EXHAUSTED
-when the admission queue is full; the server keeps serving after either."""
+(gRPC, with trailing metadata retry-after) and 429 (HTTP, with Retry-After, in
+OpenAI's error shape) when the admission queue is full; the server keeps serving
+after either."""
 
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
 
 from tests.cluster.helpers import all_blocks_free, fill_then_refuse, wait_until
@@ -44,6 +47,12 @@ def test_full_admission_queue_is_refused_then_serving_resumes(cluster, client):
 
     def check(stats):
         assert all(i.outstanding == 8 for i in stats.instances)
+        r = httpx.post(f"http://{cluster.http_address}/v1/completions",
+                       json={"prompt": [7, 8], "max_tokens": 1}, timeout=10)  # fmt: skip
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
+        error = r.json()["error"]
+        assert error["code"] == 429 and error["type"] == "rate_limit_error"
+        assert "admission queue full" in error["message"]
 
     fill_then_refuse(client, [7] * 20, capacity, max_queue, check)
     assert wait_until(lambda: all_blocks_free(client.stats()), timeout_s=2.0)
