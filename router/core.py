@@ -35,9 +35,9 @@ class RouterCore:
     (raises ``Refused``), read the stream until a delta has a finish reason or an error
     (or ``read`` raises ``Refused``: the request's deadline or the queue's timeout
     passed), then ``finish`` it; ``abort`` ends a request by id; ``serving`` is their
-    health. The placement calls ``requeue``, ``after_updates``
-    and ``cancel``. The owner (router/server.py) calls ``bring_up``, ``stop_admitting``,
-    ``drain``, ``stop`` and ``stats``.
+    health. The placement calls ``requeue``, ``after_updates`` and ``cancel``. The
+    owner (router/server.py) calls ``bring_up``, ``stop_admitting``, ``drain``, ``stop``
+    and ``stats``.
     """
 
     def __init__(

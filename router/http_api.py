@@ -120,9 +120,8 @@ def timeout_s(body: dict) -> float | None:
     value = body.get("timeout")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise BadRequest(f"timeout={value!r}: must be a positive finite number of seconds")
-    if value <= 0:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
         raise BadRequest(f"timeout={value!r}: must be a positive finite number of seconds")
     return float(value)
 
