@@ -7,6 +7,7 @@ pdserve stats [--router ADDR]                                  queue and per-ins
 pdserve bench CONFIG [--workload W] [--rates R1,R2] [--search]  goodput under SLOs
 pdserve bench --endpoint URL --model M ...                     of an OpenAI-compatible server
 pdserve compare A.yaml B.yaml [...] [--rates ...] --out DIR    the same requests, side by side
+pdserve chaos CONFIG [--kill-every S] [--role R] [--signal KILL|STOP]  load while killing
 pdserve profile CONFIG [--out profile.json]                    step and KV transfer times here
 pdserve profile --served A.yaml [B.yaml] [--rate R]            ... as the clusters serve them
 pdserve plan --model M --devices N --workload W ...            placement search, writes a YAML
@@ -222,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     compare = sub.add_parser("compare", help="several configs on the same requests: a report")
     add_compare_arguments(compare)
 
+    from bench.chaos import add_arguments as add_chaos_arguments
+
+    chaos = sub.add_parser("chaos", help="a ShareGPT load while engine processes are killed")
+    add_chaos_arguments(chaos)
+
     from bench.planner.plan import add_arguments as add_plan_arguments
     from bench.planner.profile import add_arguments as add_profile_arguments
 
@@ -244,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.compare import main as compare_main
 
         return compare_main(args)
+    if args.command == "chaos":
+        from bench.chaos import main as chaos_main
+
+        return chaos_main(args)
     if args.command == "up":
         return _up(args)
     if args.command == "stats":
