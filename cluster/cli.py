@@ -7,6 +7,7 @@ pdserve stats [--router ADDR]                                  queue and per-ins
 pdserve bench CONFIG [--workload W] [--rates R1,R2] [--search]  goodput under SLOs
 pdserve bench --endpoint URL --model M ...                     of an OpenAI-compatible server
 pdserve compare A.yaml B.yaml [...] [--rates ...] --out DIR    the same requests, side by side
+pdserve chaos CONFIG [--kill-every S] [--role R] [--signal KILL|STOP]  load while killing
 pdserve profile CONFIG [--out profile.json]                    step and KV transfer times here
 pdserve profile --served A.yaml [B.yaml] [--rate R]            ... as the clusters serve them
 pdserve plan --model M --devices N --workload W ...            placement search, writes a YAML
@@ -15,6 +16,7 @@ pdserve plan --model M --devices N --workload W ...            placement search,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -22,6 +24,7 @@ import threading
 import time
 
 DEFAULT_ROUTER = os.environ.get("PDSERVE_ROUTER", "127.0.0.1:50051")
+ROUTER_CHECK_S = 2.0  # how often ``up`` asks the router actor whether it is alive
 
 
 def _generate_offline(args: argparse.Namespace) -> int:
@@ -97,9 +100,18 @@ def stream_to_terminal(address: str, prompt: str, chat: bool, **sampling) -> int
     return 0
 
 
+def _router_alive(cluster) -> None:
+    """Raises ``RouterGone`` once the router actor died; a router that is only slow
+    to answer (its loop busy) passes: only its death means nothing listens."""
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+    with contextlib.suppress(GetTimeoutError, ActorUnavailableError):
+        cluster.router_pid(timeout_s=5.0)
+
+
 def _up(args: argparse.Namespace) -> int:
     from cluster.config_loader import ConfigError, load_config
-    from cluster.launcher import launch
+    from cluster.launcher import RouterGone, launch
 
     try:
         config = load_config(args.config, args.set or [])
@@ -127,10 +139,11 @@ def _up(args: argparse.Namespace) -> int:
     # after launch: ray.init installs a SIGTERM handler of its own
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    code = 0
     try:
         print(
-            f"pdserve: router listening on {cluster.address} "
-            f"(policy {config.router.policy}, ready in {time.monotonic() - started:.1f} s), "
+            f"pdserve: router listening on {cluster.address} (pid {cluster.router_pid()}, "
+            f"policy {config.router.policy}, ready in {time.monotonic() - started:.1f} s), "
             f"OpenAI-compatible HTTP on http://{cluster.http_address}/v1; Ctrl-C to stop",
             flush=True,
         )
@@ -140,18 +153,24 @@ def _up(args: argparse.Namespace) -> int:
                 cluster.address, args.demo, chat=True, max_tokens=args.max_tokens, temperature=0.0
             )
             print(f"pdserve: serving on {cluster.address}; Ctrl-C to stop", flush=True)
-        while not stop.wait(0.5):
-            pass
+        checked = time.monotonic()
+        while not stop.wait(0.5):  # serving while the router lives: `up` never outlives it
+            if time.monotonic() - checked >= ROUTER_CHECK_S:
+                _router_alive(cluster)
+                checked = time.monotonic()
         print("pdserve: draining in-flight requests ...", flush=True)
         cut = cluster.drain()
         if cut:
             print(f"pdserve: {cut} requests cut at router.drain_timeout_s", flush=True)
     except KeyboardInterrupt:
         print("pdserve: stopping now", flush=True)
+    except RouterGone as e:
+        print(f"pdserve up: {e}; nothing serves {cluster.address}: stopping", file=sys.stderr)
+        code = 1
     finally:
         cluster.shutdown(drain=False)
     print("pdserve: stopped", flush=True)
-    return 0
+    return code
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -204,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     compare = sub.add_parser("compare", help="several configs on the same requests: a report")
     add_compare_arguments(compare)
 
+    from bench.chaos import add_arguments as add_chaos_arguments
+
+    chaos = sub.add_parser("chaos", help="a ShareGPT load while engine processes are killed")
+    add_chaos_arguments(chaos)
+
     from bench.planner.plan import add_arguments as add_plan_arguments
     from bench.planner.profile import add_arguments as add_profile_arguments
 
@@ -226,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.compare import main as compare_main
 
         return compare_main(args)
+    if args.command == "chaos":
+        from bench.chaos import main as chaos_main
+
+        return chaos_main(args)
     if args.command == "up":
         return _up(args)
     if args.command == "stats":

@@ -21,6 +21,10 @@ from cluster.ray_env import NAMESPACE, RaySession
 log = logging.getLogger(__name__)
 
 
+class RouterGone(RuntimeError):
+    """The router actor died: nothing serves the cluster's address any more."""
+
+
 @dataclass
 class Cluster:
     config: ClusterConfig
@@ -42,6 +46,17 @@ class Cluster:
         import ray
 
         return ray.get(self.router.stats.remote())
+
+    def router_pid(self, timeout_s: float = 10.0) -> int:
+        """The router actor's process id (bounded); raises ``RouterGone`` once the
+        actor is dead (it is never restarted), and ``GetTimeoutError`` or
+        ``ActorUnavailableError`` (``ray.exceptions``) when it did not answer this time."""
+        import ray
+
+        try:
+            return ray.get(self.router.pid.remote(), timeout=timeout_s)
+        except ray.exceptions.ActorDiedError as e:
+            raise RouterGone(f"the router actor died: {e}") from e
 
     def drain(self, timeout_s: float | None = None) -> int:
         """Stop taking requests and wait for those in flight; returns how many were cut."""

@@ -78,7 +78,8 @@ class RankActor:
         """A pool's own state (its KV endpoint), before the steps start."""
 
     def ready(self) -> dict:
-        return {"name": self.name}
+        """Its name, and its process id (for the chaos tool's signals)."""
+        return {"name": self.name, "pid": os.getpid()}
 
     def leader(self):
         """Rank 0's actor handle, for pushing it this rank's results: the instance's

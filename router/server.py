@@ -6,7 +6,7 @@ gRPC (router/grpc_api.py, with the ``grpc.health.v1`` service) on
 ``router.host:router.port`` and the OpenAI-compatible HTTP API (router/http_api.py)
 on ``router.http_port``. cluster/launcher.py calls its methods through the actor
 handle: ``start``, ``get_http_address``, ``wait_ready``, ``drain``, ``stop``,
-``stats``.
+``stats``, ``pid``.
 
 Health, on both front ends: not serving until every instance is ready, serving then,
 not serving again from the start of a drain (HTTP also while every instance has
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from router.core import RouterCore
 from router.grpc_api import GrpcApi
@@ -88,6 +89,10 @@ class RouterServer:
     async def stats(self) -> dict:
         """``RouterCore.stats()``: the queue and every instance's load."""
         return await self.core.stats()
+
+    async def pid(self) -> int:
+        """This actor's process id; answering at all means its event loop runs."""
+        return os.getpid()
 
     async def _bring_up(self) -> list[dict]:
         infos = await self.core.bring_up()

@@ -1,5 +1,6 @@
 """``pdserve up`` as a user runs it: serves, answers ``pdserve generate``, and on SIGTERM
-drains in-flight requests and stops every process it started."""
+drains in-flight requests and stops every process it started; when its router dies,
+it exits non-zero instead of serving nothing."""
 
 from __future__ import annotations
 
@@ -47,16 +48,15 @@ def up(tmp_path, chat_model):
     )
     lines = []
     deadline = time.monotonic() + 180
-    address = None
-    while address is None and time.monotonic() < deadline:
+    found = None
+    while found is None and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
-        found = re.search(r"router listening on (\S+)", line)
-        address = found and found.group(1)
-    assert address, "".join(lines)
-    yield proc, address, ray_base
+        found = re.search(r"router listening on (\S+) \(pid (\d+),", line)
+    assert found, "".join(lines)
+    yield proc, found.group(1), ray_base, int(found.group(2))
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -64,7 +64,7 @@ def up(tmp_path, chat_model):
 
 
 def test_up_serves_then_drains_on_sigterm_and_stops_everything(up):
-    proc, address, ray_base = up
+    proc, address, ray_base, _ = up
     client = RouterClient(address)
     assert client.health() == "SERVING"
 
@@ -92,5 +92,17 @@ def test_up_serves_then_drains_on_sigterm_and_stops_everything(up):
     assert proc.returncode == 0, out
     assert "draining in-flight requests" in out and "pdserve: stopped" in out
     # the router, the engine instances and Ray's own processes are all gone
+    assert wait_until(lambda: not _group_alive(proc.pid), timeout_s=15)
+    assert ray_temp_dirs(ray_base) == []
+
+
+def test_up_exits_non_zero_when_its_router_dies(up):
+    proc, _, ray_base, router_pid = up
+    killed = time.monotonic()
+    os.kill(router_pid, signal.SIGKILL)  # a real signal to the router actor's process
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out
+    assert time.monotonic() - killed < 30, out  # noticed within a few checks, then stopped
+    assert "pdserve up: the router actor died" in out and "nothing serves" in out, out
     assert wait_until(lambda: not _group_alive(proc.pid), timeout_s=15)
     assert ray_temp_dirs(ray_base) == []
