@@ -7,8 +7,8 @@ decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
     landed            (the receiver's one event, pushed to the loop's inbox) every
                       segment from every source rank, every END and every other rank's
                       report are in: the request joins the running batch with the first
-                      token and sampler state that source rank 0's END carried, and its
-                      tokens stream to the router
+                      token that source rank 0's END carried, and its tokens stream to
+                      the router
     failed / expired  the transfer broke, or made no progress for kv_transfer.lease_s
                       (the lease: the only timer that frees a reservation, kept by rank
                       0's receiver): the reservation is released, Update(retryable)
@@ -123,7 +123,7 @@ class DecodeWorker(EngineWorker):
         times = {**h.phase_times, "transfer_end": now}
         try:
             out = self.engine.add_prefilled(attempt.id, list(attempt.prompt_ids), h.first_token,
-                                            attempt.params, h.sampler_state)  # fmt: skip
+                                            attempt.params)  # fmt: skip
         except ValueError as e:
             self.engine.blocks.free(attempt.id)
             return [Update(attempt.id, error=str(e))]

@@ -80,7 +80,6 @@ class LLMEngine:
         prompt_ids: list[int],
         first_token: int,
         params: SamplingParams,
-        sampler_state: bytes = b"",
     ) -> RequestOutput:
         """Admit a request prefilled elsewhere: its prompt's KV already sits in the blocks
         this engine holds for ``request_id`` (reserved with ``blocks.allocate`` and filled
@@ -98,10 +97,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r}: already in use")
         request = Request(request_id, prompt_ids, params)
-        if sampler_state and request.generator is not None:
-            request.generator.set_state(
-                torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8)
-            )
         request.num_computed_tokens = len(prompt_ids)
         self.requests[request_id] = request
         if self.tokenizer is not None:

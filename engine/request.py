@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 
@@ -31,12 +29,9 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

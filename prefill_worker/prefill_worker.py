@@ -4,8 +4,8 @@ side of the handoff (docs/kv_transfer.md): sending -> acked, or failed.
     prefill(attempt) -> chunked prefill, FCFS with other prompts under the token budget
                      -> last chunk: KV sent layer by layer during the forward pass
                         (kv_transfer.layerwise), or all layers after it   [sending]
-                     -> first token sampled: the END, carrying it with the sampler state
-                        and phase times, to every decode rank this rank sends to
+                     -> first token sampled: the END, carrying it with the phase times,
+                        to every decode rank this rank sends to
                      -> every rank of this instance heard every END answered OK: blocks
                         freed, Update(handed_off)                        [acked]
                      -> a refusal, a broken link or no answer within the ack timeout:
@@ -167,7 +167,7 @@ class PrefillWorker(EngineWorker):
             kv = self.engine.runner.kv_cache
             self._send(job, lambda: self.sender.send_all(tid, kv, p.block_ids, job.destination))
         times = {**p.times, "transfer_start": job.transfer_start or time.time()}
-        handoff = Handoff(p.first_token, p.sampler_state, times, self.name)
+        handoff = Handoff(p.first_token, times, self.name)
         self._acks.submit(self._finish, job, handoff)
         return []
 
