@@ -25,7 +25,8 @@ LastChunkHook = Callable[[list[Request]], tuple[Callable[[int], None] | None, by
 
 @dataclass
 class Prefilled:
-    """A request whose prompt is in the cache and whose first token is sampled."""
+    """A request whose prompt (and delivered output, when resumed) is in the cache and
+    whose first token is sampled, at output position ``len(delivered)``."""
 
     request: Request
     first_token: int

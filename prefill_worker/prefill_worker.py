@@ -1,7 +1,8 @@
 """The prefill instance: a Ray actor that prefills prompts and hands them to decode. Its
 side of the handoff (docs/kv_transfer.md): sending -> acked, or failed.
 
-    prefill(attempt) -> chunked prefill, FCFS with other prompts under the token budget
+    prefill(attempt) -> chunked prefill of prompt + delivered (a resumed request), FCFS
+                        with other prompts under the token budget
                      -> last chunk: KV sent layer by layer during the forward pass
                         (kv_transfer.layerwise), or all layers after it   [sending]
                      -> first token sampled: the END, carrying it with the phase times,
@@ -88,7 +89,8 @@ class PrefillWorker(EngineWorker):
         self._consumer[attempt.id] = attempt.consumer
         try:
             dst = KVDestination.from_bytes(attempt.destination)
-            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params)
+            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params,
+                                    attempt.delivered, attempt.delivered_chars)  # fmt: skip
         except ValueError as e:
             return [Update(attempt.id, error=str(e))]
         self.jobs[attempt.id] = Job(attempt, dst)
