@@ -1,14 +1,15 @@
 """The decode instance: a Ray actor that reserves blocks, receives KV into them, and
 decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
 
-    reserve(attempt)  blocks for the prompt, expected by the KV receiver of every rank;
-                      returns the KVDestination the prefill instance sends to (None: no
-                      room). No timer runs yet: the prefill may be queued.
+    reserve(attempt)  blocks for the prompt (and a resumed request's delivered tokens),
+                      expected by the KV receiver of every rank; returns the
+                      KVDestination the prefill instance sends to (None: no room). No
+                      timer runs yet: the prefill may be queued.
     landed            (the receiver's one event, pushed to the loop's inbox) every
                       segment from every source rank, every END and every other rank's
                       report are in: the request joins the running batch with the first
-                      token and sampler state that source rank 0's END carried, and its
-                      tokens stream to the router
+                      token that source rank 0's END carried, and its tokens stream to
+                      the router
     failed / expired  the transfer broke, or made no progress for kv_transfer.lease_s
                       (the lease: the only timer that frees a reservation, kept by rank
                       0's receiver): the reservation is released, Update(retryable)
@@ -54,8 +55,9 @@ class DecodeWorker(EngineWorker):
         return {**super().ready(), "kv_addresses": self.addresses}
 
     def reserve(self, attempt: Attempt) -> bytes | None:
-        """Hold blocks for ``attempt``'s prompt; the ``KVDestination`` (protobuf bytes) to
-        send its KV to, or None when this instance has no room."""
+        """Hold blocks for ``attempt``'s prompt + delivered tokens (the KV the prefill
+        instance computes); the ``KVDestination`` (protobuf bytes) to send that KV to, or
+        None when this instance has no room."""
         dst = self.on_loop(self._reserve, attempt)
         if dst is not None and self.ranks:  # on the caller's thread, not the step loop
             import ray
@@ -81,9 +83,9 @@ class DecodeWorker(EngineWorker):
     def _reserve(self, attempt: Attempt) -> KVDestination | None:
         if self._take_early_abort(attempt.id):
             return None
-        e, n = self.engine, len(attempt.prompt_ids)
+        e, n = self.engine, len(attempt.prompt_ids) + len(attempt.delivered)
         busy = len(self.reservations) + len(e.scheduler.running) + len(e.scheduler.waiting)
-        # room for the prompt and the first decoded token
+        # room for the cached tokens and the first decoded one
         if busy >= e.config.max_batch_size or not e.blocks.can_allocate(attempt.id, n + 1):
             return None
         if attempt.id in self.reservations or attempt.id in e.requests:
@@ -123,7 +125,8 @@ class DecodeWorker(EngineWorker):
         times = {**h.phase_times, "transfer_end": now}
         try:
             out = self.engine.add_prefilled(attempt.id, list(attempt.prompt_ids), h.first_token,
-                                            attempt.params, h.sampler_state)  # fmt: skip
+                                            attempt.params, attempt.delivered,
+                                            attempt.delivered_chars)  # fmt: skip
         except ValueError as e:
             self.engine.blocks.free(attempt.id)
             return [Update(attempt.id, error=str(e))]

@@ -60,17 +60,22 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        delivered: tuple[int, ...] = (),
+        delivered_chars: int = 0,
     ) -> Request:
+        """Queue a request. A resumed one (``delivered``: the output tokens its client
+        already received, ``delivered_chars``: the characters of text it received) starts
+        with that output: the scheduler prefills prompt + delivered (as it recomputes a
+        preempted request), ``max_tokens`` and the stop checks count the delivered tokens,
+        no output is emitted for them, and its next token and text are what an
+        uninterrupted run would have produced after them (seeded draws are keyed by
+        output position, ``engine.sampler``)."""
         ids = self.tokenize(prompt)
-        self.validate_prompt(ids)
-        params.validate()
-        if request_id in self.requests:
-            raise ValueError(f"request_id={request_id!r}: already in use")
-        request = Request(request_id, ids, params)
-        self.requests[request_id] = request
-        if self.tokenizer is not None:
-            self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop)
+        request = self._admit(request_id, ids, params, delivered, delivered_chars)
         self.scheduler.add(request)
         return request
 
@@ -80,32 +85,23 @@ class LLMEngine:
         prompt_ids: list[int],
         first_token: int,
         params: SamplingParams,
-        sampler_state: bytes = b"",
+        delivered: tuple[int, ...] = (),
+        delivered_chars: int = 0,
     ) -> RequestOutput:
-        """Admit a request prefilled elsewhere: its prompt's KV already sits in the blocks
-        this engine holds for ``request_id`` (reserved with ``blocks.allocate`` and filled
-        by the KV transfer), and ``first_token`` was sampled there. Returns the output of
-        that first token, which may already finish the request."""
-        have, need = (
-            len(self.blocks.block_table(request_id)),
-            self.blocks.blocks_for(len(prompt_ids)),
-        )
+        """Admit a request prefilled elsewhere: the KV of its prompt + ``delivered`` (see
+        ``add_request``) already sits in the blocks this engine holds for ``request_id``
+        (reserved with ``blocks.allocate`` and filled by the KV transfer), and
+        ``first_token`` was sampled there at output position ``len(delivered)``. Returns
+        the output of that token, which may already finish the request."""
+        cached = len(prompt_ids) + len(delivered)
+        have, need = len(self.blocks.block_table(request_id)), self.blocks.blocks_for(cached)
         if have != need:
             raise ValueError(
-                f"request {request_id!r}: {len(prompt_ids)} prompt tokens need {need} "
+                f"request {request_id!r}: {cached} prompt and delivered tokens need {need} "
                 f"reserved blocks, {have} are held"
             )
-        if request_id in self.requests:
-            raise ValueError(f"request_id={request_id!r}: already in use")
-        request = Request(request_id, prompt_ids, params)
-        if sampler_state and request.generator is not None:
-            request.generator.set_state(
-                torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8)
-            )
-        request.num_computed_tokens = len(prompt_ids)
-        self.requests[request_id] = request
-        if self.tokenizer is not None:
-            self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop)
+        request = self._admit(request_id, prompt_ids, params, delivered, delivered_chars)
+        request.num_computed_tokens = cached
         self.scheduler.add_running(request)
         request.token_ids.append(first_token)
         reason = self._check_stop(request, first_token)
@@ -113,22 +109,75 @@ class LLMEngine:
             return self._finish(request, reason, [first_token])
         return self._output(request, [first_token], final=False)
 
-    def validate_prompt(self, ids: list[int]) -> None:
+    def _admit(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        delivered: tuple[int, ...],
+        delivered_chars: int,
+    ) -> Request:
+        """The checked ``Request`` and its detokenizer, registered under ``request_id``
+        (not yet scheduled)."""
+        delivered = tuple(delivered)
+        self.validate_prompt(ids, delivered)
+        params.validate()
+        self._validate_delivered(delivered, params)
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        detok = None
+        if self.tokenizer is not None:
+            detok = Detokenizer(self.tokenizer, params.stop, delivered, delivered_chars)
+        elif delivered_chars:
+            raise ValueError(
+                f"delivered_chars={delivered_chars}: this model has no tokenizer, so no "
+                "text was delivered; must be 0"
+            )
+        request = Request(request_id, ids, params, delivered=delivered)
+        self.requests[request_id] = request
+        if detok is not None:
+            self.detokenizers[request_id] = detok
+        return request
+
+    def _validate_delivered(self, delivered: tuple[int, ...], params: SamplingParams) -> None:
+        """A resumed request has output left to generate: fewer delivered tokens than
+        ``max_tokens``, none of them one that ends the request."""
+        if len(delivered) >= params.max_tokens:
+            raise ValueError(
+                f"delivered: {len(delivered)} tokens, max_tokens={params.max_tokens}; "
+                "a resumed request must have fewer (it would already have finished)"
+            )
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(self.model_config.eos_token_ids)
+        ended = next((t for t in delivered if t in stops), None)
+        if ended is not None:
+            raise ValueError(
+                f"delivered: holds token {ended}, which stops this request (stop_token_ids "
+                "or EOS); a request that stopped cannot be resumed"
+            )
+
+    def validate_prompt(self, ids: list[int], delivered: tuple[int, ...] = ()) -> None:
+        """A prompt (and a resumed request's ``delivered`` output) that can run here: in
+        the vocabulary, leaving room in the context and the KV cache for one more token."""
         if not ids:
             raise ValueError("prompt: empty; give at least one token")
-        if len(ids) >= self.max_context:
+        what = "prompt" if not delivered else f"prompt + delivered ({len(delivered)})"
+        total = len(ids) + len(delivered)
+        if total >= self.max_context:
             raise ValueError(
-                f"prompt: {len(ids)} tokens, the context holds {self.max_context} "
-                "(the prompt must leave room for one generated token)"
+                f"{what}: {total} tokens, the context holds {self.max_context} "
+                "(they must leave room for one generated token)"
             )
-        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+        if self.blocks.blocks_for(total + 1) > self.blocks.num_blocks:
             raise ValueError(
-                f"prompt: {len(ids)} tokens need more than the {self.blocks.num_blocks} "
+                f"{what}: {total} tokens need more than the {self.blocks.num_blocks} "
                 f"KV blocks of {self.blocks.block_size} tokens this engine has"
             )
         vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        for key, values in (("prompt", ids), ("delivered", delivered)):
+            if values and (min(values) < 0 or max(values) >= vocab):
+                raise ValueError(f"{key}: token ids must be in [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

@@ -29,6 +29,13 @@ class Attempt:
     send which heads); a prefill instance's ``prefill`` also ``destination`` (the decode
     instance's answer to ``reserve``, opaque here: the router never reads it) and
     ``decode`` (that instance's name, for messages).
+
+    Every instance also reads ``delivered`` and ``delivered_chars``: a request resumed
+    after an earlier attempt died mid-stream carries the token ids and the number of
+    text characters (code points) its client already received; the instance generates
+    only what follows them, exactly what an uninterrupted run would have (docs/serving.md,
+    "Resuming a request"). A decode instance reserves blocks for prompt + delivered; a
+    prefill instance prefills prompt + delivered.
     """
 
     id: str
@@ -38,6 +45,8 @@ class Attempt:
     prefill_tp: int = 1
     decode: str = ""
     destination: bytes = b""
+    delivered: tuple[int, ...] = ()
+    delivered_chars: int = 0
 
 
 @dataclass

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import InitVar, dataclass, field
 
 from engine.sampling_params import SamplingParams
 
@@ -21,6 +19,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class Request:
+    """``delivered``: output tokens a client already received from an earlier attempt
+    (a resumed request); they start the output, as if this engine had generated them."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -31,12 +32,10 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = field(init=False, default=None)
+    delivered: InitVar[tuple[int, ...]] = ()
 
-    def __post_init__(self):
-        self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    def __post_init__(self, delivered: tuple[int, ...]):
+        self.token_ids = [*self.prompt_token_ids, *delivered]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,11 @@
 """Next-token choice per request: greedy, or temperature / top-k / top-p sampling.
 
-A request with a seed draws from its own generator, so its tokens do not depend
-on what else is in the batch; the others share the engine's generator.
+A seeded request's draw for output position ``p`` (the number of output tokens before
+the one drawn) comes from a generator seeded with ``position_seed(seed, p)`` and from
+nothing else: its tokens do not depend on what else is in the batch, on preemptions,
+or on which process draws them, so a request resumed elsewhere from its first ``p``
+output tokens draws what an uninterrupted run would. Unseeded requests share the
+engine's generator.
 """
 
 from __future__ import annotations
@@ -11,13 +15,26 @@ import torch
 from engine.cpu_ops import CpuOps, cpu_ops
 from engine.request import Request
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at output ``position``: the
+    ``position + 1``-th output of splitmix64 started from ``seed`` (its 64 bits, two's
+    complement for a negative seed). Distinct positions give unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
 
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits [S, V] float32, one row per request -> one token id per request."""
+        """logits [S, V] float32, one row per request -> one token id per request, drawn
+        at each request's current output position (``num_output_tokens``)."""
         native = cpu_ops() if CpuOps.supports(logits) and logits.dim() == 2 else None
         greedy = (logits.argmax(dim=-1) if native is None else native.argmax(logits)).tolist()
         out = []
@@ -27,7 +44,11 @@ class Sampler:
                 out.append(greedy[i])
                 continue
             probs = _filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)
-            gen = request.generator or self.generator
+            gen = self.generator
+            if p.seed is not None:
+                gen = torch.Generator().manual_seed(
+                    position_seed(p.seed, request.num_output_tokens)
+                )
             out.append(int(torch.multinomial(probs, 1, generator=gen)))
         return out
 

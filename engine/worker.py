@@ -228,7 +228,8 @@ class EngineWorker:
             return []
         self._consumer[attempt.id] = attempt.consumer
         try:
-            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params)
+            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params,
+                                    attempt.delivered, attempt.delivered_chars)  # fmt: skip
         except ValueError as e:
             return [Update(attempt.id, error=str(e))]
         self._totals["requests_total"] += 1

@@ -118,18 +118,17 @@ class KVDestination:
 @dataclass(frozen=True)
 class Handoff:
     """A request leaving prefill, as the END of source rank 0 carries it: the first token
-    sampled there, the seeded generator's state after it, the prefill's phase times
-    (wall clock: prefill_start, prefill_end, transfer_start) and the instance's name."""
+    sampled there, the prefill's phase times (wall clock: prefill_start, prefill_end,
+    transfer_start) and the instance's name. No sampler state: a seeded request's draws
+    are keyed by (seed, output position) (``engine.sampler``), so decode needs none."""
 
     first_token: int
-    sampler_state: bytes = b""
     phase_times: dict[str, float] = field(default_factory=dict, compare=False)
     prefill_instance: str = ""
 
     def to_bytes(self) -> bytes:
         msg = pb.Handoff(
             first_token=self.first_token,
-            sampler_state=self.sampler_state,
             phase_times=self.phase_times,
             prefill_instance=self.prefill_instance,
         )
@@ -139,4 +138,4 @@ class Handoff:
     def from_bytes(cls, data: bytes) -> Handoff:
         msg = pb.Handoff.FromString(data)
         times = dict(msg.phase_times)
-        return cls(msg.first_token, msg.sampler_state, times, msg.prefill_instance)
+        return cls(msg.first_token, times, msg.prefill_instance)

@@ -25,12 +25,12 @@ LastChunkHook = Callable[[list[Request]], tuple[Callable[[int], None] | None, by
 
 @dataclass
 class Prefilled:
-    """A request whose prompt is in the cache and whose first token is sampled."""
+    """A request whose prompt (and delivered output, when resumed) is in the cache and
+    whose first token is sampled, at output position ``len(delivered)``."""
 
     request: Request
     first_token: int
     block_ids: list[int]
-    sampler_state: bytes = b""
     times: dict[str, float] = field(default_factory=dict)  # wall clock: prefill_start/end
     error: str | None = None  # set instead when the prompt cannot be prefilled here
 
@@ -74,16 +74,12 @@ class PrefillEngine(LLMEngine):
             request.status = RequestStatus.FINISHED
             del self.requests[request.request_id]
             self.detokenizers.pop(request.request_id, None)
-            state = b""
-            if request.generator is not None:
-                state = request.generator.get_state().numpy().tobytes()
             start = self.started.pop(request.request_id, end)
             out.append(
                 Prefilled(
                     request,
                     token,
                     list(self.blocks.block_table(request.request_id)),
-                    state,
                     {"prefill_start": start, "prefill_end": end},
                 )
             )

@@ -1,11 +1,12 @@
 """The prefill instance: a Ray actor that prefills prompts and hands them to decode. Its
 side of the handoff (docs/kv_transfer.md): sending -> acked, or failed.
 
-    prefill(attempt) -> chunked prefill, FCFS with other prompts under the token budget
+    prefill(attempt) -> chunked prefill of prompt + delivered (a resumed request), FCFS
+                        with other prompts under the token budget
                      -> last chunk: KV sent layer by layer during the forward pass
                         (kv_transfer.layerwise), or all layers after it   [sending]
-                     -> first token sampled: the END, carrying it with the sampler state
-                        and phase times, to every decode rank this rank sends to
+                     -> first token sampled: the END, carrying it with the phase times,
+                        to every decode rank this rank sends to
                      -> every rank of this instance heard every END answered OK: blocks
                         freed, Update(handed_off)                        [acked]
                      -> a refusal, a broken link or no answer within the ack timeout:
@@ -88,7 +89,8 @@ class PrefillWorker(EngineWorker):
         self._consumer[attempt.id] = attempt.consumer
         try:
             dst = KVDestination.from_bytes(attempt.destination)
-            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params)
+            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params,
+                                    attempt.delivered, attempt.delivered_chars)  # fmt: skip
         except ValueError as e:
             return [Update(attempt.id, error=str(e))]
         self.jobs[attempt.id] = Job(attempt, dst)
@@ -167,7 +169,7 @@ class PrefillWorker(EngineWorker):
             kv = self.engine.runner.kv_cache
             self._send(job, lambda: self.sender.send_all(tid, kv, p.block_ids, job.destination))
         times = {**p.times, "transfer_start": job.transfer_start or time.time()}
-        handoff = Handoff(p.first_token, p.sampler_state, times, self.name)
+        handoff = Handoff(p.first_token, times, self.name)
         self._acks.submit(self._finish, job, handoff)
         return []
 

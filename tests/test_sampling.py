@@ -54,15 +54,44 @@ def test_filtered_probs_keep_the_right_tokens():
 
 
 def test_sampling_follows_the_distribution(llm):
-    """With temperature 1 and no cut, token frequencies approach softmax(logits)."""
+    """With temperature 1 and no cut, token frequencies approach softmax(logits): across
+    a seeded request's output positions, and across draws of an unseeded one."""
     from engine.request import Request
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    request = Request("r", [1], SamplingParams(temperature=1.0, seed=0))
-    counts = torch.zeros(4)
-    for _ in range(4000):
-        counts[llm.engine.runner.sampler(logits, [request])[0]] += 1
-    torch.testing.assert_close(counts / 4000, torch.softmax(logits[0], -1), atol=0.03, rtol=0)
+    for seed in (0, None):
+        request = Request("r", [1], SamplingParams(temperature=1.0, seed=seed))
+        counts = torch.zeros(4)
+        for _ in range(4000):
+            token = llm.engine.runner.sampler(logits, [request])[0]
+            counts[token] += 1
+            request.token_ids.append(token)  # the next draw is at the next position
+        expected = torch.softmax(logits[0], -1)
+        torch.testing.assert_close(counts / 4000, expected, atol=0.03, rtol=0)
+
+
+def test_seeded_draw_depends_on_seed_and_position_only(llm):
+    """The draw at output position p is the same whatever came before it, in whichever
+    sampler (process) draws it; another position or seed draws independently."""
+    from engine.request import Request
+    from engine.sampler import Sampler, position_seed
+
+    assert position_seed(1234567, 0) == 6457827717110365317  # splitmix64's first output
+    assert position_seed(1234567, 1) == 3203168211198807973
+    logits = torch.zeros(1, 256)
+
+    def draws(sampler, output, seed=7):
+        request = Request("r", [1], SamplingParams(temperature=1.0, seed=seed))
+        out = []
+        for token in [*output, None]:
+            out.append(sampler(logits, [request])[0])
+            request.token_ids.append(token)  # the history, not the draw, moves on
+        return out
+
+    first = draws(llm.engine.runner.sampler, [3] * 20)
+    assert draws(Sampler(seed=99), [200] * 20) == first  # other history, other process
+    assert len(set(first)) > 10  # not one stream's repeated first draw
+    assert draws(Sampler(), [3] * 20, seed=8) != first
 
 
 def test_max_tokens_and_stop_token_ids(llm):

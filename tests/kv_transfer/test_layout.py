@@ -137,7 +137,7 @@ def test_destination_and_handoff_round_trip_through_protobuf():
     dst_layout = KVLayout(3, 4, 4, 8, "bfloat16", tp_size=4)
     dst = KVDestination(["10.0.0.1:5000", "a:1", "b:2", "c:3"], [2, 3, 0], dst_layout, "grpc")
     assert KVDestination.from_bytes(dst.to_bytes()) == dst
-    h = Handoff(42, b"\x01\x02", {"prefill_start": 1.5}, "prefill-3")
+    h = Handoff(42, {"prefill_start": 1.5}, "prefill-3")
     back = Handoff.from_bytes(h.to_bytes())
     assert back == h and back.phase_times == h.phase_times
     with pytest.raises(KVLayoutError, match="2 addresses for a decode pool of tensor_parallel=4"):
