@@ -117,6 +117,25 @@ class RouterConfig:
         4096, at_least(1), "generate calls served at once over gRPC and HTTP; past it: refused"
     )
     drain_timeout_s: float = spec(30.0, at_least(0), "how long shutdown waits for requests")
+    migration_limit: int = spec(
+        2, at_least(0), "times a request moves to another instance when its instance dies"
+    )
+
+
+@dataclass
+class SupervisorConfig:
+    """How the supervisor (cluster/supervisor.py) tells a failed instance and restarts it."""
+
+    heartbeat_s: float = spec(1.0, seconds, "how often every process of every instance is pinged")
+    unresponsive_s: float = spec(
+        10.0, seconds, "a process that answers no ping this long is hung (SIGSTOP, a lost host)"
+    )
+    step_timeout_s: float = spec(
+        120.0, seconds, "an engine step running this long is stuck (a collective lost its peer)"
+    )
+    max_restarts: int = spec(
+        10, at_least(0), "restarts of one instance before it is left failed (0: never restarted)"
+    )
 
 
 @dataclass
@@ -152,6 +171,7 @@ class ClusterConfig:
     decode: PoolConfig = spec(factory=PoolConfig)
     colocated: PoolConfig = spec(factory=lambda: PoolConfig(instances=2))
     kv_transfer: KVTransferConfig = spec(factory=KVTransferConfig)
+    supervisor: SupervisorConfig = spec(factory=SupervisorConfig)
     slo: SLOConfig = spec(factory=SLOConfig)
 
     REQUIRED = ("model",)

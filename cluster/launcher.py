@@ -3,9 +3,11 @@ that stops them.
 
 Each engine instance is a Ray actor named ``<role>-<index>`` (``colocated-0``) in
 the namespace ``pdserve``, holding its pool's resources; it loads the model once
-and limits torch to its CPU share. The router is an async actor (``router``, no
-CPU reserved) on the driver's node serving gRPC. Everything is checked before Ray
-starts; a failure while starting stops whatever had started.
+and limits torch to its CPU share. The supervisor (cluster/supervisor.py) starts
+them, watches them and restarts one that fails; the router is an async actor
+(``router``) serving gRPC and HTTP. Both run on the driver's node with no CPU
+reserved. Everything is checked before Ray starts; a failure while starting stops
+whatever had started.
 """
 
 from __future__ import annotations
@@ -29,9 +31,7 @@ class RouterGone(RuntimeError):
 class Cluster:
     config: ClusterConfig
     session: RaySession
-    workers: dict = field(default_factory=dict)  # name -> rank 0's actor handle
-    ranks: list = field(default_factory=list)  # tensor-parallel ranks 1..N-1
-    groups: list = field(default_factory=list)  # their placement groups
+    supervisor: object = None  # actor handle: starts, watches and restarts the instances
     router: object = None  # actor handle
     address: str = ""  # host:port of the router's gRPC server
     http_address: str = ""  # host:port of its OpenAI-compatible HTTP API
@@ -41,6 +41,20 @@ class Cluster:
         from router.client import RouterClient
 
         return RouterClient(self.address)
+
+    @property
+    def workers(self) -> dict:
+        """Rank 0's actor handle of every instance, by name: the current incarnations
+        (a restarted instance has a new one)."""
+        import ray
+
+        return ray.get(self.supervisor.workers.remote(), timeout=30)
+
+    def handles(self, name: str):
+        """``cluster.actors.InstanceHandles`` of one instance's current incarnation."""
+        import ray
+
+        return ray.get(self.supervisor.handles.remote(name), timeout=30)
 
     def stats(self) -> dict:
         import ray
@@ -79,14 +93,15 @@ class Cluster:
             log.warning("router did not stop cleanly: %s", e)
         finally:
             if ray.is_initialized():
-                for handle in [self.router, *self.workers.values(), *self.ranks]:
-                    if handle is not None:
-                        ray.kill(handle, no_restart=True)
-                from ray.util.placement_group import remove_placement_group
-
-                for group in self.groups:
-                    remove_placement_group(group)
-            self.router, self.workers, self.ranks, self.groups = None, {}, [], []
+                if self.router is not None:
+                    ray.kill(self.router, no_restart=True)
+                if self.supervisor is not None:
+                    try:
+                        ray.get(self.supervisor.stop.remote(), timeout=60)
+                    except Exception as e:  # its instances go with the session anyway
+                        log.warning("supervisor did not stop cleanly: %s", e)
+                    ray.kill(self.supervisor, no_restart=True)
+            self.router, self.supervisor = None, None
             self.session.stop()
 
     def __enter__(self):
@@ -122,32 +137,29 @@ def launch(
 def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
-    from cluster.actors import start_instance
+    from cluster.supervisor import Supervisor
     from router.server import RouterServer
 
     config = cluster.config
-    kv = config.to_dict()["kv_transfer"]
-    specs = []
-    for role, pool in config.pools().items():
-        device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
-        engine = pool.engine_config(config.dtype, config.attention_backend, device)
-        for index in range(pool.instances):
-            inst = start_instance(role, index, pool, config.model, engine, kv)
-            cluster.workers[inst.name] = inst.worker
-            cluster.ranks += inst.ranks
-            if inst.group is not None:
-                cluster.groups.append(inst.group)
-            specs.append((inst.name, role, inst.worker))
-    router_options = dict(name="router", namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000)
+    # the router and the supervisor on the driver's node (no CPU reserved)
+    options = dict(namespace=NAMESPACE, num_cpus=0)
     if not str(config.ray.address or "").startswith("ray://"):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node = ray.get_runtime_context().get_node_id()
-        router_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-    router_cls = ray.remote(RouterServer)
-    cluster.router = router_cls.options(**router_options).remote(
-        config.model, config.to_dict()["router"], specs, config.mode
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    cluster.supervisor = (
+        ray.remote(Supervisor)
+        .options(name="supervisor", max_concurrency=16, **options)
+        .remote(config.to_dict())
+    )
+    specs = ray.get(cluster.supervisor.start.remote(), timeout=ready_timeout_s)
+    cluster.router = (
+        ray.remote(RouterServer)
+        .options(name="router", max_concurrency=10_000, **options)
+        .remote(config.model, config.to_dict()["router"], specs, config.mode, cluster.supervisor)
     )
     cluster.address = ray.get(cluster.router.start.remote(), timeout=ready_timeout_s)
     cluster.http_address = ray.get(cluster.router.get_http_address.remote())
     cluster.instances = ray.get(cluster.router.wait_ready.remote(), timeout=ready_timeout_s)
+    ray.get(cluster.supervisor.watch.remote(cluster.router))

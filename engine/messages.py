@@ -12,19 +12,21 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 
 
-def attempt_id(request_id: str, attempt: int) -> str:
-    """The id of a request's ``attempt``-th try on a prefill/decode pair."""
-    return f"{request_id}#{attempt}"
+def attempt_id(request_id: str, attempt: int, serial: str) -> str:
+    """The id of a request's ``attempt``-th try (0 first); ``serial`` is unique per try
+    within the router's life (its incarnation and a counter), so an id is never reused,
+    even when a client reuses a request id."""
+    return f"{request_id}#{attempt}.{serial}"
 
 
 @dataclass(frozen=True)
 class Attempt:
     """One try at running a request.
 
-    ``id`` names the request on the instances, its KV transfer and its updates: in
-    disaggregated mode ``attempt_id(request id, n)``, new for every try, so that
-    anything late from an abandoned try can never be taken for the retry's; co-located,
-    the request id. A co-located instance reads ``id``, ``prompt_ids``, ``params`` and
+    ``id`` names the request on the instances, its KV transfer and its updates:
+    ``attempt_id(...)``, new for every try, so that anything late from an abandoned try
+    (or an abort of a finished one) can never be taken for a later try's. A co-located
+    instance reads ``id``, ``prompt_ids``, ``params`` and
     ``consumer``; a decode instance's ``reserve`` also ``prefill_tp`` (which prefill ranks
     send which heads); a prefill instance's ``prefill`` also ``destination`` (the decode
     instance's answer to ``reserve``, opaque here: the router never reads it) and

@@ -81,6 +81,11 @@ class RankActor:
         """Its name, and its process id (for the chaos tool's signals)."""
         return {"name": self.name, "pid": os.getpid()}
 
+    def ping(self) -> dict:
+        """Liveness for the supervisor: answered by any live, unstopped process (rank 0's
+        ``ping`` covers the steps this rank runs)."""
+        return {"pid": os.getpid(), "busy_s": 0.0}
+
     def leader(self):
         """Rank 0's actor handle, for pushing it this rank's results: the instance's
         worker, named as this rank without its ``-rank<r>`` suffix."""

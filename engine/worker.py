@@ -81,6 +81,7 @@ class EngineWorker:
         self._setup(*setup)
         self._snapshot = self._stats()
         self._stopping = False
+        self._busy_since: float | None = None  # monotonic start of the work under way
         self._loop = threading.Thread(target=self._run, name=f"{name}-steps", daemon=True)
         self._loop.start()
 
@@ -125,6 +126,13 @@ class EngineWorker:
     def stats(self) -> dict:
         with self._lock:
             return dict(self._snapshot)
+
+    def ping(self) -> dict:
+        """Liveness for the supervisor (cluster/supervisor.py), answered off the step
+        loop: ``busy_s`` is how long the loop has been inside one round of ops and step
+        (0 while it waits for work), so a step stuck in a collective shows as it grows."""
+        since = self._busy_since
+        return {"pid": os.getpid(), "busy_s": 0.0 if since is None else time.monotonic() - since}
 
     def step_log(self) -> list[list[float]]:
         """The steps served since the last call: ``[prefill_tokens, sum_sq, decodes,
@@ -171,6 +179,7 @@ class EngineWorker:
                     return
                 ops = list(self._inbox)
                 self._inbox.clear()
+            self._busy_since = time.monotonic()
             started = time.perf_counter()
             produced = [u for op in ops for u in self._apply(op)]
             if self.engine.has_unfinished_requests():
@@ -186,6 +195,7 @@ class EngineWorker:
                         self._consumer.pop(update.request_id, None)
                 self._snapshot = self._stats()
                 self._produced.notify_all()
+            self._busy_since = None
 
     def _setup(self) -> None:
         """A role's own state (the KV transfer endpoints), before the step loop starts."""

@@ -27,6 +27,8 @@ from router.request import GenerateRequest, Refusal, Refused
 from router.stream import Delta, RequestStream
 from router.validation import InvalidRequest, ModelLimits, RequestValidator
 
+STATS_TIMEOUT_S = 2.0  # an instance that does not answer (stopped, hung) is shown as such
+
 
 class RouterCore:
     """The control plane.
@@ -46,11 +48,19 @@ class RouterCore:
         workers: list[tuple[str, str, object]],
         mode: str = "colocated",
         tokenizer: Tokenizer | None = None,
+        supervisor=None,
     ):
         """``workers``: (name, role, Ray actor handle) of every engine instance;
-        ``tokenizer``: the model's, None when it has none (token ids only)."""
+        ``tokenizer``: the model's, None when it has none (token ids only);
+        ``supervisor``: the cluster's supervisor (cluster/supervisor.py), told of every
+        instance this router sees fail; None: a failed instance stays out."""
         self.tokenizer = tokenizer
+        self.supervisor = supervisor
         self.instances = [Instance(n, r, h, i) for i, (n, r, h) in enumerate(workers)]
+        self.by_name = {i.name: i for i in self.instances}
+        self.migration_limit: int = router_config["migration_limit"]
+        self.on_health = lambda serving: None  # the owner's: called when ``serving`` flips
+        self._serving = False
         self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
         self.queue_timeout_s: float = router_config["queue_timeout_s"]
         self.calls = CallLimit(router_config["max_concurrent_requests"])
@@ -73,6 +83,11 @@ class RouterCore:
         return self.placement.alive
 
     @property
+    def recoverable(self) -> bool:
+        """Alive, or will be again: an instance of each role that is down is restarting."""
+        return self.placement.recoverable
+
+    @property
     def serving(self) -> bool:
         """Taking requests: ready, alive and not draining."""
         return self.ready and self.alive and not self.draining
@@ -93,11 +108,72 @@ class RouterCore:
         )
         for inst in self.instances:
             inst.start_polling(self._on_updates, self._on_dead)
+        self._health_changed()
         return infos
+
+    # ---- instances failing and coming back (docs/serving.md, "Supervision") ----
+
+    def eject(self, name: str, generation: int, why: str, restarting: bool) -> None:
+        """The supervisor found generation ``generation`` of ``name`` failed."""
+        inst = self.by_name[name]
+        if inst.generation != generation:
+            return
+        if inst.dead is not None:  # this router saw it first
+            inst.restarting = restarting
+            self._dispatch()
+            return
+        self._instance_failed(inst, why, restarting)
+
+    def readmit(self, name: str, generation: int, handle, info: dict) -> None:
+        """A restarted instance is ready: back in routing."""
+        inst = self.by_name[name]
+        if generation <= inst.generation:
+            return
+        if inst.dead is None:  # the supervisor replaced it before this router saw it fail
+            self._instance_failed(inst, f"instance {name} was replaced", restarting=True)
+        inst.readmit(handle, generation, info)
+        inst.start_polling(self._on_updates, self._on_dead)
+        self._health_changed()
+        self._dispatch()
+
+    def _on_dead(self, inst: Instance, why: str) -> None:
+        """An instance's poll raised: it is gone; the supervisor restarts it."""
+        if self.supervisor is not None:
+            self.supervisor.report.remote(inst.name, inst.generation, why)
+        self._instance_failed(inst, why, restarting=self.supervisor is not None)
+
+    def _instance_failed(self, inst: Instance, why: str, restarting: bool) -> None:
+        inst.fail(why, restarting)
+        self.after_updates(self.placement.on_dead(inst))
+        self._health_changed()
+
+    def _health_changed(self) -> None:
+        if self.serving != self._serving:
+            self._serving = self.serving
+            self.on_health(self._serving)
+
+    def migrate(self, stream: RequestStream, why: str) -> bool:
+        """Continue ``stream`` on another instance (its instance failed): back to the head
+        of the queue with what its client already has; False (and the stream ended with
+        an error) past ``router.migration_limit`` or when no instance will take it."""
+        if stream.finished or self.streams.get(stream.request_id) is not stream:
+            return False
+        if stream.attempt >= self.migration_limit or not self.recoverable:
+            if stream.attempt:
+                why += f" (after {stream.attempt + 1} attempts; earlier: "
+                why += "; ".join(stream.failures) + ")"
+            stream.deliver(Delta([], "", "error", why))
+            return False
+        stream.failures.append(why)
+        stream.attempt += 1
+        stream.avoid.update(stream.pair)
+        self.requeue(stream)
+        return True
 
     def stop_admitting(self) -> None:
         """Refuse every new request from now on (UNAVAILABLE: draining)."""
         self.draining = True
+        self._health_changed()
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests and wait for those in flight; returns how many were still
@@ -117,13 +193,19 @@ class RouterCore:
 
     async def stats(self) -> dict:
         """The queue and every instance's load: ``queued``, ``max_queue``, ``in_flight``,
-        ``draining``, ``instances`` (each instance's ``stats()`` with ``role``,
-        ``outstanding`` and ``requests_total``; ``dead`` instead for one that failed)."""
-        per = await asyncio.gather(*(i.stats() for i in self.instances), return_exceptions=True)
+        ``draining``, ``instances`` (each instance's ``stats()`` with ``role``, ``state``
+        (starting, serving, failed, restarting), ``generation``, ``restarts``,
+        ``outstanding`` and ``requests_total``; ``dead`` (why) instead of the load for
+        one that is down or does not answer within ``STATS_TIMEOUT_S``)."""
+        per = await asyncio.gather(
+            *(asyncio.wait_for(i.stats(), STATS_TIMEOUT_S) for i in self.instances),
+            return_exceptions=True,
+        )
         instances = []
         for inst, s in zip(self.instances, per, strict=True):
-            s = s if isinstance(s, dict) else {"name": inst.name, "dead": str(s)}
-            s.update(role=inst.role, outstanding=inst.load.outstanding)
+            s = s if isinstance(s, dict) else {"name": inst.name, "dead": repr(s)}
+            s.update(role=inst.role, outstanding=inst.load.outstanding, state=inst.state)
+            s.update(generation=inst.generation, restarts=inst.restarts)
             s["requests_total"] = inst.requests_total
             instances.append(s)
         return {
@@ -152,7 +234,7 @@ class RouterCore:
             raise Refused(Refusal.UNAVAILABLE, "the router is draining")
         if not self.ready:
             raise Refused(Refusal.UNAVAILABLE, "the instances are still loading")
-        if not self.alive:
+        if not self.recoverable:
             raise Refused(Refusal.UNAVAILABLE, "every engine instance has failed")
         try:
             prompt_ids = self.validator.prompt_ids(request)
@@ -257,7 +339,7 @@ class RouterCore:
 
     def _dispatch(self) -> None:
         """Start waiting requests, oldest first, while the placement has room."""
-        if not self.alive:  # nothing will ever take them
+        if not self.recoverable:  # nothing will ever take them
             for stream in self.admission.drain():
                 self.streams.pop(stream.request_id, None)
                 stream.deliver(Delta([], "", "error", "the engine instances have failed"))
@@ -267,6 +349,3 @@ class RouterCore:
 
     def _on_updates(self, inst: Instance, updates: list) -> None:
         self.after_updates(self.placement.on_updates(inst, updates))
-
-    def _on_dead(self, inst: Instance) -> None:
-        self.after_updates(self.placement.on_dead(inst))

@@ -10,9 +10,11 @@ Per request (one ``Attempt``; the instances know it as ``<request id>#<attempt>`
     ended with the first token -> decode admits it once landed and streams tokens;
     prefill reports the transfer acknowledged (handed off)
 
-A failed handoff (transfer cut, lease expired, a peer gone) drops the attempt on both
-instances and redoes the request once on another pair when there is one; a second
-failure, or a failure after tokens reached the client, ends it with an error.
+A failed handoff (transfer cut, lease expired, a peer gone) or a failed instance drops
+the attempt on both instances and migrates the request (``RouterCore.migrate``): a new
+attempt on another pair when there is one, re-prefilling prompt + the tokens the client
+already has, up to ``router.migration_limit`` times. Once the decode instance streams
+tokens, the prefill instance's failure no longer concerns the request.
 """
 
 from __future__ import annotations
@@ -21,13 +23,12 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from engine.messages import Attempt, Update, attempt_id
-from router.instances import CONSUMER, Instance
+from engine.messages import Attempt, Update
+from router.instances import Instance
 from router.placement import Placement
 from router.stream import Delta, RequestStream
 
 log = logging.getLogger(__name__)
-MAX_ATTEMPTS = 2
 
 
 class Disaggregated(Placement):
@@ -43,6 +44,13 @@ class Disaggregated(Placement):
             i.dead is None for i in self.decodes
         )
 
+    @property
+    def recoverable(self) -> bool:
+        def up(pool: list[Instance]) -> bool:
+            return any(i.dead is None or i.restarting for i in pool)
+
+        return up(self.prefills) and up(self.decodes)
+
     def can_place(self, stream: RequestStream) -> bool:
         return any(d.has_room() for d in self.decodes) and any(p.alive for p in self.prefills)
 
@@ -52,12 +60,15 @@ class Disaggregated(Placement):
             (p for p in self.prefills if p.alive),
             key=lambda p: (p.name in stream.avoid, p.load.prefill_tokens, p.load.index),
         )
-        stream.attempt_id = attempt_id(stream.request_id, stream.attempt)
+        attempt = self.attempt(
+            stream, prefill_tp=prefill.info.get("kv_tp_size", 1), decode=decode.name
+        )
         stream.pair = (prefill.name, decode.name)
         decode.hold(stream)
         prefill.hold(stream)
-        prefill.load.prefill_tokens += len(stream.prompt_ids)
-        task = asyncio.get_running_loop().create_task(self._start(stream, prefill, decode))
+        stream.prefill_cost = len(stream.prompt_ids) + len(stream.token_ids)
+        prefill.load.prefill_tokens += stream.prefill_cost
+        task = asyncio.get_running_loop().create_task(self._start(stream, attempt, prefill, decode))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -68,15 +79,9 @@ class Disaggregated(Placement):
             self.policy.choose(len(stream.prompt_ids), [d.load for d in fresh]).name
         ]
 
-    async def _start(self, stream: RequestStream, prefill: Instance, decode: Instance) -> None:
-        attempt = Attempt(
-            stream.attempt_id,
-            tuple(stream.prompt_ids),
-            stream.params,
-            CONSUMER,
-            prefill_tp=prefill.info.get("kv_tp_size", 1),
-            decode=decode.name,
-        )
+    async def _start(
+        self, stream: RequestStream, attempt: Attempt, prefill: Instance, decode: Instance
+    ) -> None:
         try:
             destination = await decode.handle.reserve.remote(attempt)
         except Exception as e:  # the decode instance died or refused the request
@@ -112,6 +117,7 @@ class Disaggregated(Placement):
                 if u.handed_off:
                     self._release_prefill(inst, stream)
                 continue
+            stream.landed = True
             stream.deliver(Delta(u.token_ids, u.text, u.finish_reason))
             if u.finish_reason is not None:
                 inst.release(stream)
@@ -132,31 +138,24 @@ class Disaggregated(Placement):
     def _end_attempt(
         self, stream: RequestStream, error: str, retryable: bool, reported_by=None
     ) -> None:
-        """The attempt failed: drop it everywhere, then redo it on another pair or fail.
+        """The attempt failed: drop it everywhere, then migrate the request or fail it.
         Once the decode instance streams tokens, its KV has landed: a failure reported by
         the prefill instance (a lost acknowledgement, its death) no longer concerns it."""
         if reported_by is not None:  # it already dropped the attempt itself
             self._release(reported_by, stream)
-            if reported_by.role == "prefill" and stream.num_tokens > 0:
+            if reported_by.role == "prefill" and stream.landed:
                 log.warning("request %s: %s (after its KV landed)", stream.request_id, error)
                 return
         self._drop(stream, abort=True)
-        can_retry = retryable and stream.num_tokens == 0 and stream.attempt + 1 < MAX_ATTEMPTS
-        if can_retry and self.alive:
-            log.warning("request %s: %s; retrying on another pair", stream.request_id, error)
-            stream.attempt += 1
-            stream.avoid.update(stream.pair)
-            stream.retried_because = error
-            self.router.requeue(stream)
-            return
-        if stream.attempt > 0:
-            error = f"{error} (after a retry; first attempt: {stream.retried_because})"
-        stream.deliver(Delta([], "", "error", error))
+        if retryable:
+            self.router.migrate(stream, error)
+        else:
+            stream.deliver(Delta([], "", "error", error))
 
     def _drop(self, stream: RequestStream, abort: bool) -> None:
         for inst in self.instances:
             if inst.role == "prefill" and stream.attempt_id in inst.streams:
-                inst.load.prefill_tokens -= len(stream.prompt_ids)
+                inst.load.prefill_tokens -= stream.prefill_cost
             inst.release(stream, abort=abort)
 
     def _release(self, inst: Instance, stream: RequestStream) -> None:
@@ -167,4 +166,4 @@ class Disaggregated(Placement):
 
     def _release_prefill(self, inst: Instance, stream: RequestStream) -> None:
         if inst.release(stream):
-            inst.load.prefill_tokens -= len(stream.prompt_ids)
+            inst.load.prefill_tokens -= stream.prefill_cost

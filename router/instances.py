@@ -4,6 +4,14 @@ Data plane: one long-poll loop per instance fetches every update the instance pr
 since the previous poll (one Ray call per engine step at most, whatever the number of
 requests) and hands them to the placement (router/placement.py), which routes each to
 its ``RequestStream``.
+
+Lifecycle (docs/serving.md, "Supervision")::
+
+    starting --ready--> serving --poll fails / ejected--> failed --readmitted--> serving
+
+Each incarnation of the instance has a ``generation`` (0 at launch, +1 per restart by
+the cluster's supervisor): a failure is reported with the generation it concerns, so a
+late report about a dead incarnation never ejects its successor.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ class Instance:
         self.capacity = 0  # max requests held and unfinished (its max_batch_size)
         self.info: dict = {}
         self.ready = False
-        self.dead: str | None = None  # why, once the instance is gone
+        self.dead: str | None = None  # why, while the instance is failed
+        self.generation = 0
+        self.restarts = 0
+        self.restarting = False  # failed, and its supervisor is starting it again
         # it refused a reservation: no room until its next report says otherwise
         self.refused = False
         self.requests_total = 0
@@ -38,6 +49,12 @@ class Instance:
     @property
     def alive(self) -> bool:
         return self.ready and self.dead is None
+
+    @property
+    def state(self) -> str:
+        if self.dead is not None:
+            return "restarting" if self.restarting else "failed"
+        return "serving" if self.ready else "starting"
 
     def has_room(self) -> bool:
         return self.alive and not self.refused and self.load.outstanding < self.capacity
@@ -78,6 +95,24 @@ class Instance:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
+    def fail(self, why: str, restarting: bool) -> None:
+        """Out of routing from now on (its poll stops); the placement then deals with the
+        requests it held."""
+        self.dead, self.restarting = why, restarting
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+        log.error("%s (generation %d)", why, self.generation)
+
+    def readmit(self, handle, generation: int, info: dict) -> None:
+        """A new incarnation answered ``ready()``: back in routing, with nothing held."""
+        assert not self.streams, f"{self.name}: readmitted while holding {list(self.streams)}"
+        self.handle, self.generation, self.info = handle, generation, info
+        self.dead, self.restarting, self.refused = None, False, False
+        self.restarts += 1
+        self.load.outstanding = self.load.running = self.load.queued = 0
+        self.load.prefill_tokens = 0
+        self.load.free_blocks = info["num_blocks"]
+
     async def stats(self) -> dict:
         if self.dead is not None:
             return {"name": self.name, "dead": self.dead}
@@ -90,11 +125,15 @@ class Instance:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the actor died
-                self.dead = f"instance {self.name} failed: {e}"
-                log.error(self.dead)
-                on_dead(self)
+                on_dead(self, f"instance {self.name} failed: {_first_line(e)}")
                 return
             self.load.running, self.load.queued = stats["running"], stats["queued"]
             self.load.free_blocks = stats["free_blocks"]
             self.refused = False
             on_updates(self, updates)
+
+
+def _first_line(error: Exception) -> str:
+    """A Ray error's first line names what happened; the rest is a remote traceback."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

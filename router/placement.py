@@ -7,9 +7,11 @@ stream, and cleans up on cancel or instance death.
 
 from __future__ import annotations
 
+import itertools
+import uuid
 from abc import ABC, abstractmethod
 
-from engine.messages import Attempt, Update
+from engine.messages import Attempt, Update, attempt_id
 from router.instances import CONSUMER, Instance
 from router.policies import RoutingPolicy
 from router.stream import Delta, RequestStream
@@ -24,17 +26,39 @@ class Placement(ABC):
     ``router.requeue`` when an instance turns it down); ``cancel(stream)`` takes it out
     of every instance holding it, which frees its KV blocks there; ``on_updates``
     routes one poll's updates to their streams and returns those that ended;
-    ``on_dead`` deals with the requests a dead instance held and returns those that
-    ended. A stream that ends gets a final ``Delta`` (finish reason or error).
+    ``on_dead`` deals with the requests a failed instance held (each migrates, through
+    ``router.migrate``, or ends) and returns those that ended. A stream that ends gets a
+    final ``Delta`` (finish reason or error).
     """
 
     def __init__(self, router, instances: list[Instance], policy: RoutingPolicy):
         self.router, self.instances, self.policy = router, instances, policy
         self.by_name = {i.name: i for i in instances}
+        self._incarnation = uuid.uuid4().hex[:8]
+        self._serial = itertools.count()
 
     @property
     def alive(self) -> bool:
         return any(i.dead is None for i in self.instances)
+
+    @property
+    def recoverable(self) -> bool:
+        return any(i.dead is None or i.restarting for i in self.instances)
+
+    def attempt(self, stream: RequestStream, **fields) -> Attempt:
+        """A new try at ``stream`` (a fresh id) carrying what its client already has."""
+        serial = f"{self._incarnation}{next(self._serial):x}"
+        stream.attempt_id = attempt_id(stream.request_id, stream.attempt, serial)
+        stream.landed = False
+        return Attempt(
+            stream.attempt_id,
+            tuple(stream.prompt_ids),
+            stream.params,
+            CONSUMER,
+            delivered=tuple(stream.token_ids),
+            delivered_chars=stream.text_chars,
+            **fields,
+        )
 
     @abstractmethod
     def can_place(self, stream: RequestStream) -> bool: ...
@@ -50,11 +74,12 @@ class Placement(ABC):
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]: ...
 
     def on_dead(self, inst: Instance) -> list[RequestStream]:
-        failed = list(inst.streams.values())
-        for stream in failed:
+        ended = []
+        for stream in list(inst.streams.values()):
             self.cancel(stream)
-            stream.deliver(Delta([], "", "error", inst.dead))
-        return failed
+            if not self.router.migrate(stream, inst.dead):
+                ended.append(stream)
+        return ended
 
 
 class Colocated(Placement):
@@ -65,13 +90,13 @@ class Colocated(Placement):
 
     def place(self, stream: RequestStream) -> None:
         candidates = [i.load for i in self.instances if i.has_room()]
-        inst = self.by_name[self.policy.choose(len(stream.prompt_ids), candidates).name]
-        stream.attempt_id = stream.request_id
+        fresh = [c for c in candidates if c.name not in stream.avoid] or candidates
+        inst = self.by_name[self.policy.choose(len(stream.prompt_ids), fresh).name]
+        attempt = self.attempt(stream)
+        stream.pair = (inst.name,)
         inst.hold(stream)
         stream.sent_to(inst.name)
-        inst.handle.add.remote(
-            Attempt(stream.attempt_id, tuple(stream.prompt_ids), stream.params, CONSUMER)
-        )
+        inst.handle.add.remote(attempt)
 
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]:
         finished = []

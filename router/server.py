@@ -8,9 +8,10 @@ on ``router.http_port``. cluster/launcher.py calls its methods through the actor
 handle: ``start``, ``get_http_address``, ``wait_ready``, ``drain``, ``stop``,
 ``stats``, ``pid``.
 
-Health, on both front ends: not serving until every instance is ready, serving then,
-not serving again from the start of a drain (HTTP also while every instance has
-failed).
+Health, on both front ends: serving while the core is (``RouterCore.serving``: every
+instance loaded once, each role has a live instance, not draining); the gRPC health
+status follows each flip. The cluster's supervisor calls ``eject`` and ``readmit`` as
+instances fail and come back (cluster/supervisor.py).
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ class RouterServer:
         router_config: dict,
         workers: list[tuple[str, str, object]],
         mode: str = "colocated",
+        supervisor=None,
     ):
-        """``workers``: (name, role, Ray actor handle) of every engine instance."""
+        """``workers``: (name, role, Ray actor handle) of every engine instance;
+        ``supervisor``: the cluster's (told of every failure this router sees)."""
         from engine.checkpoint import load_checkpoint
 
         self.config = router_config
         self.model = model
         tokenizer = load_checkpoint(model).tokenizer
-        self.core = RouterCore(router_config, workers, mode, tokenizer)
+        self.core = RouterCore(router_config, workers, mode, tokenizer, supervisor)
         self.address = ""  # host:port of the gRPC API
         self.http_address = ""  # host:port of the OpenAI-compatible HTTP API
         self._grpc: GrpcApi | None = None
@@ -52,6 +55,8 @@ class RouterServer:
         host, port = self.config["host"], self.config["port"]
         self._grpc = GrpcApi(self.core)
         bound = await self._grpc.start(host, port)
+        loop = asyncio.get_running_loop()
+        self.core.on_health = lambda serving: loop.create_task(self._grpc.set_serving(serving))
         shown = host
         if host in ("0.0.0.0", "::", "[::]"):
             import ray
@@ -75,8 +80,6 @@ class RouterServer:
         """Refuse new requests, report not serving, wait for those in flight.
 
         Returns how many were still running at the timeout (they are aborted)."""
-        self.core.stop_admitting()
-        await self._grpc.set_serving(False)
         return await self.core.drain(timeout_s)
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -94,9 +97,15 @@ class RouterServer:
         """This actor's process id; answering at all means its event loop runs."""
         return os.getpid()
 
+    async def eject(self, name: str, generation: int, why: str, restarting: bool) -> None:
+        """The supervisor found an instance failed: out of routing, its requests migrate."""
+        self.core.eject(name, generation, why, restarting)
+
+    async def readmit(self, name: str, generation: int, handle, info: dict) -> None:
+        """The supervisor restarted an instance and it is ready: back in routing."""
+        self.core.readmit(name, generation, handle, info)
+
     async def _bring_up(self) -> list[dict]:
         infos = await self.core.bring_up()
-        if not self.core.draining:
-            await self._grpc.set_serving(True)
         log.info("router %s: %d instances ready", self.address, len(infos))
         return infos

@@ -97,7 +97,6 @@ class RequestStream:
     first_token_at: float | None = None
     last_token_at: float | None = None
     token_walls: list[float] = field(default_factory=list)
-    num_tokens: int = 0
     finished: bool = False
     waiting: Delta | None = None  # delivered, not yet read (every such delivery merged)
     timers: list[asyncio.TimerHandle] = field(default_factory=list)  # the core's deadlines
@@ -107,8 +106,17 @@ class RequestStream:
     attempt: int = 0
     pair: tuple[str, ...] = ()
     avoid: set[str] = field(default_factory=set)  # instances of a failed attempt
-    retried_because: str = ""
+    failures: list[str] = field(default_factory=list)  # why each earlier attempt ended
+    landed = False  # the attempt's decode instance streams it (its KV landed there)
+    prefill_cost = 0  # tokens the attempt's prefill instance computes (prompt + delivered)
+    # what the client has (or has queued): the resume state of a migrated attempt
+    token_ids: list[int] = field(default_factory=list)
+    text_chars: int = 0
     info: dict = field(default_factory=dict)  # what the instances reported (phases, KV)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     def sent_to(self, instance: str) -> None:
         self.instances.append(instance)
@@ -123,7 +131,7 @@ class RequestStream:
         if delta.token_ids:
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
-            self.num_tokens += len(delta.token_ids)
+            self.token_ids += delta.token_ids
             self.token_walls += [time.time()] * len(delta.token_ids)
         if delta.last:
             self.finished = True
@@ -132,6 +140,7 @@ class RequestStream:
         merged = self.waiting
         merged.token_ids += delta.token_ids
         merged.text += delta.text
+        self.text_chars += len(delta.text)
         merged.finish_reason, merged.error, merged.refused = (
             delta.finish_reason,
             delta.error,

@@ -27,6 +27,7 @@ def cluster(chat_model, request, tmp_path_factory):
     write_plan(plan, [])
     backend = f"tests.kv_transfer.faults:{request.param}"
     config = disagg_config(chat_model, backend, True, 2, lease_s=LEASE_S)
+    config["router"]["migration_limit"] = 1  # a second failure ends the request
     config["decode"]["max_batch_size"] = 4
     config["router"]["max_queue"] = 4
     with pytest.MonkeyPatch.context() as mp:
@@ -82,7 +83,7 @@ def test_transfer_cut_twice_fails_with_a_clear_error(cluster, client):
     assert err.value.code() == grpc.StatusCode.INTERNAL
     text = err.value.details()
     assert "made no progress within kv_transfer.lease_s=2s" in text, text
-    assert "after a retry" in text, text
+    assert "after 2 attempts" in text, text
     settle(cluster, client)
 
 

@@ -1,8 +1,8 @@
 """Instances killed in the middle of a handoff (a real SIGKILL to a real Ray worker
 process, sent by the test transport at a chosen step): the prefill instance while it
 sends a request's KV, then the decode instance while it receives one. Each request is
-redone on the surviving pair with the same greedy output; the survivors pass
-``check_integrity()`` with every KV block free."""
+redone on the surviving pair with the same greedy output; the victim is restarted and
+serves again; every instance passes ``check_integrity()`` with every KV block free."""
 
 from __future__ import annotations
 
@@ -49,14 +49,20 @@ def test_killed_sender_then_killed_receiver_are_survived(chat_model, backend, tm
                 assert done.timings.attempts == 2 and victim in done.timings.instances
                 assert victim not in done.timings.instances[2:], done.timings.instances
                 assert time.monotonic() - started < 3 * LEASE_S + 10
-                assert victim in {s["name"] for s in cluster.stats()["instances"] if "dead" in s}
+                assert wait_until(lambda v=victim: restarted(cluster, v), 90), cluster.stats()
             write_plan(plan, [])
 
             def settled():
-                live = [s for s in cluster.stats()["instances"] if "dead" not in s]
-                return len(live) == 2 and all(s["free_blocks"] == s["total_blocks"] for s in live)
+                live = [s for s in cluster.stats()["instances"] if s["state"] == "serving"]
+                return len(live) == 4 and all(s["free_blocks"] == s["total_blocks"] for s in live)
 
             assert wait_until(settled, 4 * LEASE_S), cluster.stats()
-            for name in ("prefill-1", "decode-1"):
-                blocks = ray.get(cluster.workers[name].check_integrity.remote())
+            for name, worker in cluster.workers.items():
+                blocks = ray.get(worker.check_integrity.remote())
                 assert blocks["free_blocks"] == blocks["total_blocks"], (name, blocks)
+
+
+def restarted(cluster, name: str) -> bool:
+    """The supervisor restarted ``name`` and the router serves it again."""
+    (mine,) = [s for s in cluster.stats()["instances"] if s["name"] == name]
+    return mine["state"] == "serving" and mine["restarts"] >= 1

@@ -46,6 +46,7 @@ def cluster(chat_model, request, tmp_path_factory):
     config = disagg_config(chat_model, f"tests.kv_transfer.faults:{backend}", True, 3 - tp,
                            lease_s=LEASE_S)  # fmt: skip
     config["prefill"].update(tensor_parallel=tp, resources={"num_cpus": 0.5})
+    config["router"]["migration_limit"] = 1  # a second failure ends the request
     config["decode"]["resources"] = {"num_cpus": 0.5}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, str(plan))  # the cluster's processes inherit it
@@ -80,7 +81,7 @@ def test_handoff_fault_through_the_router(cluster, want, row):
             with pytest.raises(grpc.RpcError) as err:
                 client.complete(prompt_token_ids=PROMPT, max_tokens=6, request_id=rid)
             assert err.value.code() == grpc.StatusCode.INTERNAL
-            assert words in err.value.details() and "after a retry" in err.value.details()
+            assert words in err.value.details() and "after 2 attempts" in err.value.details()
         else:
             done = client.complete(prompt_token_ids=PROMPT, max_tokens=6, temperature=0,
                                    ignore_eos=True, request_id=rid)  # fmt: skip

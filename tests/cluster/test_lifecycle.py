@@ -1,5 +1,5 @@
-"""What ends a cluster's instances or its service, each on a cluster of its own (so no
-other test sees what it did): an instance killed under a stream, and a drain."""
+"""What ends a cluster's service, on a cluster of its own (so no other test sees what
+it did): a drain. (An instance killed under its streams: test_supervision.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import time
 
 import grpc
 import pytest
-import ray
 
 from tests.cluster.helpers import small_cluster_config, wait_until
 from tests.cluster.test_launch import health
@@ -20,22 +19,6 @@ def cluster(chat_model):
 
     with launch(small_cluster_config(chat_model, policy="round_robin")) as c:
         yield c
-
-
-def test_a_dead_instance_fails_its_requests_and_the_other_keeps_serving(cluster):
-    client = cluster.client()
-    stream = client.generate(prompt_token_ids=[8] * 20, max_tokens=900, ignore_eos=True)
-    next(stream)
-    busy = [i.name for i in client.stats().instances if i.outstanding == 1]
-    assert len(busy) == 1
-    ray.kill(ray.get_actor(busy[0], namespace="pdserve"))
-    with pytest.raises(grpc.RpcError) as err:
-        list(stream)
-    assert err.value.code() == grpc.StatusCode.INTERNAL
-    assert f"instance {busy[0]} failed" in err.value.details()
-    for _ in range(3):
-        done = client.complete(prompt_token_ids=[5, 6], max_tokens=2)
-        assert done.timings.instances[0] != busy[0]
 
 
 def test_drain_reports_not_serving_and_finishes_in_flight_requests(cluster):

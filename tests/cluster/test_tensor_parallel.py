@@ -58,10 +58,11 @@ def test_colocated_tp2(kv4_model, expected):
         },
     }
     with launch(config) as cluster:
-        assert len(cluster.ranks) == 1 and len(cluster.groups) == 1
+        handles = cluster.handles("colocated-0")
+        assert len(handles.ranks) == 1 and handles.group is not None
         info = cluster.instances[0]
         assert info["tensor_parallel"] == 2
-        ranks = ray.util.placement_group_table(cluster.groups[0])
+        ranks = ray.util.placement_group_table(handles.group)
         assert ranks["strategy"] == "STRICT_PACK" and len(ranks["bundles"]) == 2
         _check(cluster, *expected)
 

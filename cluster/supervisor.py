@@ -1,0 +1,231 @@
+"""The supervisor: starts every engine instance, tells when one has failed, restarts it.
+
+A Ray actor (threaded, no CPU reserved, on the driver's node) that owns the instances'
+actors and placement groups (cluster/actors.py). Its watch thread pings every process
+of every serving instance (rank 0 and the tensor-parallel ranks) each
+``supervisor.heartbeat_s``; an instance has failed when any of its processes
+
+- died (SIGKILL, OOM, a crash): its ping raises at once;
+- answers no ping within ``supervisor.unresponsive_s`` (SIGSTOP, a lost host);
+- has been inside one engine step for ``supervisor.step_timeout_s`` (a collective whose
+  peer is gone): rank 0's ``ping`` reports how long its loop has been busy.
+
+The router reports what it sees first (a poll that raised) through ``report``. Either
+way, per instance and generation, once (docs/serving.md, "Supervision")::
+
+    serving --failed--> router.eject (routing stops; its requests migrate)
+            --> kill every process, remove the placement group
+            --> start the instance again as a unit (same name, index, pool, placement)
+            --> ready() answered --> router.readmit (generation + 1) --> serving
+
+A start that fails is retried with backoff; an instance that failed
+``supervisor.max_restarts`` times stays out. The supervisor never touches requests: the
+router migrates them (router/placement.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from cluster.actors import InstanceHandles, start_instance
+from cluster.config import ClusterConfig, PoolConfig
+from cluster.ray_env import NAMESPACE
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0  # a restarted instance loading its model
+NAME_RELEASE_S = 60.0  # Ray frees a dead actor's name once its death is recorded
+
+
+@dataclass
+class Supervised:
+    """One instance as the supervisor keeps it; ``state``: serving, failed, restarting."""
+
+    role: str
+    index: int
+    pool: PoolConfig
+    engine: dict
+    handles: InstanceHandles
+    generation: int = 0
+    state: str = "serving"
+    restarts: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.handles.name
+
+    @property
+    def actors(self) -> list:
+        return [self.handles.worker, *self.handles.ranks]
+
+
+class Supervisor:
+    def __init__(self, config: dict):
+        """``config``: ``ClusterConfig.to_dict()`` (checked already)."""
+        from cluster.config_loader import load_config
+
+        self.config: ClusterConfig = load_config(config)
+        self.kv = config["kv_transfer"]
+        self.limits = self.config.supervisor
+        self.instances: dict[str, Supervised] = {}
+        self.router = None
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # ---- called by the launcher ----
+
+    def start(self) -> list[tuple[str, str, object]]:
+        """Start every instance (not waiting for their models); (name, role, handle) each."""
+        config = self.config
+        for role, pool in config.pools().items():
+            device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
+            engine = pool.engine_config(config.dtype, config.attention_backend, device)
+            for index in range(pool.instances):
+                handles = start_instance(role, index, pool, config.model, engine, self.kv)
+                self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
+        return [(s.name, s.role, s.handles.worker) for s in self.instances.values()]
+
+    def watch(self, router) -> None:
+        """Every instance is ready: start pinging them; failures go to ``router``."""
+        self.router = router
+        self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+        self._watcher.start()
+
+    def workers(self) -> dict[str, object]:
+        """Rank 0's actor handle of every instance, by name (the current incarnation)."""
+        with self._lock:
+            return {name: s.handles.worker for name, s in self.instances.items()}
+
+    def handles(self, name: str) -> InstanceHandles:
+        with self._lock:
+            return self.instances[name].handles
+
+    def stop(self) -> None:
+        """Stop watching; kill every instance's processes and remove their groups."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.limits.unresponsive_s + 5)
+        for s in self.instances.values():
+            _kill(s.handles)
+
+    # ---- failures ----
+
+    def report(self, name: str, generation: int, why: str) -> None:
+        """The router saw generation ``generation`` of ``name`` fail (its poll raised)."""
+        self._failed(name, generation, why)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.limits.heartbeat_s):
+            with self._lock:
+                serving = [s for s in self.instances.values() if s.state == "serving"]
+            pings = {a.ping.remote(): (s, s.generation) for s in serving for a in s.actors}
+            if not pings:
+                continue
+            import ray
+
+            done, late = ray.wait(
+                list(pings), num_returns=len(pings), timeout=self.limits.unresponsive_s
+            )
+            for ref in done:
+                s, generation = pings[ref]
+                try:
+                    busy_s = ray.get(ref)["busy_s"]
+                except Exception as e:  # the process is gone
+                    self._failed(s.name, generation, f"instance {s.name} failed: {_line(e)}")
+                    continue
+                if busy_s > self.limits.step_timeout_s:
+                    self._failed(s.name, generation, f"instance {s.name} is stuck: one step "
+                                 f"has run {busy_s:.0f} s (supervisor.step_timeout_s="
+                                 f"{self.limits.step_timeout_s:g})")  # fmt: skip
+            for ref in late:
+                s, generation = pings[ref]
+                self._failed(s.name, generation, f"instance {s.name} is hung: no answer to a "
+                             f"ping in {self.limits.unresponsive_s:g} s "
+                             "(supervisor.unresponsive_s)")  # fmt: skip
+
+    def _failed(self, name: str, generation: int, why: str) -> None:
+        with self._lock:
+            s = self.instances.get(name)
+            if s is None or s.generation != generation or s.state != "serving":
+                return  # about an incarnation already replaced, or being replaced
+            will_restart = s.restarts < self.limits.max_restarts and not self._stopping.is_set()
+            s.state = "restarting" if will_restart else "failed"
+        log.error("%s; %s", why, "restarting it" if will_restart else "left out")
+        if self.router is not None:
+            self.router.eject.remote(name, generation, why, will_restart)
+        _kill(s.handles)
+        if will_restart:
+            threading.Thread(target=self._restart, args=(s,), name=f"restart-{name}").start()
+
+    def _restart(self, s: Supervised) -> None:
+        """Start ``s`` again until it is ready (or the supervisor stops), then readmit it."""
+        import ray
+
+        backoff = 1.0
+        while not self._stopping.is_set():
+            s.restarts += 1
+            try:
+                _wait_names_free([s.name, *(f"{s.name}-rank{r}" for r in range(1, _size(s)))])
+                handles = start_instance(
+                    s.role, s.index, s.pool, self.config.model, s.engine, self.kv
+                )
+                info = ray.get(handles.worker.ready.remote(), timeout=READY_TIMEOUT_S)
+            except Exception as e:  # a start that failed (no resources yet, a crash)
+                log.error("instance %s: restart %d failed: %s", s.name, s.restarts, _line(e))
+                if s.restarts >= self.limits.max_restarts:
+                    with self._lock:
+                        s.state = "failed"
+                    return
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            with self._lock:
+                s.handles, s.generation, s.state = handles, s.generation + 1, "serving"
+            log.warning("instance %s: restarted (generation %d)", s.name, s.generation)
+            self.router.readmit.remote(s.name, s.generation, handles.worker, info)
+            return
+
+
+def _size(s: Supervised) -> int:
+    return s.pool.tensor_parallel
+
+
+def _kill(handles: InstanceHandles) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in [handles.worker, *handles.ranks]:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as e:  # already gone
+            log.debug("kill %s: %s", handles.name, e)
+    if handles.group is not None:
+        try:
+            remove_placement_group(handles.group)
+        except Exception as e:  # already removed
+            log.debug("remove group of %s: %s", handles.name, e)
+
+
+def _wait_names_free(names: list[str]) -> None:
+    """Until no live actor holds these names (a new incarnation takes them)."""
+    import ray
+
+    deadline = time.monotonic() + NAME_RELEASE_S
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actor name {name!r} still taken after {NAME_RELEASE_S:g} s")
+            time.sleep(0.1)
+
+
+def _line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,138 @@
+"""An instance killed under its streams (a real SIGKILL to its real process, or a
+SIGSTOP): every stream continues on another instance and ends exactly as an
+uninterrupted run (greedy and seeded sampling), the supervisor restarts the instance
+and the router takes it back, and no KV block stays held. Each test on a cluster of
+its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from engine import SamplingParams
+from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config, wait_until
+from tests.cluster.test_disagg import disagg_config
+
+PROMPTS = [list(range(5 + i, 45 + i)) for i in range(4)]
+SAMPLING = [  # two greedy streams, two seeded ones
+    dict(temperature=0.0),
+    dict(temperature=0.0),
+    dict(temperature=0.8, top_p=0.9, seed=7),
+    dict(temperature=0.8, top_p=0.9, seed=11),
+]
+MAX_TOKENS = 160
+SUPERVISOR = {"heartbeat_s": 0.5, "unresponsive_s": 3.0}
+RESTART_BOUND_S = 90  # kill -> restarted, model loaded and serving again
+
+
+def expected(model: str) -> list[list[int]]:
+    from engine import LLM
+
+    llm = LLM(model)
+    return [
+        llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **s))[0].token_ids
+        for p, s in zip(PROMPTS, SAMPLING, strict=True)
+    ]
+
+
+class Streams:
+    """The four requests streaming at once, each read on a thread of its own."""
+
+    def __init__(self, client):
+        self.tokens = [[] for _ in PROMPTS]
+        self.ends: list = [None] * len(PROMPTS)
+        self.threads = [
+            threading.Thread(target=self._read, args=(client, i), daemon=True)
+            for i in range(len(PROMPTS))
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, client, i: int) -> None:
+        try:
+            kw = dict(max_tokens=MAX_TOKENS, ignore_eos=True, request_id=f"s{i}", **SAMPLING[i])
+            for chunk in client.generate(prompt_token_ids=PROMPTS[i], **kw):
+                self.tokens[i] += chunk.token_ids
+                if chunk.finish_reason is not None:
+                    self.ends[i] = chunk
+        except Exception as e:  # reported by the test
+            self.ends[i] = e
+
+    def join(self, timeout_s: float) -> None:
+        for t in self.threads:
+            t.join(timeout_s)
+        assert not any(t.is_alive() for t in self.threads), self.tokens
+
+
+def kill_busiest(cluster, role: str, sig=signal.SIGKILL) -> str:
+    """Signal the process of the instance of ``role`` holding the most streams."""
+    instances = [i for i in cluster.stats()["instances"] if i["role"] == role]
+    victim = max(instances, key=lambda i: i["outstanding"])["name"]
+    pid = ray.get(cluster.workers[victim].ready.remote())["pid"]
+    os.kill(pid, sig)
+    return victim
+
+
+def back_in_service(cluster, victim: str) -> dict:
+    def serving():
+        mine = [i for i in cluster.stats()["instances"] if i["name"] == victim]
+        return mine[0] if mine[0]["state"] == "serving" and mine[0]["restarts"] >= 1 else None
+
+    started = time.monotonic()
+    back = wait_until(serving, RESTART_BOUND_S, interval_s=0.25)
+    assert back, cluster.stats()
+    print(f"{victim}: back in service {time.monotonic() - started:.1f} s after the streams ended")
+    return back
+
+
+def survive(cluster, role: str, sig=signal.SIGKILL) -> str:
+    """Start the streams, signal an instance of ``role`` once each has 8 tokens, and
+    check every stream against the uninterrupted run."""
+    want = expected(cluster.config.model)
+    with cluster.client() as client:
+        streams = Streams(client)
+        assert wait_until(lambda: min(map(len, streams.tokens)) >= 8, 60), streams.tokens
+        victim = kill_busiest(cluster, role, sig)
+        killed_at = time.monotonic()
+        streams.join(120)
+        print(f"streams ended {time.monotonic() - killed_at:.1f} s after the signal")
+        for i, end in enumerate(streams.ends):
+            assert not isinstance(end, Exception), (i, end)
+            assert streams.tokens[i] == want[i], (i, SAMPLING[i], end.timings)
+        moved = [e for e in streams.ends if e.timings.attempts > 1]
+        assert moved, [e.timings for e in streams.ends]
+        assert all(victim in e.timings.instances for e in moved)
+    return victim
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_colocated_streams_survive_their_instance(chat_model, sig):
+    from cluster import launch
+
+    config = small_cluster_config(chat_model, policy="round_robin")
+    config["supervisor"] = SUPERVISOR
+    with launch(config) as cluster:
+        victim = survive(cluster, "colocated", sig)
+        back_in_service(cluster, victim)
+        seconds_until_blocks_free(cluster)
+        with cluster.client() as client:  # both instances serve again
+            served = {client.complete(prompt_token_ids=[5, 6], max_tokens=2).timings.instances[0]
+                      for _ in range(4)}  # fmt: skip
+        assert victim in served, served
+
+
+def test_disaggregated_streams_survive_their_decode_instance(chat_model):
+    from cluster import launch
+
+    config = disagg_config(chat_model, "gloo", True, 1)
+    config["decode"].update(instances=2, resources={"num_cpus": 0.5})
+    config["supervisor"] = SUPERVISOR
+    with launch(config) as cluster:
+        victim = survive(cluster, "decode")
+        back_in_service(cluster, victim)
+        seconds_until_blocks_free(cluster)
