@@ -11,7 +11,7 @@ of every serving instance (rank 0 and the tensor-parallel ranks) each
   peer is gone): rank 0's ``ping`` reports how long its loop has been busy.
 
 The router reports what it sees first (a poll that raised) through ``report``. Either
-way, per instance and generation, once (docs/serving.md, "Supervision")::
+way, per instance and generation, once (docs/serving.md, "Supervision and migration")::
 
     serving --failed--> router.eject (routing stops; its requests migrate)
             --> kill every process, remove the placement group

@@ -111,7 +111,7 @@ class RouterCore:
         self._health_changed()
         return infos
 
-    # ---- instances failing and coming back (docs/serving.md, "Supervision") ----
+    # ---- instances failing and coming back (docs/serving.md, "Supervision and migration")
 
     def eject(self, name: str, generation: int, why: str, restarting: bool) -> None:
         """The supervisor found generation ``generation`` of ``name`` failed."""

@@ -5,7 +5,7 @@ since the previous poll (one Ray call per engine step at most, whatever the numb
 requests) and hands them to the placement (router/placement.py), which routes each to
 its ``RequestStream``.
 
-Lifecycle (docs/serving.md, "Supervision")::
+Lifecycle (docs/serving.md, "Supervision and migration")::
 
     starting --ready--> serving --poll fails / ejected--> failed --readmitted--> serving
 

@@ -44,6 +44,7 @@ def test_actors_are_named_by_role_and_index_in_the_pdserve_namespace(cluster):
         ("pdserve", "colocated-0"),
         ("pdserve", "colocated-1"),
         ("pdserve", "router"),
+        ("pdserve", "supervisor"),
     ]
     assert ray.get_actor("colocated-1", namespace="pdserve") is not None
 

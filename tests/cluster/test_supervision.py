@@ -69,12 +69,14 @@ class Streams:
         assert not any(t.is_alive() for t in self.threads), self.tokens
 
 
-def kill_busiest(cluster, role: str, sig=signal.SIGKILL) -> str:
-    """Signal the process of the instance of ``role`` holding the most streams."""
+def kill_busiest(cluster, role: str, sig=signal.SIGKILL, rank: int = 0) -> str:
+    """Signal the process of tensor-parallel rank ``rank`` of the instance of ``role``
+    holding the most streams."""
     instances = [i for i in cluster.stats()["instances"] if i["role"] == role]
     victim = max(instances, key=lambda i: i["outstanding"])["name"]
-    pid = ray.get(cluster.workers[victim].ready.remote())["pid"]
-    os.kill(pid, sig)
+    handles = cluster.handles(victim)
+    actor = handles.worker if rank == 0 else handles.ranks[rank - 1]
+    os.kill(ray.get(actor.ready.remote())["pid"], sig)
     return victim
 
 
@@ -90,23 +92,23 @@ def back_in_service(cluster, victim: str) -> dict:
     return back
 
 
-def survive(cluster, role: str, sig=signal.SIGKILL) -> str:
+def survive(cluster, role: str, sig=signal.SIGKILL, rank: int = 0) -> str:
     """Start the streams, signal an instance of ``role`` once each has 8 tokens, and
     check every stream against the uninterrupted run."""
     want = expected(cluster.config.model)
     with cluster.client() as client:
         streams = Streams(client)
         assert wait_until(lambda: min(map(len, streams.tokens)) >= 8, 60), streams.tokens
-        victim = kill_busiest(cluster, role, sig)
+        victim = kill_busiest(cluster, role, sig, rank)
         killed_at = time.monotonic()
         streams.join(120)
         print(f"streams ended {time.monotonic() - killed_at:.1f} s after the signal")
         for i, end in enumerate(streams.ends):
             assert not isinstance(end, Exception), (i, end)
             assert streams.tokens[i] == want[i], (i, SAMPLING[i], end.timings)
-        moved = [e for e in streams.ends if e.timings.attempts > 1]
-        assert moved, [e.timings for e in streams.ends]
-        assert all(victim in e.timings.instances for e in moved)
+        migrated = [e for e in streams.ends if e.timings.attempts > 1]
+        assert migrated, [e.timings for e in streams.ends]
+        assert all(victim in e.timings.instances for e in migrated)
     return victim
 
 
@@ -135,4 +137,45 @@ def test_disaggregated_streams_survive_their_decode_instance(chat_model):
     with launch(config) as cluster:
         victim = survive(cluster, "decode")
         back_in_service(cluster, victim)
+        seconds_until_blocks_free(cluster)
+
+
+def test_a_lost_tensor_parallel_rank_fails_its_whole_instance(chat_model):
+    from cluster import launch
+
+    config = disagg_config(chat_model, "gloo", True, 1)
+    config["ray"] = {"num_cpus": 4}
+    bundle = {"tensor_parallel": 2, "resources": {"num_cpus": 0.5}}
+    config["decode"].update(instances=2, **bundle)
+    config["supervisor"] = SUPERVISOR
+    with launch(config) as cluster:
+        victim = survive(cluster, "decode", rank=1)
+        back_in_service(cluster, victim)
+        seconds_until_blocks_free(cluster)
+
+
+def test_requests_wait_for_the_only_decode_instance_to_come_back(chat_model):
+    """With no other decode instance, health says NOT_SERVING while it restarts, and
+    its streams continue on it once the router takes it back."""
+    from cluster import launch
+    from tests.cluster.test_launch import health
+
+    config = disagg_config(chat_model, "grpc", False, 1)
+    config["supervisor"] = SUPERVISOR
+    with launch(config) as cluster:
+        seen = []
+        watching = threading.Event()
+
+        def watch():
+            while not watching.is_set():
+                seen.append(health(cluster.address))
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        survive(cluster, "decode")
+        watching.set()
+        watcher.join(10)
+        assert "NOT_SERVING" in seen and seen[-1] == "SERVING", seen
+        back_in_service(cluster, "decode-0")
         seconds_until_blocks_free(cluster)
