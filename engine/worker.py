@@ -258,9 +258,17 @@ class EngineWorker:
         return out
 
     def _fail_all(self) -> list[Update]:
+        """A step raised: its requests fail, the instance serves on. Under tensor
+        parallelism the ranks may be out of step (a collective broke, a rank is gone):
+        the process ends instead, so that its supervisor restarts the instance whole and
+        the router migrates its requests (docs/serving.md, "Supervision and migration")."""
         incident = uuid.uuid4().hex[:12]  # the traceback stays in the log, under this id
         log.error("%s: engine step failed (incident %s)\n%s", self.name, incident,
                   traceback.format_exc())  # fmt: skip
+        if self.ranks:
+            log.error("%s: tensor-parallel ranks out of step; ending the process", self.name)
+            logging.shutdown()
+            os._exit(1)
         message = f"{self.name}: engine step failed (incident {incident}, in the instance's log)"
         failed = list(self.engine.requests)
         for request_id in failed:
