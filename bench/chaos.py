@@ -148,9 +148,8 @@ def settle(cluster, timeout_s: float) -> bool:
             stats = ray.get(cluster.router.stats.remote(), timeout=2.0)
             per = stats["instances"]
             if stats["in_flight"] == 0 and all(
-                "dead" not in s and s.get("state", "serving") == "serving"
-                and s["free_blocks"] == s["total_blocks"] for s in per
-            ):  # fmt: skip
+                s["state"] == "serving" and s["free_blocks"] == s["total_blocks"] for s in per
+            ):
                 return True
         except Exception:  # the router did not answer: the timeline shows it too
             pass

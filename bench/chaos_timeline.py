@@ -3,9 +3,7 @@ kill took to recover from.
 
 A sample is the router's ``stats()`` (bounded: a router that does not answer in time
 gives a sample with ``error`` and no figures) reduced to the requests in flight and
-each instance's ``state`` and ``restarts``. Instances report ``state`` in
-{"serving", "failed", "restarting"} and ``restarts`` once supervision lands; until
-then an instance with a ``dead`` key is "failed" and the others "serving".
+each instance's ``state`` (starting, serving, failed, restarting) and ``restarts``.
 
 Recovery of a kill at ``t``: the first sample after ``t`` where every instance is
 serving again, counted only once the victim was seen leaving the serving state (or its
@@ -21,13 +19,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from router.incidents import first_line
+
 STATS_TIMEOUT_S = 2.0
 
 
 def one_line(e: BaseException) -> str:
     """An exception as its type and first line (Ray's errors run over many lines)."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"[:200]
+    return f"{type(e).__name__}: {first_line(e)}"[:200]
 
 
 @dataclass
@@ -49,13 +48,6 @@ class Sample:
         return {**asdict(self), "live": self.live}
 
 
-def instance_state(stats: dict) -> str:
-    """An instance's state from its entry in the router's stats."""
-    if "state" in stats:
-        return stats["state"]
-    return "failed" if "dead" in stats else "serving"
-
-
 def sample(router, t: float) -> Sample:
     """One sample of the router (a Ray actor handle) at ``t``."""
     import ray
@@ -69,8 +61,8 @@ def sample(router, t: float) -> Sample:
         t,
         stats["in_flight"],
         stats["queued"],
-        {s["name"]: instance_state(s) for s in per},
-        {s["name"]: int(s.get("restarts", 0)) for s in per},
+        {s["name"]: s["state"] for s in per},
+        {s["name"]: s["restarts"] for s in per},
     )
 
 

@@ -59,7 +59,7 @@ class Cluster:
     def stats(self) -> dict:
         import ray
 
-        return ray.get(self.router.stats.remote())
+        return ray.get(self.router.stats.remote(), timeout=30)
 
     def router_pid(self, timeout_s: float = 10.0) -> int:
         """The router actor's process id (bounded); raises ``RouterGone`` once the
@@ -78,7 +78,7 @@ class Cluster:
 
         if timeout_s is None:
             timeout_s = self.config.router.drain_timeout_s
-        return ray.get(self.router.drain.remote(timeout_s))
+        return ray.get(self.router.drain.remote(timeout_s), timeout=timeout_s + 30)
 
     def shutdown(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Drain (optionally), then stop the router, the instances and an embedded Ray."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from cluster.actors import InstanceHandles, start_instance
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_env import NAMESPACE
+from router.incidents import first_line
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._restarts: list[threading.Thread] = []
 
     # ---- called by the launcher ----
 
@@ -105,10 +107,12 @@ class Supervisor:
             return self.instances[name].handles
 
     def stop(self) -> None:
-        """Stop watching; kill every instance's processes and remove their groups."""
+        """Stop watching and restarting (a restart under way kills what it started);
+        kill every instance's processes and remove their groups."""
         self._stopping.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=self.limits.unresponsive_s + 5)
+        for thread in [self._watcher, *self._restarts]:
+            if thread is not None:
+                thread.join(timeout=self.limits.unresponsive_s + 5)
         for s in self.instances.values():
             _kill(s.handles)
 
@@ -135,7 +139,7 @@ class Supervisor:
                 try:
                     busy_s = ray.get(ref)["busy_s"]
                 except Exception as e:  # the process is gone
-                    self._failed(s.name, generation, f"instance {s.name} failed: {_line(e)}")
+                    self._failed(s.name, generation, f"instance {s.name} failed: {first_line(e)}")
                     continue
                 if busy_s > self.limits.step_timeout_s:
                     self._failed(s.name, generation, f"instance {s.name} is stuck: one step "
@@ -155,39 +159,71 @@ class Supervisor:
             will_restart = s.restarts < self.limits.max_restarts and not self._stopping.is_set()
             s.state = "restarting" if will_restart else "failed"
         log.error("%s; %s", why, "restarting it" if will_restart else "left out")
-        if self.router is not None:
-            self.router.eject.remote(name, generation, why, will_restart)
+        self._router().eject.remote(name, generation, why, will_restart)
         _kill(s.handles)
         if will_restart:
-            threading.Thread(target=self._restart, args=(s,), name=f"restart-{name}").start()
+            restart = threading.Thread(target=self._restart, args=(s,), name=f"restart-{name}")
+            self._restarts.append(restart)
+            restart.start()
 
     def _restart(self, s: Supervised) -> None:
-        """Start ``s`` again until it is ready (or the supervisor stops), then readmit it."""
-        import ray
-
+        """Start ``s`` again until it is ready, then readmit it; past
+        ``supervisor.max_restarts`` failed starts, leave it out and tell the router."""
         backoff = 1.0
         while not self._stopping.is_set():
             s.restarts += 1
+            handles = None
             try:
                 _wait_names_free([s.name, *(f"{s.name}-rank{r}" for r in range(1, _size(s)))])
                 handles = start_instance(
                     s.role, s.index, s.pool, self.config.model, s.engine, self.kv
                 )
-                info = ray.get(handles.worker.ready.remote(), timeout=READY_TIMEOUT_S)
+                info = self._wait_ready(handles)
             except Exception as e:  # a start that failed (no resources yet, a crash)
-                log.error("instance %s: restart %d failed: %s", s.name, s.restarts, _line(e))
+                why = f"instance {s.name}: restart {s.restarts} failed: {first_line(e)}"
+                log.error(why)
+                if handles is not None:
+                    _kill(handles)
                 if s.restarts >= self.limits.max_restarts:
                     with self._lock:
                         s.state = "failed"
+                    self._router().eject.remote(s.name, s.generation, why, False)
                     return
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
                 continue
+            if info is None:  # the supervisor is stopping
+                _kill(handles)
+                return
             with self._lock:
                 s.handles, s.generation, s.state = handles, s.generation + 1, "serving"
             log.warning("instance %s: restarted (generation %d)", s.name, s.generation)
-            self.router.readmit.remote(s.name, s.generation, handles.worker, info)
+            self._router().readmit.remote(s.name, s.generation, handles.worker, info)
             return
+
+    def _router(self):
+        """The router's handle: given to ``watch``, or found by its name when an instance
+        fails before that (the router reported it)."""
+        if self.router is None:
+            import ray
+
+            self.router = ray.get_actor("router", namespace=NAMESPACE)
+        return self.router
+
+    def _wait_ready(self, handles: InstanceHandles) -> dict | None:
+        """Its ``ready()`` facts once the model is loaded; None when the supervisor stops
+        first. Raises ``TimeoutError`` past ``READY_TIMEOUT_S``, or what ``ready`` raised."""
+        import ray
+
+        ref = handles.worker.ready.remote()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._stopping.is_set():
+            done, _ = ray.wait([ref], timeout=1.0)
+            if done:
+                return ray.get(ref)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {READY_TIMEOUT_S:g} s")
+        return None
 
 
 def _size(s: Supervised) -> int:
@@ -224,8 +260,3 @@ def _wait_names_free(names: list[str]) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"actor name {name!r} still taken after {NAME_RELEASE_S:g} s")
             time.sleep(0.1)
-
-
-def _line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

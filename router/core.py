@@ -194,7 +194,7 @@ class RouterCore:
     async def stats(self) -> dict:
         """The queue and every instance's load: ``queued``, ``max_queue``, ``in_flight``,
         ``draining``, ``instances`` (each instance's ``stats()`` with ``role``, ``state``
-        (starting, serving, failed, restarting), ``generation``, ``restarts``,
+        (starting, serving, failed, restarting), ``restarts`` (its generation),
         ``outstanding`` and ``requests_total``; ``dead`` (why) instead of the load for
         one that is down or does not answer within ``STATS_TIMEOUT_S``)."""
         per = await asyncio.gather(
@@ -205,7 +205,7 @@ class RouterCore:
         for inst, s in zip(self.instances, per, strict=True):
             s = s if isinstance(s, dict) else {"name": inst.name, "dead": repr(s)}
             s.update(role=inst.role, outstanding=inst.load.outstanding, state=inst.state)
-            s.update(generation=inst.generation, restarts=inst.restarts)
+            s["restarts"] = inst.generation
             s["requests_total"] = inst.requests_total
             instances.append(s)
         return {

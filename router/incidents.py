@@ -28,6 +28,13 @@ def internal_error(where: str) -> str:
     return f"internal error in the router (incident {incident}; the router's log has the details)"
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's first line (a Ray error's names what happened; the rest is a
+    remote traceback); its type's name when it has no text."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def one_line(error: str) -> str:
     """An instance's failure as its client sees it: the first line of ``error``; the
     whole is logged under an incident id, which the line then names, when more was cut."""

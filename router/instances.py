@@ -20,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from router.incidents import first_line
 from router.policies import InstanceLoad
 from router.stream import RequestStream
 
@@ -37,8 +38,7 @@ class Instance:
         self.info: dict = {}
         self.ready = False
         self.dead: str | None = None  # why, while the instance is failed
-        self.generation = 0
-        self.restarts = 0
+        self.generation = 0  # restarts so far (each one a new incarnation)
         self.restarting = False  # failed, and its supervisor is starting it again
         # it refused a reservation: no room until its next report says otherwise
         self.refused = False
@@ -108,7 +108,6 @@ class Instance:
         assert not self.streams, f"{self.name}: readmitted while holding {list(self.streams)}"
         self.handle, self.generation, self.info = handle, generation, info
         self.dead, self.restarting, self.refused = None, False, False
-        self.restarts += 1
         self.load.outstanding = self.load.running = self.load.queued = 0
         self.load.prefill_tokens = 0
         self.load.free_blocks = info["num_blocks"]
@@ -125,15 +124,9 @@ class Instance:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the actor died
-                on_dead(self, f"instance {self.name} failed: {_first_line(e)}")
+                on_dead(self, f"instance {self.name} failed: {first_line(e)}")
                 return
             self.load.running, self.load.queued = stats["running"], stats["queued"]
             self.load.free_blocks = stats["free_blocks"]
             self.refused = False
             on_updates(self, updates)
-
-
-def _first_line(error: Exception) -> str:
-    """A Ray error's first line names what happened; the rest is a remote traceback."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -75,16 +75,9 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            out = self._base("chat.completion")
-        else:
-            choice, out = (
-                {"index": 0, "text": text, "logprobs": None},
-                self._base("text_completion"),
-            )
-        choice["finish_reason"] = finish_reason
-        return {**out, "choices": [choice], "usage": usage}
+        message = {"role": "assistant", "content": text}
+        out = self._with_choice("chat.completion", "message", message, text, finish_reason)
+        return {**out, "usage": usage}
 
     def role_chunk(self) -> dict | None:
         if not self.chat:
@@ -93,28 +86,24 @@ class Reply:
         return {**self._base("chat.completion.chunk"), "choices": [choice]}
 
     def chunk(self, text: str, finish_reason: str | None) -> dict:
+        delta = {"content": text}
+        return self._with_choice("chat.completion.chunk", "delta", delta, text, finish_reason)
+
+    def _with_choice(
+        self, chat_kind: str, chat_key: str, chat_value: dict, text: str, finish_reason
+    ) -> dict:
+        """One object with one choice: chat's (``chat_key``: ``chat_value``) or a plain
+        completion's (``text``)."""
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}}
-            out = self._base("chat.completion.chunk")
+            kind, choice = chat_kind, {"index": 0, chat_key: chat_value}
         else:
-            choice, out = (
-                {"index": 0, "text": text, "logprobs": None},
-                self._base("text_completion"),
-            )
+            kind, choice = "text_completion", {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = finish_reason
-        return {**out, "choices": [choice]}
+        return {**self._base(kind), "choices": [choice]}
 
     def usage_chunk(self, usage: dict) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(kind), "choices": [], "usage": usage}
-
-
-def _usage(usage: Usage) -> dict:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-    }
 
 
 def usage_object(usage: Usage) -> dict:

@@ -107,8 +107,8 @@ class RequestStream:
     pair: tuple[str, ...] = ()
     avoid: set[str] = field(default_factory=set)  # instances of a failed attempt
     failures: list[str] = field(default_factory=list)  # why each earlier attempt ended
-    landed = False  # the attempt's decode instance streams it (its KV landed there)
-    prefill_cost = 0  # tokens the attempt's prefill instance computes (prompt + delivered)
+    landed: bool = False  # the attempt's decode instance streams it (its KV landed there)
+    prefill_cost: int = 0  # tokens the attempt's prefill instance computes (prompt + delivered)
     # what the client has (or has queued): the resume state of a migrated attempt
     token_ids: list[int] = field(default_factory=list)
     text_chars: int = 0
