@@ -1,10 +1,14 @@
 """One engine instance: requests in, a step at a time, outputs out.
 
 ``step()`` = schedule, run, postprocess. The serving workers drive it the same
-way the offline ``LLM`` does.
+way the offline ``LLM`` does. A step that raises fails only the request that
+caused it (``StepFailed``): a failed step of several requests runs each of them
+again alone first (engine/scheduler.py, ``isolate``).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -34,6 +38,19 @@ def load_model(model: str, config: EngineConfig, tp: TensorParallel = SINGLE):
     shard.load_weights(ckpt.weights(config.torch_dtype))
     shard.prepare_weights()
     return ckpt, shard
+
+
+log = logging.getLogger(__name__)
+
+
+class StepFailed(Exception):
+    """A step of ``request_ids`` raised (the cause is chained): one request alone, or
+    under tensor parallelism, where the ranks may be out of step, every request of it.
+    Those requests are still in the engine; the caller fails (aborts) them."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"a step of {len(request_ids)} request(s) failed: {request_ids}")
+        self.request_ids = request_ids
 
 
 class LLMEngine:
@@ -198,8 +215,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         self.last_shape = batch.shape() if batch else None
-        sampled = self.runner.run(batch) if batch else []
+        sampled = self._run(batch)
         return self._postprocess(batch, sampled)
+
+    def _run(self, batch: ScheduledBatch, on_layer=None, extra: bytes = b"") -> list:
+        """``runner.run(batch, ...)``; when it raises, a batch of several requests is
+        isolated (each recomputed alone, nothing sampled now) and one of a single
+        request raises ``StepFailed``."""
+        if not batch:
+            return []
+        try:
+            sampled = self.runner.run(batch, on_layer, extra)
+        except Exception as e:
+            requests = [r for r, _ in batch.items]
+            if len(requests) == 1 or self.model.tp.size > 1:
+                raise StepFailed([r.request_id for r in requests]) from e
+            log.warning("a step of %d requests failed; running each alone to find the cause",
+                        len(requests), exc_info=True)  # fmt: skip
+            self.scheduler.isolate(requests)
+            return []
+        if self.scheduler.suspects:
+            for request, _ in sampled:
+                self.scheduler.cleared(request)
+        return sampled
 
     def _postprocess(self, batch: ScheduledBatch, sampled) -> list[RequestOutput]:
         outputs = []

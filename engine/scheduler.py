@@ -7,6 +7,12 @@ Each step spends a token budget (``max_batch_tokens``):
 When a running request needs a block and none is free, the most recently
 admitted running request is preempted: its blocks are freed and it goes back to
 the front of the queue to be recomputed (its generated tokens are kept).
+
+A step that failed (``isolate``): each of its requests is recomputed the same way,
+but alone: while suspects remain, a step holds one suspect and nothing else, and a
+suspect is cleared once a step of its own samples its next token (``cleared``). So
+a request that makes every step fail fails alone (the engine raises ``StepFailed``
+for a failed step of one request), and the others carry on.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class Scheduler:
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.suspects: set[str] = set()  # ids of a failed step's requests, run alone
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -84,8 +91,28 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free(request.request_id)
+        self.suspects.discard(request.request_id)
+
+    def isolate(self, requests: list[Request]) -> None:
+        """A step of these requests failed: free their blocks and queue them, in order,
+        at the head of the queue as suspects, to be recomputed one at a time."""
+        for request in reversed(requests):
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self.blocks.free(request.request_id)
+            request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
+            self.waiting.appendleft(request)
+            self.suspects.add(request.request_id)
+
+    def cleared(self, request: Request) -> None:
+        """A step of ``request`` alone sampled its next token: no longer a suspect."""
+        self.suspects.discard(request.request_id)
 
     def schedule(self) -> ScheduledBatch:
+        if self.suspects:
+            return self._schedule_suspect()
         batch = ScheduledBatch()
         budget = self.max_batch_tokens
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
@@ -112,6 +139,20 @@ class Scheduler:
             self.running.append(request)
             batch.items.append((request, n))
             budget -= n
+        return batch
+
+    def _schedule_suspect(self) -> ScheduledBatch:
+        """A batch of one suspect (the oldest): a chunk of its recomputation, or its next
+        token; newer running requests are preempted if it needs their blocks."""
+        batch = ScheduledBatch()
+        request = next(r for r in [*self.running, *self.waiting] if r.request_id in self.suspects)
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.insert(0, request)  # preempted last, if blocks run out
+        n = min(request.num_pending_tokens, self.max_batch_tokens)
+        if self._reserve(request, n, batch):
+            batch.items.append((request, n))
         return batch
 
     def _reserve(self, request: Request, n: int, batch: ScheduledBatch) -> bool:

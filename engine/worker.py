@@ -30,6 +30,7 @@ from concurrent.futures import Future
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.llm_engine import StepFailed
 from engine.messages import Attempt, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
 from engine.step_log import StepLog
@@ -248,8 +249,10 @@ class EngineWorker:
     def _step(self) -> list[Update]:
         try:
             outputs = self.engine.step()
-        except Exception:  # a bug in the engine: fail its requests, keep the instance up
-            return self._fail_all()
+        except StepFailed as e:  # the request(s) that made the step fail
+            return self._fail(e.request_ids)
+        except Exception:  # a bug outside the forward pass: every request fails
+            return self._fail(list(self.engine.requests))
         self._totals["steps_total"] += 1
         out: list[Update] = []
         for o in outputs:
@@ -257,8 +260,8 @@ class EngineWorker:
             out.append(Update(o.request_id, o.new_token_ids, o.new_text, o.finish_reason))
         return out
 
-    def _fail_all(self) -> list[Update]:
-        """A step raised: its requests fail, the instance serves on. Under tensor
+    def _fail(self, request_ids: list[str]) -> list[Update]:
+        """A step raised: these requests fail, the instance serves on. Under tensor
         parallelism the ranks may be out of step (a collective broke, a rank is gone):
         the process ends instead, so that its supervisor restarts the instance whole and
         the router migrates its requests (docs/serving.md, "Supervision and migration")."""
@@ -270,10 +273,9 @@ class EngineWorker:
             logging.shutdown()
             os._exit(1)
         message = f"{self.name}: engine step failed (incident {incident}, in the instance's log)"
-        failed = list(self.engine.requests)
-        for request_id in failed:
+        for request_id in request_ids:
             self.engine.abort_request(request_id)
-        return [Update(request_id, error=message) for request_id in failed]
+        return [Update(request_id, error=message) for request_id in request_ids]
 
     def _stats(self) -> dict:
         s = self.engine.scheduler

@@ -111,13 +111,13 @@ class PrefillWorker(EngineWorker):
     def _step(self) -> list[Update]:
         try:
             done = self.engine.step(self._plan_sends)
-        except Exception:
-            return self._fail_all()
+        except Exception:  # its layer-wise sends are under way: the whole step fails
+            return self._fail(list(self.engine.requests))
         self._totals["steps_total"] += 1
         return [u for p in done for u in self._hand_off(p)]
 
-    def _fail_all(self) -> list[Update]:
-        failed = super()._fail_all()
+    def _fail(self, request_ids: list[str]) -> list[Update]:
+        failed = super()._fail(request_ids)
         for u in failed:
             self.sender.abort(self.jobs.pop(u.request_id).attempt.id)
         return failed
