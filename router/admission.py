@@ -2,7 +2,11 @@
 
 ``AdmissionQueue``: requests waiting for an instance with room. Bounded: past
 ``max_size`` waiting requests, ``offer`` refuses and the core refuses the request as
-busy (router/request.py). FIFO, so a request is never overtaken by a later one.
+busy (router/request.py). FIFO, so a request is never overtaken by a later one. It
+also tells how long a request queued now would wait (``expected_wait_s``: the items
+ahead of it over the rate at which items left for an instance in the last
+``WINDOW_S``), for the core to refuse at once what would wait past
+``router.max_queue_wait_s`` rather than serve it too late.
 
 ``CallLimit``: generate calls in progress at the front ends, from the moment a call
 arrives until its handler returns (its last bytes written), over both front ends.
@@ -10,6 +14,7 @@ arrives until its handler returns (its last bytes written), over both front ends
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +23,7 @@ from typing import Generic, TypeVar
 from router.request import Refusal, Refused
 
 T = TypeVar("T")
+WINDOW_S = 10.0  # the departures the queue's drain rate is measured over
 
 
 class AdmissionQueue(Generic[T]):
@@ -26,6 +32,7 @@ class AdmissionQueue(Generic[T]):
             raise ValueError(f"router.max_queue={max_size!r}: must be >= 0")
         self.max_size = max_size
         self._items: deque[T] = deque()
+        self._left: deque[float] = deque()  # when items left for an instance (WINDOW_S)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -48,7 +55,25 @@ class AdmissionQueue(Generic[T]):
         return self._items[0] if self._items else None
 
     def pop(self) -> T:
+        """The head, leaving for an instance (counted in the drain rate)."""
+        self._left.append(time.monotonic())
+        self._forget_old()
         return self._items.popleft()
+
+    def expected_wait_s(self) -> float | None:
+        """Seconds a request queued now would wait: the items ahead of it and itself over
+        the drain rate of the last ``WINDOW_S``; None (unknown) while fewer than two
+        items left in that window."""
+        self._forget_old()
+        if len(self._left) < 2:
+            return None
+        span = time.monotonic() - self._left[0]
+        return (len(self._items) + 1) * span / len(self._left)
+
+    def _forget_old(self) -> None:
+        now = time.monotonic()
+        while self._left and now - self._left[0] > WINDOW_S:
+            self._left.popleft()
 
     def remove(self, item: T) -> bool:
         """Take a waiting item out (its client went away); False when it is not waiting."""

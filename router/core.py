@@ -14,6 +14,7 @@ touched from there.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 
@@ -63,6 +64,7 @@ class RouterCore:
         self._serving = False
         self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
         self.queue_timeout_s: float = router_config["queue_timeout_s"]
+        self.max_queue_wait_s: float | None = router_config["max_queue_wait_s"]
         self.calls = CallLimit(router_config["max_concurrent_requests"])
         placement = Disaggregated if mode == "disaggregated" else Colocated
         self.placement = placement(self, self.instances, make_policy(router_config["policy"]))
@@ -245,12 +247,7 @@ class RouterCore:
         if request_id in self.streams:
             raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
         stream = RequestStream(request_id, prompt_ids, params, arrival=arrival)
-        if not self.admit(stream):
-            raise Refused(
-                Refusal.BUSY,
-                f"admission queue full: {self.admission.max_size} requests are waiting "
-                "for an instance (router.max_queue); retry later",
-            )
+        self.admit(stream)
         loop = asyncio.get_running_loop()
         waited = time.monotonic() - arrival
         stream.timers.append(
@@ -296,17 +293,29 @@ class RouterCore:
 
     # ---- the placement's side ----
 
-    def admit(self, stream: RequestStream) -> bool:
-        """Place the request now, or queue it; False when the queue is full."""
+    def admit(self, stream: RequestStream) -> None:
+        """Place the request now, or queue it. Raises ``Refused`` (BUSY) when the queue is
+        full, or when the request would wait in it past ``router.max_queue_wait_s``."""
         if not self.admission and self.placement.can_place(stream):
             self.streams[stream.request_id] = stream
             self.placement.place(stream)
-            return True
+            return
+        wait = self.admission.expected_wait_s()
+        if self.max_queue_wait_s is not None and wait is not None and wait > self.max_queue_wait_s:
+            raise Refused(
+                Refusal.BUSY,
+                f"overloaded: a request queued now would wait {wait:.2g} s for an instance, "
+                f"past router.max_queue_wait_s={self.max_queue_wait_s:g}; retry later",
+                retry_after_s=math.ceil(wait),
+            )
         if not self.admission.offer(stream):
-            return False
+            raise Refused(
+                Refusal.BUSY,
+                f"admission queue full: {self.admission.max_size} requests are waiting "
+                "for an instance (router.max_queue); retry later",
+            )
         self.streams[stream.request_id] = stream
         self._dispatch()
-        return True
 
     def requeue(self, stream: RequestStream) -> None:
         """An admitted request the placement could not start after all: it goes back to

@@ -75,10 +75,11 @@ RETRY_AFTER_S = 1  # what a BUSY refusal asks the client to wait before retrying
 class Refused(Exception):
     """A request the router will not take, or gave up on: the kind of refusal and why.
 
-    ``retry_after_s`` is set exactly for BUSY (``RETRY_AFTER_S``): the front ends send
-    it as HTTP ``Retry-After`` and gRPC trailing metadata ``retry-after``."""
+    ``retry_after_s`` (whole seconds) is set exactly for BUSY (``RETRY_AFTER_S`` unless
+    the refusal knows better): the front ends send it as HTTP ``Retry-After`` and gRPC
+    trailing metadata ``retry-after``."""
 
-    def __init__(self, kind: Refusal, message: str):
+    def __init__(self, kind: Refusal, message: str, retry_after_s: int = RETRY_AFTER_S):
         super().__init__(message)
         self.kind, self.message = kind, message
-        self.retry_after_s = RETRY_AFTER_S if kind is Refusal.BUSY else None
+        self.retry_after_s = retry_after_s if kind is Refusal.BUSY else None
