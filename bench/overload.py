@@ -1,5 +1,5 @@
 """Overload: what the admitted requests get at twice the capacity, with and without
-load shedding (``router.max_queue_wait_s``), in one run.
+load shedding (``router.max_expected_ttft_s``), in one run.
 
     python -m bench.overload configs/local-colocated.yaml [--factor 2] [--duration 60]
         [--max-tokens 32] [--max-prompt-tokens 256] [--shed-s 0.5] [--out results/overload]
@@ -8,7 +8,7 @@ load shedding (``router.max_queue_wait_s``), in one run.
    requests sent at once; capacity = requests completed per second of the burst.
 2. The same cluster, Poisson arrivals at ``--factor`` x capacity for ``--duration``
    seconds: the baseline, where every request queues (until ``router.queue_timeout_s``).
-3. A cluster with ``router.max_queue_wait_s = --shed-s`` (default half the config's
+3. A cluster with ``router.max_expected_ttft_s = --shed-s`` (default half the config's
    TTFT objective), the same arrivals.
 
 Per run: requests sent, admitted (not refused), refused and how fast (RESOURCE_EXHAUSTED
@@ -143,9 +143,9 @@ def main(args: argparse.Namespace) -> int:
         runs["baseline (no shedding)"] = asyncio.run(
             _run(cluster.client(), requests, "baseline", timeout_s)
         )
-    shed = [*(args.set or []), f"router.max_queue_wait_s={shed_s}"]
+    shed = [*(args.set or []), f"router.max_expected_ttft_s={shed_s}"]
     with launch(load_config(args.config, shed)) as cluster:
-        runs[f"max_queue_wait_s={shed_s:g}"] = asyncio.run(
+        runs[f"max_expected_ttft_s={shed_s:g}"] = asyncio.run(
             _run(cluster.client(), requests, "shedding", timeout_s)
         )
     table = {label: summarize(o, args.duration, slo) for label, o in runs.items()}
@@ -186,8 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", type=int, default=48, help="requests of the capacity burst")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens, at most")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="prompt tokens, at most")
-    p.add_argument("--shed-s", type=float, default=None,
-                   help="router.max_queue_wait_s when shedding (default: TTFT SLO/2)")  # fmt: skip
+    p.add_argument(
+        "--shed-s", type=float, default=None, help="router.max_expected_ttft_s (TTFT SLO/2)"
+    )
     p.add_argument("--out", default="results/overload", help="folder of the JSON and the plot")
 
 

@@ -110,10 +110,10 @@ class RouterConfig:
     http_port: int = spec(8000, tcp_port, "OpenAI-compatible HTTP port (0: any free port)")
     policy: str = spec("least_loaded", one_of(*POLICIES), "routing policy")
     max_queue: int = spec(1024, at_least(0), "requests waiting for an instance before refusal")
-    max_queue_wait_s: float | None = spec(
+    max_expected_ttft_s: float | None = spec(
         None,
         seconds,
-        "refuse at once a request that would wait longer for an instance (null: no bound)",
+        "refuse on arrival a request expected to wait longer for its first token (null: off)",
     )
     queue_timeout_s: float = spec(
         60.0, seconds, "a request still waiting for an instance this long after arrival is refused"

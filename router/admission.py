@@ -2,11 +2,15 @@
 
 ``AdmissionQueue``: requests waiting for an instance with room. Bounded: past
 ``max_size`` waiting requests, ``offer`` refuses and the core refuses the request as
-busy (router/request.py). FIFO, so a request is never overtaken by a later one. It
-also tells how long a request queued now would wait (``expected_wait_s``: the items
-ahead of it over the rate at which items left for an instance in the last
-``WINDOW_S``), for the core to refuse at once what would wait past
-``router.max_queue_wait_s`` rather than serve it too late.
+busy (router/request.py). FIFO, so a request is never overtaken by a later one.
+
+``FirstTokens``: how long a request arriving now would wait for its first token, by
+Little's law over the whole path (the router's queue and the instances' own): the
+requests in flight still without a first token over the rate at which requests got
+their first token in the last ``WINDOW_S`` (the mean time one of them waits: nothing
+while none waits, however low the rate). The core refuses at once a
+request whose expected wait is past ``router.max_expected_ttft_s`` rather than serve
+it too late.
 
 ``CallLimit``: generate calls in progress at the front ends, from the moment a call
 arrives until its handler returns (its last bytes written), over both front ends.
@@ -23,7 +27,7 @@ from typing import Generic, TypeVar
 from router.request import Refusal, Refused
 
 T = TypeVar("T")
-WINDOW_S = 10.0  # the departures the queue's drain rate is measured over
+WINDOW_S = 10.0  # the first tokens their rate is measured over
 
 
 class AdmissionQueue(Generic[T]):
@@ -32,7 +36,6 @@ class AdmissionQueue(Generic[T]):
             raise ValueError(f"router.max_queue={max_size!r}: must be >= 0")
         self.max_size = max_size
         self._items: deque[T] = deque()
-        self._left: deque[float] = deque()  # when items left for an instance (WINDOW_S)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -55,25 +58,7 @@ class AdmissionQueue(Generic[T]):
         return self._items[0] if self._items else None
 
     def pop(self) -> T:
-        """The head, leaving for an instance (counted in the drain rate)."""
-        self._left.append(time.monotonic())
-        self._forget_old()
         return self._items.popleft()
-
-    def expected_wait_s(self) -> float | None:
-        """Seconds a request queued now would wait: the items ahead of it and itself over
-        the drain rate of the last ``WINDOW_S``; None (unknown) while fewer than two
-        items left in that window."""
-        self._forget_old()
-        if len(self._left) < 2:
-            return None
-        span = time.monotonic() - self._left[0]
-        return (len(self._items) + 1) * span / len(self._left)
-
-    def _forget_old(self) -> None:
-        now = time.monotonic()
-        while self._left and now - self._left[0] > WINDOW_S:
-            self._left.popleft()
 
     def remove(self, item: T) -> bool:
         """Take a waiting item out (its client went away); False when it is not waiting."""
@@ -87,6 +72,33 @@ class AdmissionQueue(Generic[T]):
         items = list(self._items)
         self._items.clear()
         return items
+
+
+class FirstTokens:
+    """The rate of first tokens (requests starting to stream) over the last ``WINDOW_S``."""
+
+    def __init__(self):
+        self._times: deque[float] = deque()
+
+    def note(self) -> None:
+        """A request got its first token now."""
+        self._times.append(time.monotonic())
+        self._forget_old()
+
+    def expected_wait_s(self, waiting: int) -> float | None:
+        """Seconds a request arriving now is expected to wait for its first token,
+        ``waiting`` others in flight without theirs: ``waiting`` over the rate; None
+        (unknown) while fewer than two first tokens came in the window."""
+        self._forget_old()
+        if len(self._times) < 2:
+            return None
+        span = max(time.monotonic() - self._times[0], 1e-3)
+        return waiting * span / len(self._times)
+
+    def _forget_old(self) -> None:
+        now = time.monotonic()
+        while self._times and now - self._times[0] > WINDOW_S:
+            self._times.popleft()
 
 
 class CallLimit:

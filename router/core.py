@@ -19,7 +19,7 @@ import time
 import uuid
 
 from engine.tokenizer import Tokenizer
-from router.admission import AdmissionQueue, CallLimit
+from router.admission import AdmissionQueue, CallLimit, FirstTokens
 from router.disagg import Disaggregated
 from router.instances import Instance
 from router.placement import Colocated
@@ -64,7 +64,8 @@ class RouterCore:
         self._serving = False
         self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
         self.queue_timeout_s: float = router_config["queue_timeout_s"]
-        self.max_queue_wait_s: float | None = router_config["max_queue_wait_s"]
+        self.max_expected_ttft_s: float | None = router_config["max_expected_ttft_s"]
+        self.first_tokens = FirstTokens()
         self.calls = CallLimit(router_config["max_concurrent_requests"])
         placement = Disaggregated if mode == "disaggregated" else Colocated
         self.placement = placement(self, self.instances, make_policy(router_config["policy"]))
@@ -247,6 +248,7 @@ class RouterCore:
         if request_id in self.streams:
             raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
         stream = RequestStream(request_id, prompt_ids, params, arrival=arrival)
+        stream.on_first_token = self.first_tokens.note
         self.admit(stream)
         loop = asyncio.get_running_loop()
         waited = time.monotonic() - arrival
@@ -295,19 +297,13 @@ class RouterCore:
 
     def admit(self, stream: RequestStream) -> None:
         """Place the request now, or queue it. Raises ``Refused`` (BUSY) when the queue is
-        full, or when the request would wait in it past ``router.max_queue_wait_s``."""
+        full, or when the request would wait for its first token past
+        ``router.max_expected_ttft_s``."""
+        self._shed_if_late()
         if not self.admission and self.placement.can_place(stream):
             self.streams[stream.request_id] = stream
             self.placement.place(stream)
             return
-        wait = self.admission.expected_wait_s()
-        if self.max_queue_wait_s is not None and wait is not None and wait > self.max_queue_wait_s:
-            raise Refused(
-                Refusal.BUSY,
-                f"overloaded: a request queued now would wait {wait:.2g} s for an instance, "
-                f"past router.max_queue_wait_s={self.max_queue_wait_s:g}; retry later",
-                retry_after_s=math.ceil(wait),
-            )
         if not self.admission.offer(stream):
             raise Refused(
                 Refusal.BUSY,
@@ -316,6 +312,23 @@ class RouterCore:
             )
         self.streams[stream.request_id] = stream
         self._dispatch()
+
+    def _shed_if_late(self) -> None:
+        """Refuse (BUSY, retry after the expected wait) a request that would get its first
+        token past ``router.max_expected_ttft_s``."""
+        bound = self.max_expected_ttft_s
+        if bound is None:
+            return
+        waiting = sum(1 for s in self.streams.values() if s.first_token_at is None)
+        wait = self.first_tokens.expected_wait_s(waiting)
+        if wait is not None and wait > bound:
+            raise Refused(
+                Refusal.BUSY,
+                f"overloaded: {waiting} requests are waiting for their first token; one "
+                f"arriving now would wait {wait:.2g} s, past router.max_expected_ttft_s="
+                f"{bound:g}; retry later",
+                retry_after_s=math.ceil(wait),
+            )
 
     def requeue(self, stream: RequestStream) -> None:
         """An admitted request the placement could not start after all: it goes back to

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -100,6 +101,7 @@ class RequestStream:
     finished: bool = False
     waiting: Delta | None = None  # delivered, not yet read (every such delivery merged)
     timers: list[asyncio.TimerHandle] = field(default_factory=list)  # the core's deadlines
+    on_first_token: Callable[[], None] | None = None  # the core's load estimate
     _delivered: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # waiting set
     # placement: the id the instances know this attempt by, and the attempt's history
     attempt_id: str = ""
@@ -129,7 +131,10 @@ class RequestStream:
             return
         now = time.monotonic()
         if delta.token_ids:
-            self.first_token_at = self.first_token_at or now
+            if self.first_token_at is None:
+                self.first_token_at = now
+                if self.on_first_token is not None:
+                    self.on_first_token()
             self.last_token_at = now
             self.token_ids += delta.token_ids
             self.token_walls += [time.time()] * len(delta.token_ids)

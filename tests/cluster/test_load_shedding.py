@@ -1,8 +1,9 @@
-"""Load shedding on a cluster of its own (2 instances x 2 requests, router.max_queue_wait_s
-0.5): requests arriving faster than the instances finish them queue until a new one
-would wait past the bound, and are then refused at once with RESOURCE_EXHAUSTED and a
-retry-after of the expected wait; every admitted request completes; afterwards every
-block is free. (What it buys at 2x capacity: bench/overload.py.)"""
+"""Load shedding on a cluster of its own (2 instances x 2 requests,
+router.max_expected_ttft_s 0.5): requests arriving faster than the instances finish
+them wait until a new one would wait for its first token past the bound, and are then
+refused at once with RESOURCE_EXHAUSTED and a retry-after of the expected wait; every
+admitted request completes; afterwards every block is free. (What it buys at 2x
+capacity: bench/overload.py.)"""
 
 from __future__ import annotations
 
@@ -12,28 +13,27 @@ import time
 import grpc
 
 from cluster import launch
-from router.admission import AdmissionQueue
+from router.admission import FirstTokens
 from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config
 
 MAX_WAIT_S = 0.5
 LONG = dict(prompt_token_ids=[7] * 20, max_tokens=300, ignore_eos=True)
 
 
-def test_expected_wait_is_the_queue_over_its_drain_rate():
-    queue: AdmissionQueue[int] = AdmissionQueue(100)
-    for i in range(10):
-        queue.offer(i)
-    assert queue.expected_wait_s() is None  # nothing left yet: unknown
-    queue.pop()
+def test_expected_wait_is_the_waiting_requests_over_the_first_token_rate():
+    first = FirstTokens()
+    first.note()
+    assert first.expected_wait_s(5) is None  # one first token: no rate yet
     time.sleep(0.2)
-    queue.pop()
+    first.note()
     time.sleep(0.2)
-    queue.pop()  # 3 left in ~0.4 s; 7 waiting: the 8th would wait ~1 s
-    assert 0.8 < queue.expected_wait_s() < 1.6
+    first.note()  # 3 first tokens in ~0.4 s
+    assert 0.6 < first.expected_wait_s(6) < 1.2
+    assert first.expected_wait_s(0) == 0  # nothing waits: no wait, whatever the rate
 
 
 def test_requests_that_would_wait_too_long_are_refused_at_once(chat_model):
-    config = small_cluster_config(chat_model, max_queue=64, max_queue_wait_s=MAX_WAIT_S)
+    config = small_cluster_config(chat_model, max_queue=64, max_expected_ttft_s=MAX_WAIT_S)
     config["colocated"]["max_batch_size"] = 2
     with launch(config) as cluster:
         client = cluster.client()
@@ -60,7 +60,7 @@ def test_requests_that_would_wait_too_long_are_refused_at_once(chat_model):
         assert refused and len(refused) < len(results)
         for e, seconds in refused:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
-            assert "router.max_queue_wait_s=0.5" in e.details()
+            assert "router.max_expected_ttft_s=0.5" in e.details()
             retry = dict(e.trailing_metadata())["retry-after"]
             assert int(retry) >= 1
             assert seconds < 2.0  # refused on arrival, not after waiting
