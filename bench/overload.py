@@ -112,6 +112,7 @@ def _plot(runs: dict[str, list[Outcome]], slo: SLO) -> bytes:
                        alpha=0.4, label=f"{label}: refused")  # fmt: skip
     ax.axhline(slo.ttft_ms / 1e3, color="grey", linestyle=":", label="TTFT objective")
     ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("sent (s after the start)")
     ax.set_ylabel("TTFT (s)")
     return _save(plt, fig, ax)

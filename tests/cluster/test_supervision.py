@@ -128,14 +128,15 @@ def test_colocated_streams_survive_their_instance(chat_model, sig):
         assert victim in served, served
 
 
-def test_disaggregated_streams_survive_their_decode_instance(chat_model):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_disaggregated_streams_survive_their_decode_instance(chat_model, sig):
     from cluster import launch
 
     config = disagg_config(chat_model, "gloo", True, 1)
     config["decode"].update(instances=2, resources={"num_cpus": 0.5})
     config["supervisor"] = SUPERVISOR
     with launch(config) as cluster:
-        victim = survive(cluster, "decode")
+        victim = survive(cluster, "decode", sig)
         back_in_service(cluster, victim)
         seconds_until_blocks_free(cluster)
 

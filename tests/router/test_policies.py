@@ -47,3 +47,22 @@ def test_admission_queue_is_bounded_fifo():
     assert not AdmissionQueue(0).offer("x")
     with pytest.raises(ValueError, match="max_queue"):
         AdmissionQueue(-1)
+
+
+def test_every_attempt_has_an_id_of_its_own_even_when_a_request_id_comes_back():
+    """An abort that reaches an instance after its attempt ended is kept there as an
+    early abort: it must never match a later attempt, of the same request or of a new
+    request that reuses the request id."""
+    from router.placement import Colocated
+    from router.stream import RequestStream
+
+    placement = Colocated(router=None, instances=[], policy=RoundRobin())
+    ids = set()
+    for _ in range(3):  # a client reusing "r", each request migrated once
+        stream = RequestStream("r", [1, 2], None)
+        for _ in range(2):
+            ids.add(placement.attempt(stream).id)
+            stream.attempt += 1
+    assert len(ids) == 6 and all(i.startswith("r#") for i in ids)
+    again = Colocated(router=None, instances=[], policy=RoundRobin())  # a new router
+    assert again.attempt(RequestStream("r", [1, 2], None)).id not in ids
