@@ -7,8 +7,8 @@
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus text: the router's queue, each instance's load
 
-A request body becomes the core's ``GenerateRequest`` (router/request.py), checked
-for JSON types here and for values by the core; the core's refusals map to HTTP
+A request body becomes the core's ``GenerateRequest`` (router/openai_request.py), checked
+for JSON types there and for values by the core; the core's refusals map to HTTP
 statuses in OpenAI's error shape (router/openai_shapes.py). Extra body fields beyond
 OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them), and
 ``timeout`` (seconds; past it the request ends with 408).
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 
 from aiohttp import web
@@ -33,6 +32,7 @@ from aiohttp import web
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.metrics import prometheus_text
+from router.openai_request import BadRequest, generate_request, timeout_s
 from router.openai_shapes import (
     Reply,
     error_body,
@@ -42,103 +42,8 @@ from router.openai_shapes import (
     refusal_response,
     usage_object,
 )
-from router.request import ChatMessage, GenerateRequest, Refused, SamplingOptions
+from router.request import Refused
 from router.stream import Delta, RequestStream
-
-CHAT_MAX_TOKENS = 512  # when a chat request sets no limit
-
-
-class BadRequest(Exception):
-    pass
-
-
-def generate_request(body: dict, chat: bool) -> GenerateRequest:
-    """An OpenAI request body as the core's ``GenerateRequest``; raises ``BadRequest``
-    for a body of the wrong shape or JSON types."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
-    req = GenerateRequest()
-    if chat:
-        req.messages = _messages(body.get("messages"))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            req.prompt = prompt
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            req.prompt_token_ids = prompt
-        else:
-            raise BadRequest("prompt: one string or one list of token ids per request")
-    if body.get("n", 1) != 1:
-        raise BadRequest("n: only 1 is supported")
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is None and chat:
-        limit = CHAT_MAX_TOKENS
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-        raise BadRequest(f"stop={stop!r}: must be a string or a list of strings")
-    stop_token_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
-        raise BadRequest(f"stop_token_ids={stop_token_ids!r}: must be a list of integers")
-    req.sampling = SamplingOptions(
-        max_tokens=_number("max_tokens", limit, integer=True),
-        temperature=_number("temperature", body.get("temperature"), integer=False),
-        top_k=_number("top_k", body.get("top_k"), integer=True),
-        top_p=_number("top_p", body.get("top_p"), integer=False),
-        seed=_number("seed", body.get("seed"), integer=True),
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=bool(body.get("ignore_eos", False)),
-    )
-    return req
-
-
-def _messages(messages) -> list[ChatMessage]:
-    if not isinstance(messages, list):
-        raise BadRequest("messages: a list of {role, content} is required")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}]: must be an object with role and content")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # content parts: keep the text ones
-            if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
-                raise BadRequest(f"messages[{i}].content: parts must be objects with a text")
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        if not isinstance(content, str):
-            raise BadRequest(
-                f"messages[{i}].content={content!r}: must be a string or a list of parts"
-            )
-        out.append(ChatMessage(str(m.get("role", "user")), content))
-    return out
-
-
-def timeout_s(body: dict) -> float | None:
-    """The body's ``timeout`` (seconds, a positive finite number); None: unset."""
-    value = body.get("timeout")
-    if value is None:
-        return None
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value <= 0:
-        raise BadRequest(f"timeout={value!r}: must be a positive finite number of seconds")
-    return float(value)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(key: str, value, integer: bool) -> int | float | None:
-    """A JSON number for ``key`` as the core takes it (floats as float); None: unset."""
-    if value is None:
-        return None
-    if integer and not _is_int(value):
-        raise BadRequest(f"{key}={value!r}: must be an integer")
-    if not integer and (isinstance(value, bool) or not isinstance(value, int | float)):
-        raise BadRequest(f"{key}={value!r}: must be a number")
-    return value if integer else float(value)
 
 
 class HttpApi:

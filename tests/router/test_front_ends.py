@@ -11,8 +11,8 @@ import pytest
 
 from router.client import make_request
 from router.grpc_api import GRPC_STATUS, generate_request, timings_message
-from router.http_api import BadRequest
-from router.http_api import generate_request as http_request
+from router.openai_request import BadRequest
+from router.openai_request import generate_request as http_request
 from router.openai_shapes import HTTP_STATUS
 from router.request import ChatMessage, GenerateRequest, Refusal, SamplingOptions
 from router.stream import Phases, Timings
