@@ -5,12 +5,14 @@
         print(chunk.text, end="")
     done = client.complete(messages=[{"role": "user", "content": "Hi"}])
     async for chunk in client.agenerate("Hello"): ...           # same, on asyncio
+    RouterClient(address, api_key="...", ca_file="ca.pem")      # a router with keys, TLS
 
 A stream cancels its request (the router frees its KV blocks) when the caller stops
 iterating: ``break`` out of the loop, ``stream.cancel()``, leaving a ``with`` block
 or dropping the stream. Errors arrive as ``grpc.RpcError`` (``.code()``,
 ``.details()``): INVALID_ARGUMENT for a request that cannot run, RESOURCE_EXHAUSTED
-when the router's queue is full, UNAVAILABLE while it starts or drains.
+when the router's queue is full, UNAVAILABLE while it starts or drains,
+UNAUTHENTICATED without a key the router knows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -231,18 +234,51 @@ class AsyncStream:
 
 
 class RouterClient:
-    def __init__(self, address: str):
+    """The router's gRPC API, sync and async.
+
+    ``api_key``: sent as ``authorization: Bearer <key>`` on every call (a router with
+    ``router.api_key_file`` refuses calls without one: UNAUTHENTICATED). ``ca_file``:
+    PEM CAs that the router's certificate chains to; given (or ``tls=True``, for CAs the
+    system trusts) the channel speaks TLS only. ``cert_file``/``key_file``: this
+    client's certificate, for a router that requires one (``router.tls.client_ca_file``).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        api_key: str | None = None,
+        ca_file: str | None = None,
+        tls: bool = False,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+    ):
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._credentials = None
+        if tls or ca_file or cert_file:
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(ca_file),
+                private_key=_read(key_file),
+                certificate_chain=_read(cert_file),
+            )
+        self._channel = self._open(grpc)
         self._stub = pb_grpc.RouterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._aio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> channel
+
+    def _open(self, module):
+        """A channel of ``module`` (``grpc`` or ``grpc.aio``) to the router."""
+        if self._credentials is None:
+            return module.insecure_channel(self.address)
+        return module.secure_channel(self.address, self._credentials)
 
     # ---- sync ----
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Stream:
         """Stream a completion; keywords as ``make_request``."""
-        return Stream(self._stub.Generate(make_request(prompt, **kw), timeout=timeout))
+        request = make_request(prompt, **kw)
+        return Stream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     def complete(self, prompt: str | None = None, **kw) -> Completion:
         out = Completion()
@@ -251,10 +287,12 @@ class RouterClient:
         return out
 
     def abort(self, request_id: str) -> bool:
-        return self._stub.Abort(pb.AbortRequest(request_id=request_id)).found
+        """End a request this client's key started; False when there is none."""
+        request = pb.AbortRequest(request_id=request_id)
+        return self._stub.Abort(request, metadata=self._metadata).found
 
     def stats(self) -> pb.StatsResponse:
-        return self._stub.Stats(pb.StatsRequest())
+        return self._stub.Stats(pb.StatsRequest(), metadata=self._metadata)
 
     def health(self, service: str = "", timeout: float = 5.0) -> str:
         """SERVING, NOT_SERVING, ... from the standard grpc.health.v1 service."""
@@ -276,7 +314,7 @@ class RouterClient:
     def _astub(self) -> pb_grpc.RouterStub:
         loop = asyncio.get_running_loop()
         if loop not in self._aio:
-            channel = grpc.aio.insecure_channel(self.address)
+            channel = self._open(grpc.aio)
             self._aio[loop] = (channel, pb_grpc.RouterStub(channel))
         return self._aio[loop][1]
 
@@ -284,7 +322,10 @@ class RouterClient:
         self, prompt: str | None = None, *, timeout: float | None = None, **kw
     ) -> AsyncStream:
         """``async for chunk in client.agenerate(...)``; keywords as ``make_request``."""
-        return AsyncStream(self._astub().Generate(make_request(prompt, **kw), timeout=timeout))
+        request = make_request(prompt, **kw)
+        return AsyncStream(
+            self._astub().Generate(request, timeout=timeout, metadata=self._metadata)
+        )
 
     async def acomplete(self, prompt: str | None = None, **kw) -> Completion:
         out = Completion()
@@ -292,10 +333,18 @@ class RouterClient:
             out.add(chunk)
         return out
 
+    async def aabort(self, request_id: str) -> bool:
+        request = pb.AbortRequest(request_id=request_id)
+        return (await self._astub().Abort(request, metadata=self._metadata)).found
+
     async def astats(self) -> pb.StatsResponse:
-        return await self._astub().Stats(pb.StatsRequest())
+        return await self._astub().Stats(pb.StatsRequest(), metadata=self._metadata)
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()
         if loop in self._aio:
             await self._aio.pop(loop)[0].close()
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).expanduser().read_bytes()

@@ -27,11 +27,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
+from router import tls as router_tls
+from router.auth import ApiKeys, GrpcAuth
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
 from router.stream import Delta, RequestStream, Timings
 
+MAX_MESSAGE_BYTES = 8 * 2**20  # router.max_message_bytes's default
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # pdserve.v1.Router
 GRPC_STATUS = {
     Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -58,17 +61,38 @@ class GrpcApi:
 
     Built, started and stopped on the router's event loop."""
 
-    def __init__(self, core: RouterCore):
-        self._server = grpc.aio.server()
+    def __init__(
+        self,
+        core: RouterCore,
+        keys: ApiKeys | None = None,
+        tls: dict | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ):
+        """``keys``: None, anyone may call; ``tls``: the ``router.tls`` section (None or
+        no ``cert_file``: plain text); ``max_message_bytes``: each way (gRPC refuses a
+        larger one with RESOURCE_EXHAUSTED naming both sizes)."""
+        keys = keys or ApiKeys([])
+        limits = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._server = grpc.aio.server(interceptors=[GrpcAuth(keys)], options=limits)
+        self._tls = tls if tls and router_tls.enabled(tls) else None
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        pb_grpc.add_RouterServicer_to_server(RouterService(core), self._server)
+        pb_grpc.add_RouterServicer_to_server(RouterService(core, keys), self._server)
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port), NOT_SERVING; the bound port."""
         await self.set_serving(False)
+        address = f"{host}:{port}"
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            if self._tls is None:
+                bound = self._server.add_insecure_port(address)
+            else:
+                bound = self._server.add_secure_port(
+                    address, router_tls.grpc_credentials(self._tls)
+                )
         except RuntimeError as e:
             raise RuntimeError(
                 f"router.port={port}: cannot bind {host}:{port} ({e}); is it in use?"
@@ -116,16 +140,19 @@ def _no_tracebacks(handler):
 class RouterService(pb_grpc.RouterServicer):
     """The ``pdserve.v1.Router`` handlers: translate, call the core, translate back."""
 
-    def __init__(self, core: RouterCore):
-        self.core = core
+    def __init__(self, core: RouterCore, keys: ApiKeys):
+        self.core, self.keys = core, keys
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
+        owner = self.keys.grpc_owner(context)  # not None: GrpcAuth let the call in
         try:
-            with self.core.calls.call():
+            with self.core.calls.call(owner):
                 left = context.time_remaining()  # None: the call has no deadline
                 deadline = None if left is None else time.monotonic() + left
-                stream = self.core.open_stream(generate_request(request), arrival, deadline)
+                stream = await self.core.open_stream(
+                    generate_request(request), arrival, deadline, owner
+                )
                 try:
                     await context.send_initial_metadata((("request-id", stream.request_id),))
                     while True:
@@ -146,7 +173,8 @@ class RouterService(pb_grpc.RouterServicer):
 
     @_no_tracebacks
     async def Abort(self, request, context):
-        return pb.AbortResponse(found=self.core.abort(request.request_id))
+        owner = self.keys.grpc_owner(context)
+        return pb.AbortResponse(found=self.core.abort(request.request_id, owner))
 
     @_no_tracebacks
     async def Stats(self, request, context):
