@@ -105,11 +105,12 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
+    scheme = "https" if config.router.tls.cert_file else "http"
     try:
         print(
             f"pdserve: router listening on {cluster.address} (pid {cluster.router_pid()}, "
             f"policy {config.router.policy}, ready in {time.monotonic() - started:.1f} s), "
-            f"OpenAI-compatible HTTP on http://{cluster.http_address}/v1; Ctrl-C to stop",
+            f"OpenAI-compatible HTTP on {scheme}://{cluster.http_address}/v1; Ctrl-C to stop",
             flush=True,
         )
         if args.demo:
