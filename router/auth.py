@@ -1,5 +1,6 @@
 """Who is calling: the router's API keys, checked on both front ends (docs/serving.md,
-"Authentication, TLS and limits").
+"Authentication, TLS and limits"): by a middleware of the HTTP one (router/http_api.py)
+and an interceptor of the gRPC one (router/grpc_api.py), both over ``ApiKeys``.
 
 Keys come from ``router.api_key_file`` (one key a line; blank lines and lines starting
 with ``#`` skipped), never from the YAML itself, so that a config can be shared or
@@ -10,11 +11,11 @@ Invariants:
   but ``/health`` (probes), the gRPC metadata ``authorization`` on every method of
   ``pdserve.v1.Router`` (``grpc.health.v1`` stays open). Anything else is refused before
   a handler runs: 401 in OpenAI's error shape, or UNAUTHENTICATED.
-- The comparison takes the same time whichever key (or byte) differs: every key is
-  compared with ``hmac.compare_digest``, none skipped.
-- A caller's *owner* is a digest of its key (``""`` without keys): what the core keeps
-  per request (``Abort`` ownership, per-key concurrency); the key itself is kept only
-  here.
+- The comparison takes the same time whichever key (or byte) differs: the SHA-256 of
+  what the caller sent is compared with every key's by ``hmac.compare_digest`` (equal
+  lengths, so not even a key's length shows), none skipped.
+- A caller's *owner* is a prefix of its key's digest (``""`` without keys): what the
+  core keeps per request (``Abort`` ownership, per-key concurrency); no key is kept.
 """
 
 from __future__ import annotations
@@ -23,13 +24,6 @@ import hashlib
 import hmac
 from pathlib import Path
 
-import grpc
-from aiohttp import web
-
-from router.openai_shapes import error_response
-
-OPEN_HTTP_PATHS = ("/health",)
-PROTECTED_SERVICE = "/pdserve.v1.Router/"
 _BEARER = "bearer "
 
 
@@ -63,7 +57,7 @@ class ApiKeys:
     """The keys the router accepts; ``enabled`` False: anyone, as the owner ``""``."""
 
     def __init__(self, keys: list[str]):
-        self._keys = [k.encode() for k in keys]
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
     @classmethod
     def from_config(cls, router_config: dict) -> ApiKeys:
@@ -72,7 +66,7 @@ class ApiKeys:
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return bool(self._digests)
 
     def owner(self, authorization: str | None) -> str | None:
         """The owner of an ``Authorization`` value, None when it names no key of ours."""
@@ -80,67 +74,14 @@ class ApiKeys:
             return ""
         if not authorization or authorization[: len(_BEARER)].lower() != _BEARER:
             return None
-        given = authorization[len(_BEARER) :].strip().encode()
+        given = hashlib.sha256(authorization[len(_BEARER) :].strip().encode()).digest()
         found = None
-        for key in self._keys:  # all of them, so the time does not tell which matched
-            if hmac.compare_digest(given, key):
-                found = key
-        return None if found is None else hashlib.sha256(found).hexdigest()[:16]
-
-    def grpc_owner(self, context: grpc.aio.ServicerContext) -> str | None:
-        """The owner of a gRPC call (its ``authorization`` metadata)."""
-        metadata = dict(context.invocation_metadata() or ())
-        return self.owner(metadata.get("authorization"))
-
-    def http_middleware(self):
-        """An aiohttp middleware: the owner in ``request["owner"]``, or 401."""
-
-        @web.middleware
-        async def authenticate(request: web.Request, handler):
-            if request.path in OPEN_HTTP_PATHS:
-                return await handler(request)
-            owner = self.owner(request.headers.get("Authorization"))
-            if owner is None:
-                resp = error_response(401, _refusal("the Authorization header"))
-                resp.headers["WWW-Authenticate"] = 'Bearer realm="pdserve"'
-                return resp
-            request["owner"] = owner
-            return await handler(request)
-
-        return authenticate
+        for digest in self._digests:  # all of them, so the time does not tell which matched
+            if hmac.compare_digest(given, digest):
+                found = digest
+        return None if found is None else found.hex()[:16]
 
 
-def _refusal(where: str) -> str:
+def refusal(where: str) -> str:
+    """What a caller without a known key is told (``where``: how it sends one)."""
     return f"missing or unknown API key: send {where} as 'Bearer <key>' with a key of the router's"
-
-
-class GrpcAuth(grpc.aio.ServerInterceptor):
-    """Refuses (UNAUTHENTICATED) a call to ``pdserve.v1.Router`` without a known key;
-    other services (health) pass."""
-
-    def __init__(self, keys: ApiKeys):
-        self.keys = keys
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(PROTECTED_SERVICE):
-            return handler
-        metadata = dict(details.invocation_metadata or ())
-        if self.keys.owner(metadata.get("authorization")) is not None:
-            return handler
-        message = _refusal("the metadata 'authorization'")
-
-        async def refuse(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        async def refuse_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            yield  # an async generator, as a streaming handler is
-
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                refuse_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer
-        )

@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
 from router import tls as router_tls
-from router.auth import ApiKeys, GrpcAuth
+from router.auth import ApiKeys, refusal
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
@@ -90,9 +90,13 @@ class GrpcApi:
             if self._tls is None:
                 bound = self._server.add_insecure_port(address)
             else:
-                bound = self._server.add_secure_port(
-                    address, router_tls.grpc_credentials(self._tls)
+                key, chain, client_ca = router_tls.pem_files(self._tls)
+                credentials = grpc.ssl_server_credentials(
+                    [(key, chain)],
+                    root_certificates=client_ca,
+                    require_client_auth=client_ca is not None,
                 )
+                bound = self._server.add_secure_port(address, credentials)
         except RuntimeError as e:
             raise RuntimeError(
                 f"router.port={port}: cannot bind {host}:{port} ({e}); is it in use?"
@@ -121,6 +125,43 @@ async def _abort(context, refused: Refused) -> None:
     await context.abort(GRPC_STATUS[refused.kind], refused.message, trailing_metadata=trailing)
 
 
+def _owner(keys: ApiKeys, context) -> str | None:
+    """The owner of a call: its ``authorization`` metadata's (router/auth.py)."""
+    return keys.owner(dict(context.invocation_metadata() or ()).get("authorization"))
+
+
+class GrpcAuth(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) a call to ``pdserve.v1.Router`` without a known key;
+    other services (health) pass."""
+
+    def __init__(self, keys: ApiKeys):
+        self.keys = keys
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        if self.keys.owner(metadata.get("authorization")) is not None:
+            return handler
+        message = refusal("the metadata 'authorization'")
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def refuse_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # an async generator, as a streaming handler is
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                refuse_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer
+        )
+
+
 def _no_tracebacks(handler):
     """A unary handler whose unexpected exceptions end the call with INTERNAL and an
     incident id (the traceback goes to the log)."""
@@ -145,7 +186,7 @@ class RouterService(pb_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
-        owner = self.keys.grpc_owner(context)  # not None: GrpcAuth let the call in
+        owner = _owner(self.keys, context)  # not None: GrpcAuth let the call in
         try:
             with self.core.calls.call(owner):
                 left = context.time_remaining()  # None: the call has no deadline
@@ -173,7 +214,7 @@ class RouterService(pb_grpc.RouterServicer):
 
     @_no_tracebacks
     async def Abort(self, request, context):
-        owner = self.keys.grpc_owner(context)
+        owner = _owner(self.keys, context)
         return pb.AbortResponse(found=self.core.abort(request.request_id, owner))
 
     @_no_tracebacks

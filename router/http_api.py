@@ -30,7 +30,7 @@ import time
 from aiohttp import web
 
 from router import tls as router_tls
-from router.auth import ApiKeys
+from router.auth import ApiKeys, refusal
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.metrics import prometheus_text
@@ -48,6 +48,7 @@ from router.request import Refused
 from router.stream import Delta, RequestStream
 
 MAX_BODY_BYTES = 8 * 2**20  # router.max_body_bytes's default
+OPEN_PATHS = ("/health",)  # probes: answered without a key
 
 
 class HttpApi:
@@ -69,7 +70,7 @@ class HttpApi:
         self._tls = tls if tls and router_tls.enabled(tls) else None
         keys = keys or ApiKeys([])
         app = web.Application(
-            middlewares=[internal_errors, keys.http_middleware()], client_max_size=max_body_bytes
+            middlewares=[internal_errors, authenticate(keys)], client_max_size=max_body_bytes
         )
         app.add_routes(
             [
@@ -194,6 +195,25 @@ class HttpApi:
         if (body.get("stream_options") or {}).get("include_usage"):
             await _send(resp, reply.usage_chunk(usage_object(stream.usage())))
         return True
+
+
+def authenticate(keys: ApiKeys):
+    """A middleware: the caller's owner in ``request["owner"]`` (router/auth.py), or 401
+    in OpenAI's shape; every path but ``OPEN_PATHS`` needs a known key."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        owner = keys.owner(request.headers.get("Authorization"))
+        if owner is None:
+            resp = error_response(401, refusal("the Authorization header"))
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="pdserve"'
+            return resp
+        request["owner"] = owner
+        return await handler(request)
+
+    return middleware
 
 
 async def _send(resp: web.StreamResponse, payload: dict) -> None:

@@ -1,6 +1,6 @@
 """TLS on the router's ports (``router.tls``; docs/serving.md, "Authentication, TLS and
-limits"): the gRPC server's credentials and the HTTP server's ``ssl.SSLContext``, built
-from the same PEM files.
+limits"): the PEM files the gRPC server's credentials are made of (router/grpc_api.py)
+and the HTTP server's ``ssl.SSLContext``, from the same files; no wire format here.
 
 Invariants: with ``cert_file`` set both ports speak TLS only (a plain-text connection
 fails its handshake); TLS 1.2 at least; with ``client_ca_file`` set a client must present
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
-
-import grpc
 
 
 def _read(path: str, key: str) -> bytes:
@@ -26,14 +24,14 @@ def enabled(tls: dict) -> bool:
     return tls.get("cert_file") is not None
 
 
-def grpc_credentials(tls: dict) -> grpc.ServerCredentials:
-    """The gRPC server's credentials (``tls``: the ``router.tls`` section)."""
-    chain = (_read(tls["key_file"], "key_file"), _read(tls["cert_file"], "cert_file"))
+def pem_files(tls: dict) -> tuple[bytes, bytes, bytes | None]:
+    """The private key, the certificate chain and the client CAs (None: no mTLS) as
+    bytes, for the gRPC server's credentials (``tls``: the ``router.tls`` section)."""
     client_ca = tls.get("client_ca_file")
-    return grpc.ssl_server_credentials(
-        [chain],
-        root_certificates=_read(client_ca, "client_ca_file") if client_ca else None,
-        require_client_auth=client_ca is not None,
+    return (
+        _read(tls["key_file"], "key_file"),
+        _read(tls["cert_file"], "cert_file"),
+        _read(client_ca, "client_ca_file") if client_ca else None,
     )
 
 
