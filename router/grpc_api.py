@@ -7,6 +7,12 @@ router/stream.py) and back; a refusal of the core becomes its status code
 an instance failed ends with INTERNAL. Health is set by the owner of the server
 (router/server.py): NOT_SERVING from ``start`` until ``set_serving(True)``.
 
+Closed as configured (docs/serving.md, "Authentication, TLS and limits"): with API keys
+the ``GrpcAuth`` interceptor refuses a ``Router`` call without a known key
+(UNAUTHENTICATED) before its handler runs, health stays open; with ``router.tls`` the
+port speaks TLS only; a message past ``router.max_message_bytes`` either way is refused
+by gRPC (RESOURCE_EXHAUSTED). ``Abort`` ends only a request of the caller's own key.
+
 Invariants of a Generate call: it holds a place in ``core.calls`` until it returns
 (past the bound: RESOURCE_EXHAUSTED at once; Abort, Stats and Health are never
 bounded, so a client can always cancel and probe); the call's deadline is the

@@ -13,8 +13,13 @@ statuses in OpenAI's error shape (router/openai_shapes.py). Extra body fields be
 OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them), and
 ``timeout`` (seconds; past it the request ends with 408).
 
+Closed as configured (docs/serving.md, "Authentication, TLS and limits"): with API keys
+every path but /health needs ``Authorization: Bearer <key>`` (401 otherwise, before the
+handler runs); with ``router.tls`` the port speaks TLS only; a body past
+``router.max_body_bytes`` is 413.
+
 Invariants of a generate call: it holds a place in ``core.calls`` from arrival to its
-last byte (past the bound: 429 before the body is read); whatever ends it (finished,
+last byte (past the bound, or its key's: 429 before the body is read); whatever ends it (finished,
 refused, timed out, failed, or its client closing the connection, which cancels the
 handler) ``core.finish`` takes its request out of the router and the instances; the
 status line waits for the request's first output, so a refusal or a timeout before any
