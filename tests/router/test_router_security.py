@@ -178,3 +178,13 @@ def test_the_cli_passes_the_key_and_the_ca(server):
     assert out.returncode == 0 and "finish " in out.stdout, out.stderr
     refused = cli("stats", "--ca-file", server.ca_file)
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+
+
+def test_the_cluster_handle_s_client_brings_the_key_and_tls(server, monkeypatch):
+    from cluster.config_loader import load_config
+    from cluster.launcher import Cluster
+
+    config = load_config(server.folder / "secured.yaml")
+    monkeypatch.setenv("PDSERVE_CA_FILE", server.ca_file)
+    with Cluster(config, session=None, address=server.address).client() as c:
+        assert c.stats().max_queue == 16
