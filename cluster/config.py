@@ -168,6 +168,9 @@ class RouterConfig:
     )
     max_body_bytes: int = spec(8 * 2**20, at_least(1024), "largest HTTP request body")
     max_message_bytes: int = spec(8 * 2**20, at_least(1024), "largest gRPC message, each way")
+    max_prompt_tokens: int | None = spec(
+        None, at_least(1), "prompt tokens of one request (null: the model's context)"
+    )
     max_stop_strings: int = spec(16, at_least(0), "stop strings in one request")
     max_stop_string_chars: int = spec(256, at_least(1), "characters in one stop string")
     tokenizer_threads: int = spec(

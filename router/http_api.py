@@ -131,9 +131,9 @@ class HttpApi:
                 return await self._serve(request, chat, arrival)
         except web.HTTPRequestEntityTooLarge:
             length = request.content_length  # None: chunked, cut where it passed the bound
-            size = "more" if length is None else f"{length} bytes,"
+            size = "" if length is None else f" {length} bytes,"
             bound = f"router.max_body_bytes={self.max_body_bytes}"
-            return error_response(413, f"request body: {size} past {bound}")
+            return error_response(413, f"request body:{size} past {bound}")
         except BadRequest as e:
             return error_response(400, str(e))
         except Refused as e:  # before any output: the response is the refusal

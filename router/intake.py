@@ -12,9 +12,9 @@ Invariants:
   or gone), and its caller admits with no ``await`` in between, so a short prompt never
   overtakes a long one that arrived first. A caller cancelled while it waits passes its
   turn on only when the one before it has passed its own.
-- The limits (``router.max_stop_strings``, ``router.max_stop_string_chars``) are checked
-  first, on the loop (cheap), and refused with INVALID naming the key, the value and
-  the bound.
+- The limits are refused with INVALID naming the key, the value and the bound:
+  ``router.max_stop_strings`` and ``router.max_stop_string_chars`` first, on the loop
+  (cheap), ``router.max_prompt_tokens`` once the prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from router.validation import InvalidRequest, RequestValidator
 
 class Intake:
     def __init__(self, router_config: dict):
+        self.max_prompt_tokens: int | None = router_config["max_prompt_tokens"]
         self.max_stop_strings: int = router_config["max_stop_strings"]
         self.max_stop_string_chars: int = router_config["max_stop_string_chars"]
         self._pool = ThreadPoolExecutor(
@@ -46,10 +47,16 @@ class Intake:
         before, mine = self._last, loop.create_future()
         self._last = mine
         try:
-            out = await loop.run_in_executor(self._pool, _validate, validator, request)
+            ids, params = await loop.run_in_executor(self._pool, _validate, validator, request)
+            bound = self.max_prompt_tokens
+            if bound is not None and len(ids) > bound:
+                raise Refused(
+                    Refusal.INVALID,
+                    f"prompt: {len(ids)} tokens, past router.max_prompt_tokens={bound}",
+                )
             if before is not None and not before.done():
                 await asyncio.shield(before)
-            return out
+            return ids, params
         finally:
             _pass_on(before, mine)
 

@@ -14,7 +14,7 @@ from router.intake import Intake
 from router.request import GenerateRequest, Refused
 from router.validation import ModelLimits, RequestValidator
 
-CONFIG = dict(max_stop_strings=2, max_stop_string_chars=4, tokenizer_threads=2)
+CONFIG = dict(max_prompt_tokens=8, max_stop_strings=2, max_stop_string_chars=4, tokenizer_threads=2)
 
 
 class TimedValidator(RequestValidator):
@@ -52,23 +52,24 @@ def test_requests_leave_the_intake_in_arrival_order_and_the_loop_runs_meanwhile(
         tasks = [
             asyncio.ensure_future(one("slow", _request(300))),
             asyncio.ensure_future(one("invalid", _request(1, 5000))),  # past the vocabulary
+            asyncio.ensure_future(one("long", _request(1, *[5] * 8))),  # past max_prompt_tokens
             asyncio.ensure_future(one("cancelled", _request(1))),
             asyncio.ensure_future(one("fast", _request(1))),
         ]
         await asyncio.sleep(0.1)
-        assert done == ["invalid refused"]  # refused at once: nothing to admit
-        tasks[2].cancel()
+        assert done == ["invalid refused", "long refused"]  # at once: nothing to admit
+        tasks[3].cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         tick.cancel()
         intake.close()
         return done, ticks
 
     done, ticks = asyncio.run(run())
-    assert done == ["invalid refused", "slow", "fast"]
+    assert done == ["invalid refused", "long refused", "slow", "fast"]
     assert ticks >= 20  # the loop ran through the 0.3 s of tokenization
 
 
-def test_stop_limits_are_checked_before_any_work():
+def test_the_limits_name_the_key_the_value_and_the_bound():
     intake = Intake(CONFIG)
     try:
         for stop, words in ((["a", "b", "c"], "router.max_stop_strings=2"), (["abcde"], "=4")):
@@ -76,5 +77,8 @@ def test_stop_limits_are_checked_before_any_work():
             request.sampling.stop = stop
             with pytest.raises(Refused, match=words):
                 intake.check_limits(request)
+        validator = RequestValidator(None, ModelLimits(64, 1000, 64))
+        with pytest.raises(Refused, match=r"prompt: 9 tokens, past router.max_prompt_tokens=8"):
+            asyncio.run(intake.prepare(_request(0, *[5] * 8), validator))
     finally:
         intake.close()
