@@ -8,7 +8,9 @@ authenticated. A Ray off loopback is joined only with Ray's TLS (``ray.tls`` or
 ``RAY_USE_TLS=1``) or Ray's token authentication (``RAY_AUTH_MODE=token``), unless
 ``ray.insecure: true`` says the network is trusted (then a warning is logged). The host
 of ``ray.address`` is checked at load; ``auto`` names no host, so the address Ray
-found is checked right after connecting (``check_connected``).
+found is checked right after connecting (``check_connected``), when Ray's own token
+mode, on by default for a cluster started by ``ray start`` in Ray 2.60, shows in
+``RAY_AUTH_MODE``.
 """
 
 from __future__ import annotations
@@ -117,8 +119,12 @@ def apply_ray_tls(ray: RayConfig, environ=os.environ) -> None:
 
 
 def check_connected(ray: RayConfig, gcs_address: str, environ=os.environ) -> str | None:
-    """After joining an existing Ray: the problem when the address it found is off
-    loopback and unsecured (unless ``ray.insecure``, which logs a warning instead)."""
+    """After joining an existing Ray at ``auto``: the problem when the address it found
+    is off loopback and unsecured (unless ``ray.insecure``, which logs a warning
+    instead). An address with a host was checked at load: Ray reports its GCS at the
+    node's address even when it was reached on loopback, so that host is not asked."""
+    if address_host(ray.address) is not None:
+        return None
     host = address_host(gcs_address)
     if host is None or is_loopback(host) or secured(ray, environ):
         return None

@@ -74,6 +74,13 @@ def test_the_address_ray_found_is_checked_after_connecting(chat_model, clean_env
     with caplog.at_level(logging.WARNING, logger="cluster.security_checks"):
         assert check_connected(ray, "10.1.2.3:6379") is None
     assert "ray.insecure" in caplog.text
+    clean_env.setenv("RAY_AUTH_MODE", "token")
+    ray.insecure = False
+    assert check_connected(ray, "10.1.2.3:6379") is None
+    # a host given: checked at load (Ray reports its GCS at the node's address anyway)
+    given = load_config(_config(chat_model, {"address": "127.0.0.1:6379"})).ray
+    clean_env.delenv("RAY_AUTH_MODE")
+    assert check_connected(given, "10.1.2.3:6379") is None
 
 
 def test_router_tls_and_key_file(chat_model, pem, tmp_path):
