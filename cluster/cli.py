@@ -2,8 +2,9 @@
 
 pdserve up CONFIG [--set key.sub=value ...] [--demo PROMPT]   serve until Ctrl-C / SIGTERM
 pdserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--router ADDR]
+                 [--api-key KEY] [--ca-file CA.pem]              a router with keys / TLS
 pdserve generate --offline "prompt" ...                        the engine in this process
-pdserve stats [--router ADDR]                                  queue and per-instance load
+pdserve stats [--router ADDR] [--api-key KEY] [--ca-file CA.pem]  queue and per-instance load
 pdserve bench CONFIG [--workload W] [--rates R1,R2] [--search]  goodput under SLOs
 pdserve bench --endpoint URL --model M ...                     of an OpenAI-compatible server
 pdserve compare A.yaml B.yaml [...] [--rates ...] --out DIR    the same requests, side by side
@@ -17,13 +18,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 import threading
 import time
 
-DEFAULT_ROUTER = os.environ.get("PDSERVE_ROUTER", "127.0.0.1:50051")
+from cluster.cli_router import (
+    DEFAULT_CA_FILE,
+    DEFAULT_ROUTER,
+    client_arguments,
+    show_stats,
+    stream_to_terminal,
+)
+
 ROUTER_CHECK_S = 2.0  # how often ``up`` asks the router actor whether it is alive
 
 
@@ -55,48 +62,6 @@ def _generate_offline(args: argparse.Namespace) -> int:
         f"TTFT {(first_token_at - loaded) * 1000:.0f} ms, {n} tokens, TPOT {tpot:.1f} ms, "
         f"finish {reason}]"
     )
-    return 0
-
-
-def _summary(address: str, chunk) -> str:
-    """The last chunk's usage and timings on one line (and the KV handoff when there was one)."""
-    t = chunk.timings
-    line = (
-        f"[{address}: prompt {chunk.prompt_tokens} tokens, "
-        f"TTFT {t.ttft_ms:.0f} ms, {chunk.completion_tokens} tokens, "
-        f"TPOT {t.tpot_ms:.1f} ms, e2e {t.e2e_ms:.0f} ms, "
-        f"queue {t.queue_ms:.1f} ms, on {', '.join(t.instances)}, "
-        f"finish {chunk.finish_reason}]"
-    )
-    if t.kv_bytes:
-        p = t.phases
-        line += (
-            f"\n[KV handoff {' -> '.join(t.instances[-2:])}: {t.kv_bytes / 1e6:.2f} MB in "
-            f"{t.transfer_ms:.1f} ms; prefill {p.get('prefill_start', 0):.0f}-"
-            f"{p.get('prefill_end', 0):.0f} ms, transfer {p.get('transfer_start', 0):.0f}-"
-            f"{p.get('transfer_end', 0):.0f} ms, decode from {p.get('decode_start', 0):.0f} ms "
-            "after arrival]"
-        )
-    return line
-
-
-def stream_to_terminal(address: str, prompt: str, chat: bool, **sampling) -> int:
-    """Send one request through the router and print its answer as it streams."""
-    import grpc
-
-    from router.client import RouterClient
-
-    kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
-    with RouterClient(address) as client:
-        try:
-            for chunk in client.generate(**kw, **sampling):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                if chunk.finished:
-                    print(f"\n{_summary(address, chunk)}")
-        except grpc.RpcError as e:
-            print(f"\npdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
     return 0
 
 
@@ -140,17 +105,24 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
+    scheme = "https" if config.router.tls.cert_file else "http"
     try:
         print(
             f"pdserve: router listening on {cluster.address} (pid {cluster.router_pid()}, "
             f"policy {config.router.policy}, ready in {time.monotonic() - started:.1f} s), "
-            f"OpenAI-compatible HTTP on http://{cluster.http_address}/v1; Ctrl-C to stop",
+            f"OpenAI-compatible HTTP on {scheme}://{cluster.http_address}/v1; Ctrl-C to stop",
             flush=True,
         )
         if args.demo:
             print(f"> {args.demo}", flush=True)
             stream_to_terminal(
-                cluster.address, args.demo, chat=True, max_tokens=args.max_tokens, temperature=0.0
+                cluster.address,
+                args.demo,
+                chat=True,
+                api_key=_first_key(config),
+                ca_file=args.ca_file,
+                max_tokens=args.max_tokens,
+                temperature=0.0,
             )
             print(f"pdserve: serving on {cluster.address}; Ctrl-C to stop", flush=True)
         checked = time.monotonic()
@@ -173,19 +145,12 @@ def _up(args: argparse.Namespace) -> int:
     return code
 
 
-def _stats(args: argparse.Namespace) -> int:
-    from router.client import RouterClient
+def _first_key(config) -> str | None:
+    """A key of ``router.api_key_file`` for ``--demo`` (None: the router has none)."""
+    from router.auth import read_key_file
 
-    with RouterClient(args.router) as client:
-        s = client.stats()
-    print(f"router {args.router}: queued {s.queued}/{s.max_queue}, in flight {s.in_flight}")
-    for i in s.instances:
-        print(
-            f"  {i.name}: queued {i.queued}, running {i.running}, outstanding {i.outstanding}, "
-            f"blocks free {i.free_blocks}/{i.total_blocks}, requests {i.requests_total}, "
-            f"tokens {i.tokens_total}"
-        )
-    return 0
+    path = config.router.api_key_file
+    return read_key_file(path)[0] if path else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")
     up.add_argument("--demo", metavar="PROMPT", help="once up, send this chat prompt and print")
     up.add_argument("--max-tokens", type=int, default=64, help="for --demo")
+    up.add_argument("--ca-file", default=DEFAULT_CA_FILE, help="for --demo with router.tls")
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
@@ -209,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
+    client_arguments(gen)
 
     stats = sub.add_parser("stats", help="the router's queue and each instance's load")
     stats.add_argument("--router", default=DEFAULT_ROUTER, help="router address (host:port)")
+    client_arguments(stats)
 
     from bench.runner import add_arguments
 
@@ -257,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         return _up(args)
     if args.command == "stats":
-        return _stats(args)
+        return show_stats(args)
     if args.offline:
         try:
             return _generate_offline(args)
@@ -267,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         args.router,
         args.prompt,
         args.chat,
+        api_key=args.api_key,
+        ca_file=args.ca_file,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
     )

@@ -7,6 +7,7 @@ is allowed, before any Ray process starts.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -93,6 +94,24 @@ class PoolConfig:
         )
 
 
+def readable_file(v: str) -> str | None:
+    """The path of a file this process can read."""
+    path = os.path.expanduser(v)
+    if os.path.isfile(path) and os.access(path, os.R_OK):
+        return None
+    return "must be the path of a readable file"
+
+
+@dataclass
+class RayTLSConfig:
+    """Ray's own TLS (``RAY_USE_TLS``), set in the driver's environment before it connects
+    to an existing Ray; every node of that Ray must run with the same settings."""
+
+    cert_file: str | None = spec(None, readable_file, "RAY_TLS_SERVER_CERT (null: TLS off)")
+    key_file: str | None = spec(None, readable_file, "RAY_TLS_SERVER_KEY")
+    ca_file: str | None = spec(None, readable_file, "RAY_TLS_CA_CERT")
+
+
 @dataclass
 class RayConfig:
     address: str | None = spec(
@@ -100,6 +119,21 @@ class RayConfig:
     )
     num_cpus: float | None = spec(
         None, above(0), "CPUs the embedded local Ray offers (default: the machine's)"
+    )
+    tls: RayTLSConfig = spec(factory=RayTLSConfig)
+    insecure: bool = spec(
+        False, None, "allow an existing Ray off loopback with neither TLS nor token auth"
+    )
+
+
+@dataclass
+class RouterTLSConfig:
+    """TLS on both router ports (gRPC and HTTP); with it the ports speak TLS only."""
+
+    cert_file: str | None = spec(None, readable_file, "PEM certificate chain (null: TLS off)")
+    key_file: str | None = spec(None, readable_file, "PEM private key of cert_file")
+    client_ca_file: str | None = spec(
+        None, readable_file, "PEM CAs a client certificate must chain to (null: no mTLS)"
     )
 
 
@@ -124,6 +158,23 @@ class RouterConfig:
     drain_timeout_s: float = spec(30.0, at_least(0), "how long shutdown waits for requests")
     migration_limit: int = spec(
         2, at_least(0), "times a request moves to another instance when its instance dies"
+    )
+    api_key_file: str | None = spec(
+        None, readable_file, "file of API keys, one a line (null: no authentication)"
+    )
+    tls: RouterTLSConfig = spec(factory=RouterTLSConfig)
+    max_concurrent_requests_per_key: int | None = spec(
+        None, at_least(1), "generate calls one API key may have in progress (null: no bound)"
+    )
+    max_body_bytes: int = spec(8 * 2**20, at_least(1024), "largest HTTP request body")
+    max_message_bytes: int = spec(8 * 2**20, at_least(1024), "largest gRPC message, each way")
+    max_prompt_tokens: int | None = spec(
+        None, at_least(1), "prompt tokens of one request (null: the model's context)"
+    )
+    max_stop_strings: int = spec(16, at_least(0), "stop strings in one request")
+    max_stop_string_chars: int = spec(256, at_least(1), "characters in one stop string")
+    tokenizer_threads: int = spec(
+        2, at_least(1), "threads that tokenize and render chat templates, off the event loop"
     )
 
 

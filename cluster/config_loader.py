@@ -17,6 +17,7 @@ from types import NoneType, UnionType
 import yaml
 
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.security_checks import check_ray, check_router
 
 
 class ConfigError(ValueError):
@@ -126,7 +127,8 @@ def _convert(hint, value, where: str, f: dataclasses.Field):
 
 
 def check_config(config: ClusterConfig) -> None:
-    """Checks across keys: the pools this mode runs, the model, the machine's CPUs."""
+    """Checks across keys: the pools this mode runs, security (cluster/security_checks.py),
+    the model, the machine's CPUs."""
     for role, pool in config.pools().items():
         if pool.instances < 1:
             raise ConfigError(
@@ -136,6 +138,8 @@ def check_config(config: ClusterConfig) -> None:
             )
     if config.mode == "disaggregated":
         check_kv_transfer(config)
+    for key, problem in check_router(config) + check_ray(config.ray):
+        raise ConfigError(key, problem)
     folder = model_folder_if_cheap(config.model)
     if folder is not None:
         check_model_shape(config, folder)

@@ -38,9 +38,19 @@ class Cluster:
     instances: list[dict] = field(default_factory=list)  # each instance's ready() facts
 
     def client(self):
+        """A ``RouterClient`` of this router: with the first key of
+        ``router.api_key_file``, and with ``router.tls`` over TLS trusting
+        ``$PDSERVE_CA_FILE`` (or the system's CAs)."""
+        import os
+
+        from router.auth import read_key_file
         from router.client import RouterClient
 
-        return RouterClient(self.address)
+        router = self.config.router
+        key = read_key_file(router.api_key_file)[0] if router.api_key_file else None
+        tls = router.tls.cert_file is not None
+        ca = os.environ.get("PDSERVE_CA_FILE") if tls else None
+        return RouterClient(self.address, api_key=key, ca_file=ca, tls=tls)
 
     @property
     def workers(self) -> dict:

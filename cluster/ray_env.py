@@ -18,6 +18,7 @@ import shutil
 import tempfile
 
 from cluster.config import RayConfig
+from cluster.security_checks import apply_ray_tls, check_connected
 
 NAMESPACE = "pdserve"
 
@@ -54,6 +55,7 @@ class RaySession:
                 object_store_memory=256 * 1024**2,
             )
         else:
+            apply_ray_tls(self.config)
             kwargs["address"] = self.config.address
         try:
             ray.init(**kwargs)
@@ -61,6 +63,17 @@ class RaySession:
             self._remove_temp_dir()
             raise
         self.owned = True
+        if not self.embedded:
+            self._check_joined(ray.get_runtime_context().gcs_address)
+
+    def _check_joined(self, gcs_address: str) -> None:
+        """Leave a Ray that is off loopback and unsecured (cluster/security_checks.py)."""
+        from cluster.config_loader import ConfigError
+
+        problem = check_connected(self.config, gcs_address)
+        if problem is not None:
+            self.stop()
+            raise ConfigError("ray.address", problem)
 
     def stop(self) -> None:
         if self.owned:

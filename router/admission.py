@@ -102,29 +102,50 @@ class FirstTokens:
 
 
 class CallLimit:
-    """At most ``max_calls`` generate calls at once (``router.max_concurrent_requests``).
+    """At most ``max_calls`` generate calls at once (``router.max_concurrent_requests``),
+    and at most ``per_owner`` of them by one API key
+    (``router.max_concurrent_requests_per_key``; None: no bound per key).
 
     Invariant: ``active`` is the number of ``call()`` blocks entered and not yet left,
-    and never exceeds ``max_calls``; a call past the bound is refused at once, before it
-    reads its body or reaches the core."""
+    and never exceeds ``max_calls``; ``by_owner`` holds each owner's (only owners with
+    one at least), each at most ``per_owner``; a call past a bound is refused at once,
+    before it reads its body or reaches the core."""
 
-    def __init__(self, max_calls: int):
+    def __init__(self, max_calls: int, per_owner: int | None = None):
         if max_calls < 1:
             raise ValueError(f"router.max_concurrent_requests={max_calls!r}: must be >= 1")
-        self.max_calls = max_calls
+        if per_owner is not None and per_owner < 1:
+            raise ValueError(
+                f"router.max_concurrent_requests_per_key={per_owner!r}: must be >= 1 or null"
+            )
+        self.max_calls, self.per_owner = max_calls, per_owner
         self.active = 0
+        self.by_owner: dict[str, int] = {}
 
     @contextmanager
-    def call(self) -> Iterator[None]:
+    def call(self, owner: str = "") -> Iterator[None]:
         """Hold a place for the block; raises ``Refused`` (BUSY) when none is left."""
         if self.active >= self.max_calls:
             raise Refused(
                 Refusal.BUSY,
                 f"{self.active} requests in progress, the most the router serves at once "
-                "(router.max_concurrent_requests); retry later",
+                f"(router.max_concurrent_requests={self.max_calls}); retry later",
+            )
+        mine = self.by_owner.get(owner, 0)
+        if self.per_owner is not None and mine >= self.per_owner:
+            raise Refused(
+                Refusal.BUSY,
+                f"{mine} requests in progress with this API key, the most one key may have "
+                f"(router.max_concurrent_requests_per_key={self.per_owner}); retry later",
             )
         self.active += 1
+        self.by_owner[owner] = mine + 1
         try:
             yield
         finally:
             self.active -= 1
+            left = self.by_owner[owner] - 1
+            if left:
+                self.by_owner[owner] = left
+            else:
+                del self.by_owner[owner]

@@ -5,12 +5,14 @@
         print(chunk.text, end="")
     done = client.complete(messages=[{"role": "user", "content": "Hi"}])
     async for chunk in client.agenerate("Hello"): ...           # same, on asyncio
+    RouterClient(address, api_key="...", ca_file="ca.pem")      # a router with keys, TLS
 
 A stream cancels its request (the router frees its KV blocks) when the caller stops
 iterating: ``break`` out of the loop, ``stream.cancel()``, leaving a ``with`` block
 or dropping the stream. Errors arrive as ``grpc.RpcError`` (``.code()``,
 ``.details()``): INVALID_ARGUMENT for a request that cannot run, RESOURCE_EXHAUSTED
-when the router's queue is full, UNAVAILABLE while it starts or drains.
+when the router's queue is full, UNAVAILABLE while it starts or drains,
+UNAUTHENTICATED without a key the router knows.
 """
 
 from __future__ import annotations
@@ -18,127 +20,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
+from router.client_types import Chunk, Completion, Timings, make_request, read_chunk
 
-
-@dataclass
-class Timings:
-    queue_ms: float
-    ttft_ms: float
-    tpot_ms: float
-    e2e_ms: float
-    instances: list[str]
-    kv_bytes: int = 0  # disaggregated: KV moved from the prefill to the decode instance
-    transfer_ms: float = 0.0
-    attempts: int = 1
-    # ms since arrival: queued, prefill_start/end, transfer_start/end, decode_start,
-    # finish (0: not applicable), and tokens (one entry per token)
-    phases: dict = field(default_factory=dict)
-
-
-@dataclass
-class Chunk:
-    """New tokens and text since the previous chunk; the last one has finish_reason."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    timings: Timings | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class Completion:
-    request_id: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    timings: Timings | None = None
-
-    def add(self, chunk: Chunk) -> None:
-        self.request_id = chunk.request_id
-        self.token_ids += chunk.token_ids
-        self.text += chunk.text
-        if chunk.finished:
-            self.finish_reason, self.timings = chunk.finish_reason, chunk.timings
-            self.prompt_tokens = chunk.prompt_tokens
-            self.completion_tokens = chunk.completion_tokens
-
-
-def _chunk(msg: pb.GenerateResponse) -> Chunk:
-    c = Chunk(msg.request_id, list(msg.token_ids), msg.text)
-    if msg.finish_reason:
-        t = msg.timings
-        c.finish_reason = msg.finish_reason
-        c.prompt_tokens, c.completion_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
-        phases = {f.name: v for f, v in t.phases.ListFields()}
-        phases["tokens"] = list(t.phases.tokens)
-        c.timings = Timings(
-            t.queue_ms,
-            t.ttft_ms,
-            t.tpot_ms,
-            t.e2e_ms,
-            list(t.instances),
-            t.kv_bytes,
-            t.transfer_ms,
-            t.attempts,
-            phases,
-        )
-    return c
-
-
-def make_request(
-    prompt: str | None = None,
-    *,
-    messages: list[dict] | None = None,
-    prompt_token_ids: list[int] | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop: list[str] | str = (),
-    stop_token_ids: list[int] = (),
-    ignore_eos: bool = False,
-    request_id: str = "",
-) -> pb.GenerateRequest:
-    """A ``GenerateRequest``: exactly one of prompt, messages, prompt_token_ids."""
-    given = [x is not None for x in (prompt, messages, prompt_token_ids)]
-    if sum(given) != 1:
-        raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
-    req = pb.GenerateRequest(request_id=request_id)
-    if prompt is not None:
-        req.prompt = prompt
-    elif messages is not None:
-        req.messages.SetInParent()  # set even when empty, so the router says what is wrong
-        req.messages.messages.extend(pb.ChatMessage(**m) for m in messages)
-    else:
-        req.prompt_token_ids.SetInParent()
-        req.prompt_token_ids.ids.extend(prompt_token_ids)
-    s = req.sampling
-    for name, value in dict(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
-    ).items():
-        if value is not None:
-            setattr(s, name, value)
-    s.stop.extend([stop] if isinstance(stop, str) else stop)
-    s.stop_token_ids.extend(stop_token_ids)
-    s.ignore_eos = ignore_eos
-    return req
+__all__ = [
+    "AsyncStream",
+    "Chunk",
+    "Completion",
+    "RouterClient",
+    "Stream",
+    "Timings",
+    "make_request",
+]
 
 
 class Stream:
@@ -154,7 +53,7 @@ class Stream:
         if self.done:
             raise StopIteration
         try:
-            chunk = _chunk(next(self._it))
+            chunk = read_chunk(next(self._it))
         except StopIteration:
             self.done = True
             raise
@@ -204,7 +103,7 @@ class AsyncStream:
         if msg is grpc.aio.EOF:
             self.done = True
             raise StopAsyncIteration
-        chunk = _chunk(msg)
+        chunk = read_chunk(msg)
         self.done = chunk.finished
         return chunk
 
@@ -231,18 +130,51 @@ class AsyncStream:
 
 
 class RouterClient:
-    def __init__(self, address: str):
+    """The router's gRPC API, sync and async.
+
+    ``api_key``: sent as ``authorization: Bearer <key>`` on every call (a router with
+    ``router.api_key_file`` refuses calls without one: UNAUTHENTICATED). ``ca_file``:
+    PEM CAs that the router's certificate chains to; given (or ``tls=True``, for CAs the
+    system trusts) the channel speaks TLS only. ``cert_file``/``key_file``: this
+    client's certificate, for a router that requires one (``router.tls.client_ca_file``).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        api_key: str | None = None,
+        ca_file: str | None = None,
+        tls: bool = False,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+    ):
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._credentials = None
+        if tls or ca_file or cert_file:
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(ca_file),
+                private_key=_read(key_file),
+                certificate_chain=_read(cert_file),
+            )
+        self._channel = self._open(grpc)
         self._stub = pb_grpc.RouterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._aio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> channel
+
+    def _open(self, module):
+        """A channel of ``module`` (``grpc`` or ``grpc.aio``) to the router."""
+        if self._credentials is None:
+            return module.insecure_channel(self.address)
+        return module.secure_channel(self.address, self._credentials)
 
     # ---- sync ----
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Stream:
         """Stream a completion; keywords as ``make_request``."""
-        return Stream(self._stub.Generate(make_request(prompt, **kw), timeout=timeout))
+        request = make_request(prompt, **kw)
+        return Stream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     def complete(self, prompt: str | None = None, **kw) -> Completion:
         out = Completion()
@@ -251,10 +183,12 @@ class RouterClient:
         return out
 
     def abort(self, request_id: str) -> bool:
-        return self._stub.Abort(pb.AbortRequest(request_id=request_id)).found
+        """End a request this client's key started; False when there is none."""
+        request = pb.AbortRequest(request_id=request_id)
+        return self._stub.Abort(request, metadata=self._metadata).found
 
     def stats(self) -> pb.StatsResponse:
-        return self._stub.Stats(pb.StatsRequest())
+        return self._stub.Stats(pb.StatsRequest(), metadata=self._metadata)
 
     def health(self, service: str = "", timeout: float = 5.0) -> str:
         """SERVING, NOT_SERVING, ... from the standard grpc.health.v1 service."""
@@ -276,7 +210,7 @@ class RouterClient:
     def _astub(self) -> pb_grpc.RouterStub:
         loop = asyncio.get_running_loop()
         if loop not in self._aio:
-            channel = grpc.aio.insecure_channel(self.address)
+            channel = self._open(grpc.aio)
             self._aio[loop] = (channel, pb_grpc.RouterStub(channel))
         return self._aio[loop][1]
 
@@ -284,7 +218,10 @@ class RouterClient:
         self, prompt: str | None = None, *, timeout: float | None = None, **kw
     ) -> AsyncStream:
         """``async for chunk in client.agenerate(...)``; keywords as ``make_request``."""
-        return AsyncStream(self._astub().Generate(make_request(prompt, **kw), timeout=timeout))
+        request = make_request(prompt, **kw)
+        return AsyncStream(
+            self._astub().Generate(request, timeout=timeout, metadata=self._metadata)
+        )
 
     async def acomplete(self, prompt: str | None = None, **kw) -> Completion:
         out = Completion()
@@ -292,10 +229,18 @@ class RouterClient:
             out.add(chunk)
         return out
 
+    async def aabort(self, request_id: str) -> bool:
+        request = pb.AbortRequest(request_id=request_id)
+        return (await self._astub().Abort(request, metadata=self._metadata)).found
+
     async def astats(self) -> pb.StatsResponse:
-        return await self._astub().Stats(pb.StatsRequest())
+        return await self._astub().Stats(pb.StatsRequest(), metadata=self._metadata)
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()
         if loop in self._aio:
             await self._aio.pop(loop)[0].close()
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).expanduser().read_bytes()

@@ -7,8 +7,8 @@ the load statistics. It reaches the engine instances only through their Ray hand
 (router/grpc_api.py) and the HTTP one (router/http_api.py) translate their requests
 into ``GenerateRequest`` and its ``Refused`` into their own codes (router/request.py).
 
-Every method runs on the router's event loop and none blocks; the streams are only
-touched from there.
+Every method runs on the router's event loop and none blocks (tokenization runs on the
+intake's threads, router/intake.py); the streams are only touched from there.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from engine.tokenizer import Tokenizer
 from router.admission import AdmissionQueue, CallLimit, FirstTokens
 from router.disagg import Disaggregated
 from router.instances import Instance
+from router.intake import Intake
 from router.placement import Colocated
 from router.policies import make_policy
 from router.request import GenerateRequest, Refusal, Refused
 from router.stream import Delta, RequestStream
-from router.validation import InvalidRequest, ModelLimits, RequestValidator
+from router.validation import ModelLimits, RequestValidator
 
 STATS_TIMEOUT_S = 2.0  # an instance that does not answer (stopped, hung) is shown as such
 
@@ -34,13 +35,13 @@ STATS_TIMEOUT_S = 2.0  # an instance that does not answer (stopped, hung) is sho
 class RouterCore:
     """The control plane.
 
-    Front ends hold a place in ``calls`` for each generate call, call ``open_stream``
+    Front ends hold a place in ``calls`` for each generate call, await ``open_stream``
     (raises ``Refused``), read the stream until a delta has a finish reason or an error
     (or ``read`` raises ``Refused``: the request's deadline or the queue's timeout
-    passed), then ``finish`` it; ``abort`` ends a request by id; ``serving`` is their
-    health. The placement calls ``requeue``, ``after_updates`` and ``cancel``. The
-    owner (router/server.py) calls ``bring_up``, ``stop_admitting``, ``drain``, ``stop``
-    and ``stats``.
+    passed), then ``finish`` it; ``abort`` ends a request by id for its owner;
+    ``serving`` is their health. The placement calls ``requeue``, ``after_updates`` and
+    ``cancel``. The owner (router/server.py) calls ``bring_up``, ``stop_admitting``,
+    ``drain``, ``stop`` and ``stats``.
     """
 
     def __init__(
@@ -66,7 +67,11 @@ class RouterCore:
         self.queue_timeout_s: float = router_config["queue_timeout_s"]
         self.max_expected_ttft_s: float | None = router_config["max_expected_ttft_s"]
         self.first_tokens = FirstTokens()
-        self.calls = CallLimit(router_config["max_concurrent_requests"])
+        self.calls = CallLimit(
+            router_config["max_concurrent_requests"],
+            router_config["max_concurrent_requests_per_key"],
+        )
+        self.intake = Intake(router_config)
         placement = Disaggregated if mode == "disaggregated" else Colocated
         self.placement = placement(self, self.instances, make_policy(router_config["policy"]))
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
@@ -193,6 +198,7 @@ class RouterCore:
     async def stop(self) -> None:
         for inst in self.instances:
             await inst.stop_polling()
+        self.intake.close()
 
     async def stats(self) -> dict:
         """The queue and every instance's load: ``queued``, ``max_queue``, ``in_flight``,
@@ -221,11 +227,16 @@ class RouterCore:
 
     # ---- requests (called by the front ends) ----
 
-    def open_stream(
-        self, request: GenerateRequest, arrival: float, deadline: float | None = None
+    async def open_stream(
+        self,
+        request: GenerateRequest,
+        arrival: float,
+        deadline: float | None = None,
+        owner: str = "",
     ) -> RequestStream:
-        """Validate, tokenize and admit ``request`` (``arrival``: ``time.monotonic()``
-        when it reached the front end): its stream, placed or queued.
+        """Validate, tokenize (off the event loop, router/intake.py) and admit
+        ``request`` (``arrival``: ``time.monotonic()`` when it reached the front end;
+        ``owner``: its API key's, router/auth.py): its stream, placed or queued.
 
         Raises ``Refused``. The caller reads the stream to its end and then calls
         ``finish`` (also when its client goes away). The router gives up on the request
@@ -233,21 +244,13 @@ class RouterCore:
         ``deadline`` (``time.monotonic()``; DEADLINE), and when it is still waiting in
         the admission queue, no token sent, ``router.queue_timeout_s`` after its
         arrival (BUSY)."""
-        if self.draining:
-            raise Refused(Refusal.UNAVAILABLE, "the router is draining")
-        if not self.ready:
-            raise Refused(Refusal.UNAVAILABLE, "the instances are still loading")
-        if not self.recoverable:
-            raise Refused(Refusal.UNAVAILABLE, "every engine instance has failed")
-        try:
-            prompt_ids = self.validator.prompt_ids(request)
-            params = self.validator.sampling(request)
-        except InvalidRequest as e:
-            raise Refused(Refusal.INVALID, str(e)) from e
+        self._check_open()
+        prompt_ids, params = await self.intake.prepare(request, self.validator)
+        self._check_open()  # no await from here to admission: arrival order holds
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
-        stream = RequestStream(request_id, prompt_ids, params, arrival=arrival)
+        stream = RequestStream(request_id, prompt_ids, params, arrival=arrival, owner=owner)
         stream.on_first_token = self.first_tokens.note
         self.admit(stream)
         loop = asyncio.get_running_loop()
@@ -265,6 +268,14 @@ class RouterCore:
                 loop.call_later(deadline - time.monotonic(), self._give_up, stream, late)
             )
         return stream
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise Refused(Refusal.UNAVAILABLE, "the router is draining")
+        if not self.ready:
+            raise Refused(Refusal.UNAVAILABLE, "the instances are still loading")
+        if not self.recoverable:
+            raise Refused(Refusal.UNAVAILABLE, "every engine instance has failed")
 
     def finish(self, stream: RequestStream) -> None:
         """The stream ended (finished, failed, given up on, or its client went away)."""
@@ -288,10 +299,13 @@ class RouterCore:
             stream.deliver(Delta([], "", refused=refused))
             self.cancel(stream)
 
-    def abort(self, request_id: str) -> bool:
-        """End a request in flight with finish reason ``abort``; False when none has that id."""
+    def abort(self, request_id: str, owner: str = "") -> bool:
+        """End a request in flight with finish reason ``abort``; False when none has that
+        id or its owner is another (a caller cannot tell the two apart)."""
         stream = self.streams.get(request_id)
-        return stream is not None and self.cancel(stream, "abort")
+        if stream is None or stream.owner != owner:
+            return False
+        return self.cancel(stream, "abort")
 
     # ---- the placement's side ----
 

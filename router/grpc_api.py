@@ -7,6 +7,12 @@ router/stream.py) and back; a refusal of the core becomes its status code
 an instance failed ends with INTERNAL. Health is set by the owner of the server
 (router/server.py): NOT_SERVING from ``start`` until ``set_serving(True)``.
 
+Closed as configured (docs/serving.md, "Authentication, TLS and limits"): with API keys
+the ``GrpcAuth`` interceptor refuses a ``Router`` call without a known key
+(UNAUTHENTICATED) before its handler runs, health stays open; with ``router.tls`` the
+port speaks TLS only; a message past ``router.max_message_bytes`` either way is refused
+by gRPC (RESOURCE_EXHAUSTED). ``Abort`` ends only a request of the caller's own key.
+
 Invariants of a Generate call: it holds a place in ``core.calls`` until it returns
 (past the bound: RESOURCE_EXHAUSTED at once; Abort, Stats and Health are never
 bounded, so a client can always cancel and probe); the call's deadline is the
@@ -27,11 +33,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
+from router import tls as router_tls
+from router.auth import ApiKeys, refusal
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
 from router.stream import Delta, RequestStream, Timings
 
+MAX_MESSAGE_BYTES = 8 * 2**20  # router.max_message_bytes's default
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # pdserve.v1.Router
 GRPC_STATUS = {
     Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -58,17 +67,42 @@ class GrpcApi:
 
     Built, started and stopped on the router's event loop."""
 
-    def __init__(self, core: RouterCore):
-        self._server = grpc.aio.server()
+    def __init__(
+        self,
+        core: RouterCore,
+        keys: ApiKeys | None = None,
+        tls: dict | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ):
+        """``keys``: None, anyone may call; ``tls``: the ``router.tls`` section (None or
+        no ``cert_file``: plain text); ``max_message_bytes``: each way (gRPC refuses a
+        larger one with RESOURCE_EXHAUSTED naming both sizes)."""
+        keys = keys or ApiKeys([])
+        limits = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._server = grpc.aio.server(interceptors=[GrpcAuth(keys)], options=limits)
+        self._tls = tls if tls and router_tls.enabled(tls) else None
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        pb_grpc.add_RouterServicer_to_server(RouterService(core), self._server)
+        pb_grpc.add_RouterServicer_to_server(RouterService(core, keys), self._server)
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port), NOT_SERVING; the bound port."""
         await self.set_serving(False)
+        address = f"{host}:{port}"
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            if self._tls is None:
+                bound = self._server.add_insecure_port(address)
+            else:
+                key, chain, client_ca = router_tls.pem_files(self._tls)
+                credentials = grpc.ssl_server_credentials(
+                    [(key, chain)],
+                    root_certificates=client_ca,
+                    require_client_auth=client_ca is not None,
+                )
+                bound = self._server.add_secure_port(address, credentials)
         except RuntimeError as e:
             raise RuntimeError(
                 f"router.port={port}: cannot bind {host}:{port} ({e}); is it in use?"
@@ -97,6 +131,43 @@ async def _abort(context, refused: Refused) -> None:
     await context.abort(GRPC_STATUS[refused.kind], refused.message, trailing_metadata=trailing)
 
 
+def _owner(keys: ApiKeys, context) -> str | None:
+    """The owner of a call: its ``authorization`` metadata's (router/auth.py)."""
+    return keys.owner(dict(context.invocation_metadata() or ()).get("authorization"))
+
+
+class GrpcAuth(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) a call to ``pdserve.v1.Router`` without a known key;
+    other services (health) pass."""
+
+    def __init__(self, keys: ApiKeys):
+        self.keys = keys
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        if self.keys.owner(metadata.get("authorization")) is not None:
+            return handler
+        message = refusal("the metadata 'authorization'")
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def refuse_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # an async generator, as a streaming handler is
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                refuse_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer
+        )
+
+
 def _no_tracebacks(handler):
     """A unary handler whose unexpected exceptions end the call with INTERNAL and an
     incident id (the traceback goes to the log)."""
@@ -116,16 +187,19 @@ def _no_tracebacks(handler):
 class RouterService(pb_grpc.RouterServicer):
     """The ``pdserve.v1.Router`` handlers: translate, call the core, translate back."""
 
-    def __init__(self, core: RouterCore):
-        self.core = core
+    def __init__(self, core: RouterCore, keys: ApiKeys):
+        self.core, self.keys = core, keys
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
+        owner = _owner(self.keys, context)  # not None: GrpcAuth let the call in
         try:
-            with self.core.calls.call():
+            with self.core.calls.call(owner):
                 left = context.time_remaining()  # None: the call has no deadline
                 deadline = None if left is None else time.monotonic() + left
-                stream = self.core.open_stream(generate_request(request), arrival, deadline)
+                stream = await self.core.open_stream(
+                    generate_request(request), arrival, deadline, owner
+                )
                 try:
                     await context.send_initial_metadata((("request-id", stream.request_id),))
                     while True:
@@ -146,7 +220,8 @@ class RouterService(pb_grpc.RouterServicer):
 
     @_no_tracebacks
     async def Abort(self, request, context):
-        return pb.AbortResponse(found=self.core.abort(request.request_id))
+        owner = _owner(self.keys, context)
+        return pb.AbortResponse(found=self.core.abort(request.request_id, owner))
 
     @_no_tracebacks
     async def Stats(self, request, context):

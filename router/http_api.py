@@ -13,8 +13,13 @@ statuses in OpenAI's error shape (router/openai_shapes.py). Extra body fields be
 OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them), and
 ``timeout`` (seconds; past it the request ends with 408).
 
+Closed as configured (docs/serving.md, "Authentication, TLS and limits"): with API keys
+every path but /health needs ``Authorization: Bearer <key>`` (401 otherwise, before the
+handler runs); with ``router.tls`` the port speaks TLS only; a body past
+``router.max_body_bytes`` is 413.
+
 Invariants of a generate call: it holds a place in ``core.calls`` from arrival to its
-last byte (past the bound: 429 before the body is read); whatever ends it (finished,
+last byte (past the bound, or its key's: 429 before the body is read); whatever ends it (finished,
 refused, timed out, failed, or its client closing the connection, which cancels the
 handler) ``core.finish`` takes its request out of the router and the instances; the
 status line waits for the request's first output, so a refusal or a timeout before any
@@ -29,6 +34,8 @@ import time
 
 from aiohttp import web
 
+from router import tls as router_tls
+from router.auth import ApiKeys, refusal
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.metrics import prometheus_text
@@ -45,14 +52,31 @@ from router.openai_shapes import (
 from router.request import Refused
 from router.stream import Delta, RequestStream
 
+MAX_BODY_BYTES = 8 * 2**20  # router.max_body_bytes's default
+OPEN_PATHS = ("/health",)  # probes: answered without a key
+
 
 class HttpApi:
     """The aiohttp server of the router; started and stopped on the router's event loop."""
 
-    def __init__(self, core: RouterCore, model: str):
+    def __init__(
+        self,
+        core: RouterCore,
+        model: str,
+        keys: ApiKeys | None = None,
+        tls: dict | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ):
+        """``keys``: None, anyone may call; ``tls``: the ``router.tls`` section (None or
+        no ``cert_file``: plain HTTP); ``max_body_bytes``: past it, 413."""
         self.core, self.model = core, model
         self.created = int(time.time())
-        app = web.Application(middlewares=[internal_errors])
+        self.max_body_bytes = max_body_bytes
+        self._tls = tls if tls and router_tls.enabled(tls) else None
+        keys = keys or ApiKeys([])
+        app = web.Application(
+            middlewares=[internal_errors, authenticate(keys)], client_max_size=max_body_bytes
+        )
         app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -68,7 +92,8 @@ class HttpApi:
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port); the bound port."""
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        ssl_context = None if self._tls is None else router_tls.ssl_context(self._tls)
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as e:
@@ -102,8 +127,13 @@ class HttpApi:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
         try:
-            with self.core.calls.call():
+            with self.core.calls.call(request.get("owner", "")):
                 return await self._serve(request, chat, arrival)
+        except web.HTTPRequestEntityTooLarge:
+            length = request.content_length  # None: chunked, cut where it passed the bound
+            size = "" if length is None else f" {length} bytes,"
+            bound = f"router.max_body_bytes={self.max_body_bytes}"
+            return error_response(413, f"request body:{size} past {bound}")
         except BadRequest as e:
             return error_response(400, str(e))
         except Refused as e:  # before any output: the response is the refusal
@@ -117,7 +147,7 @@ class HttpApi:
         req = generate_request(body, chat)
         timeout = timeout_s(body)
         deadline = None if timeout is None else arrival + timeout
-        stream = self.core.open_stream(req, arrival, deadline)
+        stream = await self.core.open_stream(req, arrival, deadline, request.get("owner", ""))
         reply = Reply(stream.request_id, self.model, chat)
         try:
             delta = await stream.read()
@@ -170,6 +200,25 @@ class HttpApi:
         if (body.get("stream_options") or {}).get("include_usage"):
             await _send(resp, reply.usage_chunk(usage_object(stream.usage())))
         return True
+
+
+def authenticate(keys: ApiKeys):
+    """A middleware: the caller's owner in ``request["owner"]`` (router/auth.py), or 401
+    in OpenAI's shape; every path but ``OPEN_PATHS`` needs a known key."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        owner = keys.owner(request.headers.get("Authorization"))
+        if owner is None:
+            resp = error_response(401, refusal("the Authorization header"))
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="pdserve"'
+            return resp
+        request["owner"] = owner
+        return await handler(request)
+
+    return middleware
 
 
 async def _send(resp: web.StreamResponse, payload: dict) -> None:

@@ -1,11 +1,12 @@
 """What a client is told when something inside the router goes wrong: one line, never a
 traceback.
 
-Invariant of both front ends: the text of an exception a client did not cause never
-reaches it. An unexpected exception is logged with its traceback under a new incident
-id (``internal_error``); an instance's failure (``Delta.error``) reaches the client as
-its first line, and when more was cut, the whole is logged under an incident id that
-the line names (``one_line``). The id is what an operator greps the router's log for.
+Invariants of both front ends: the text of an exception a client did not cause never
+reaches it, and every 5xx / INTERNAL a client gets names an incident id. An unexpected
+exception is logged with its traceback under a new incident id (``internal_error``);
+an instance's failure (``Delta.error``) reaches the client as its first line and an
+incident id, the whole logged under it (``one_line``). The id is what an operator greps
+the router's log for.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ def first_line(error: BaseException) -> str:
 
 
 def one_line(error: str) -> str:
-    """An instance's failure as its client sees it: the first line of ``error``; the
-    whole is logged under an incident id, which the line then names, when more was cut."""
-    first, _, rest = error.strip().partition("\n")
-    if not rest.strip():
-        return first
+    """An instance's failure as its client sees it: the first line of ``error`` (a
+    worker's text may go on with a traceback) naming an incident id; the whole is
+    logged under that id."""
+    first = error.strip().partition("\n")[0]
     incident = _incident()
     log.error("request failed (incident %s): %s", incident, error)
     return f"{first} (incident {incident}; the router's log has the details)"

@@ -4,7 +4,9 @@
 validation, drain) and serves it through two front ends on the actor's event loop:
 gRPC (router/grpc_api.py, with the ``grpc.health.v1`` service) on
 ``router.host:router.port`` and the OpenAI-compatible HTTP API (router/http_api.py)
-on ``router.http_port``. cluster/launcher.py calls its methods through the actor
+on ``router.http_port``; both with the same API keys (router/auth.py), TLS
+(router/tls.py) and limits (docs/serving.md, "Authentication, TLS and limits").
+cluster/launcher.py calls its methods through the actor
 handle: ``start``, ``get_http_address``, ``wait_ready``, ``drain``, ``stop``,
 ``stats``, ``pid``.
 
@@ -20,6 +22,7 @@ import asyncio
 import logging
 import os
 
+from router.auth import ApiKeys
 from router.core import RouterCore
 from router.grpc_api import GrpcApi
 from router.http_api import HttpApi
@@ -44,6 +47,7 @@ class RouterServer:
         self.model = model
         tokenizer = load_checkpoint(model).tokenizer
         self.core = RouterCore(router_config, workers, mode, tokenizer, supervisor)
+        self.keys = ApiKeys.from_config(router_config)
         self.address = ""  # host:port of the gRPC API
         self.http_address = ""  # host:port of the OpenAI-compatible HTTP API
         self._grpc: GrpcApi | None = None
@@ -53,7 +57,8 @@ class RouterServer:
     async def start(self) -> str:
         """Bind and serve (not serving until every instance is ready); the gRPC host:port."""
         host, port = self.config["host"], self.config["port"]
-        self._grpc = GrpcApi(self.core)
+        tls = self.config["tls"]
+        self._grpc = GrpcApi(self.core, self.keys, tls, self.config["max_message_bytes"])
         bound = await self._grpc.start(host, port)
         loop = asyncio.get_running_loop()
         self.core.on_health = lambda serving: loop.create_task(self._grpc.set_serving(serving))
@@ -63,7 +68,7 @@ class RouterServer:
 
             shown = ray.util.get_node_ip_address()
         self.address = f"{shown}:{bound}"
-        self._http = HttpApi(self.core, self.model)
+        self._http = HttpApi(self.core, self.model, self.keys, tls, self.config["max_body_bytes"])
         http_port = await self._http.start(host, self.config["http_port"])
         self.http_address = f"{shown}:{http_port}"
         self._ready = asyncio.get_running_loop().create_task(self._bring_up())

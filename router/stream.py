@@ -92,6 +92,7 @@ class RequestStream:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     arrival_wall: float = field(default_factory=time.time)
+    owner: str = ""  # the API key's owner (router/auth.py) that may abort it
     instances: list[str] = field(default_factory=list)
     dispatched_at: float | None = None
     placed_wall: float | None = None

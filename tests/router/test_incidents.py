@@ -31,10 +31,10 @@ class BrokenCore:
     def __init__(self):
         self.calls = CallLimit(4)
 
-    def open_stream(self, request, arrival, deadline=None):
+    async def open_stream(self, request, arrival, deadline=None, owner=""):
         raise RuntimeError(SECRET)
 
-    def abort(self, request_id):
+    def abort(self, request_id, owner=""):
         raise KeyError(SECRET)
 
     async def stats(self):
@@ -81,12 +81,16 @@ def _one_line_with_incident(message: str) -> None:
     assert "secret" not in message and "Traceback" not in message, message
 
 
-def test_an_instance_failure_shows_its_first_line_and_logs_the_rest(caplog):
-    assert one_line("instance colocated-0 failed: gone") == "instance colocated-0 failed: gone"
+def test_an_instance_failure_shows_its_first_line_and_an_incident_and_logs_the_rest(caplog):
     with caplog.at_level(logging.ERROR, logger="router.incidents"):
+        short = one_line("instance colocated-0 failed: gone")
         shown = one_line(f"instance colocated-0 failed: {SECRET}")
+    assert short.startswith("instance colocated-0 failed: gone (incident ")
     assert shown.startswith("instance colocated-0 failed: secret-internal-state (incident ")
     assert "Traceback" not in shown and "Traceback" in caplog.text
+    for line in (short, shown):  # each id names the log record of its whole text
+        incident = line.split("(incident ")[1].split(";")[0]
+        assert f"(incident {incident})" in caplog.text
 
 
 def test_an_unread_stream_holds_one_merged_delta():

@@ -1,0 +1,124 @@
+"""What ``RouterClient`` (router/client.py) sends and gives back, as plain types:
+``make_request`` builds a protobuf ``GenerateRequest``; ``read_chunk`` reads one
+``GenerateResponse`` as a ``Chunk`` (the last one with usage and ``Timings``), which
+``Completion`` adds up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router import pdserve_pb2 as pb
+
+
+@dataclass
+class Timings:
+    queue_ms: float
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    instances: list[str]
+    kv_bytes: int = 0  # disaggregated: KV moved from the prefill to the decode instance
+    transfer_ms: float = 0.0
+    attempts: int = 1
+    # ms since arrival: queued, prefill_start/end, transfer_start/end, decode_start,
+    # finish (0: not applicable), and tokens (one entry per token)
+    phases: dict = field(default_factory=dict)
+
+
+@dataclass
+class Chunk:
+    """New tokens and text since the previous chunk; the last one has finish_reason."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: Timings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: Timings | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.request_id = chunk.request_id
+        self.token_ids += chunk.token_ids
+        self.text += chunk.text
+        if chunk.finished:
+            self.finish_reason, self.timings = chunk.finish_reason, chunk.timings
+            self.prompt_tokens = chunk.prompt_tokens
+            self.completion_tokens = chunk.completion_tokens
+
+
+def read_chunk(msg: pb.GenerateResponse) -> Chunk:
+    c = Chunk(msg.request_id, list(msg.token_ids), msg.text)
+    if msg.finish_reason:
+        t = msg.timings
+        c.finish_reason = msg.finish_reason
+        c.prompt_tokens, c.completion_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
+        phases = {f.name: v for f, v in t.phases.ListFields()}
+        phases["tokens"] = list(t.phases.tokens)
+        c.timings = Timings(
+            t.queue_ms,
+            t.ttft_ms,
+            t.tpot_ms,
+            t.e2e_ms,
+            list(t.instances),
+            t.kv_bytes,
+            t.transfer_ms,
+            t.attempts,
+            phases,
+        )
+    return c
+
+
+def make_request(
+    prompt: str | None = None,
+    *,
+    messages: list[dict] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: list[str] | str = (),
+    stop_token_ids: list[int] = (),
+    ignore_eos: bool = False,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """A ``GenerateRequest``: exactly one of prompt, messages, prompt_token_ids."""
+    given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
+    req = pb.GenerateRequest(request_id=request_id)
+    if prompt is not None:
+        req.prompt = prompt
+    elif messages is not None:
+        req.messages.SetInParent()  # set even when empty, so the router says what is wrong
+        req.messages.messages.extend(pb.ChatMessage(**m) for m in messages)
+    else:
+        req.prompt_token_ids.SetInParent()
+        req.prompt_token_ids.ids.extend(prompt_token_ids)
+    s = req.sampling
+    for name, value in dict(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+    ).items():
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend([stop] if isinstance(stop, str) else stop)
+    s.stop_token_ids.extend(stop_token_ids)
+    s.ignore_eos = ignore_eos
+    return req

@@ -1,0 +1,84 @@
+"""Tokenization off the event loop, in arrival order (router/intake.py): the real
+``Intake`` and ``RequestValidator`` on its thread pool, with prompts whose tokenization
+takes a set time; the loop keeps running meanwhile, a request that finished early waits
+for those that arrived before it, and a refused or cancelled one holds nobody up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router.intake import Intake
+from router.request import GenerateRequest, Refused
+from router.validation import ModelLimits, RequestValidator
+
+CONFIG = dict(max_prompt_tokens=8, max_stop_strings=2, max_stop_string_chars=4, tokenizer_threads=2)
+
+
+class TimedValidator(RequestValidator):
+    """Tokenizing a prompt takes ``prompt_token_ids[0]`` milliseconds (on a thread)."""
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        time.sleep(request.prompt_token_ids[0] / 1000)
+        return super().prompt_ids(request)
+
+
+def _request(ms: int, *ids: int) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=[ms, *ids])
+
+
+def test_requests_leave_the_intake_in_arrival_order_and_the_loop_runs_meanwhile():
+    validator = TimedValidator(None, ModelLimits(max_context=64, vocab_size=1000, kv_tokens=64))
+
+    async def run():
+        intake, done, ticks = Intake(CONFIG), [], 0
+
+        async def one(name: str, request: GenerateRequest):
+            try:
+                await intake.prepare(request, validator)
+                done.append(name)
+            except Refused:
+                done.append(f"{name} refused")
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        tick = asyncio.ensure_future(ticker())
+        tasks = [
+            asyncio.ensure_future(one("slow", _request(300))),
+            asyncio.ensure_future(one("invalid", _request(1, 5000))),  # past the vocabulary
+            asyncio.ensure_future(one("long", _request(1, *[5] * 8))),  # past max_prompt_tokens
+            asyncio.ensure_future(one("cancelled", _request(1))),
+            asyncio.ensure_future(one("fast", _request(1))),
+        ]
+        await asyncio.sleep(0.1)
+        assert done == ["invalid refused", "long refused"]  # at once: nothing to admit
+        tasks[3].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        tick.cancel()
+        intake.close()
+        return done, ticks
+
+    done, ticks = asyncio.run(run())
+    assert done == ["invalid refused", "long refused", "slow", "fast"]
+    assert ticks >= 20  # the loop ran through the 0.3 s of tokenization
+
+
+def test_the_limits_name_the_key_the_value_and_the_bound():
+    intake = Intake(CONFIG)
+    try:
+        for stop, words in ((["a", "b", "c"], "router.max_stop_strings=2"), (["abcde"], "=4")):
+            request = _request(0)
+            request.sampling.stop = stop
+            with pytest.raises(Refused, match=words):
+                intake.check_limits(request)
+        validator = RequestValidator(None, ModelLimits(64, 1000, 64))
+        with pytest.raises(Refused, match=r"prompt: 9 tokens, past router.max_prompt_tokens=8"):
+            asyncio.run(intake.prepare(_request(0, *[5] * 8), validator))
+    finally:
+        intake.close()
