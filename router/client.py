@@ -18,87 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
+from router.client_outputs import Chunk, Completion, Timings, TokenLogprobs, chunk_of
 
-
-@dataclass
-class Timings:
-    queue_ms: float
-    ttft_ms: float
-    tpot_ms: float
-    e2e_ms: float
-    instances: list[str]
-    kv_bytes: int = 0  # disaggregated: KV moved from the prefill to the decode instance
-    transfer_ms: float = 0.0
-    attempts: int = 1
-    # ms since arrival: queued, prefill_start/end, transfer_start/end, decode_start,
-    # finish (0: not applicable), and tokens (one entry per token)
-    phases: dict = field(default_factory=dict)
-
-
-@dataclass
-class Chunk:
-    """New tokens and text since the previous chunk; the last one has finish_reason."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    timings: Timings | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class Completion:
-    request_id: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    timings: Timings | None = None
-
-    def add(self, chunk: Chunk) -> None:
-        self.request_id = chunk.request_id
-        self.token_ids += chunk.token_ids
-        self.text += chunk.text
-        if chunk.finished:
-            self.finish_reason, self.timings = chunk.finish_reason, chunk.timings
-            self.prompt_tokens = chunk.prompt_tokens
-            self.completion_tokens = chunk.completion_tokens
-
-
-def _chunk(msg: pb.GenerateResponse) -> Chunk:
-    c = Chunk(msg.request_id, list(msg.token_ids), msg.text)
-    if msg.finish_reason:
-        t = msg.timings
-        c.finish_reason = msg.finish_reason
-        c.prompt_tokens, c.completion_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
-        phases = {f.name: v for f, v in t.phases.ListFields()}
-        phases["tokens"] = list(t.phases.tokens)
-        c.timings = Timings(
-            t.queue_ms,
-            t.ttft_ms,
-            t.tpot_ms,
-            t.e2e_ms,
-            list(t.instances),
-            t.kv_bytes,
-            t.transfer_ms,
-            t.attempts,
-            phases,
-        )
-    return c
+__all__ = ["Chunk", "Completion", "RouterClient", "Timings", "TokenLogprobs", "make_request"]
 
 
 def make_request(
@@ -115,8 +43,15 @@ def make_request(
     stop_token_ids: list[int] = (),
     ignore_eos: bool = False,
     request_id: str = "",
+    logprobs: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
 ) -> pb.GenerateRequest:
-    """A ``GenerateRequest``: exactly one of prompt, messages, prompt_token_ids."""
+    """A ``GenerateRequest``: exactly one of prompt, messages, prompt_token_ids.
+    ``logprobs=N`` (0-20) has every chunk carry its tokens' ``TokenLogprobs`` with N
+    alternatives; the penalties are OpenAI's (presence, frequency) and vLLM's
+    (repetition); None leaves a field unset (the engine's default)."""
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
@@ -131,7 +66,15 @@ def make_request(
         req.prompt_token_ids.ids.extend(prompt_token_ids)
     s = req.sampling
     for name, value in dict(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        logprobs=logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
     ).items():
         if value is not None:
             setattr(s, name, value)
@@ -154,7 +97,7 @@ class Stream:
         if self.done:
             raise StopIteration
         try:
-            chunk = _chunk(next(self._it))
+            chunk = chunk_of(next(self._it))
         except StopIteration:
             self.done = True
             raise
@@ -204,7 +147,7 @@ class AsyncStream:
         if msg is grpc.aio.EOF:
             self.done = True
             raise StopAsyncIteration
-        chunk = _chunk(msg)
+        chunk = chunk_of(msg)
         self.done = chunk.finished
         return chunk
 
