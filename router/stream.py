@@ -146,12 +146,13 @@ class RequestStream:
         if delta.last:
             self.finished = True
         if self.waiting is None:  # ours: later deliveries extend it in place
-            self.waiting = Delta([], "", logprobs=None if self.params.logprobs is None else [])
+            self.waiting = Delta([], "")
         merged = self.waiting
         merged.token_ids += delta.token_ids
         merged.text += delta.text
-        if merged.logprobs is not None:  # the instances send them whenever the request asks
-            merged.logprobs += delta.logprobs or []
+        if delta.logprobs is not None:  # every token's, when the request asked
+            merged.logprobs = [] if merged.logprobs is None else merged.logprobs
+            merged.logprobs += delta.logprobs
         self.text_chars += len(delta.text)
         merged.finish_reason, merged.error, merged.refused = (
             delta.finish_reason,
