@@ -128,7 +128,7 @@ class LLMEngine:
         request = self._admit(request_id, prompt_ids, params, delivered, delivered_chars)
         request.num_computed_tokens = cached
         self.scheduler.add_running(request)
-        return self._append(request, Sample(request, first_token, first_logprobs))
+        return self._append(Sample(request, first_token, first_logprobs))
 
     def _admit(
         self,
@@ -247,11 +247,12 @@ class LLMEngine:
         outputs = []
         for request in batch.out_of_cache:
             outputs.append(self._finish(request, "length", []))
-        outputs += [self._append(s.request, s) for s in sampled]
+        outputs += [self._append(sample) for sample in sampled]
         return outputs
 
-    def _append(self, request: Request, sample: Sample) -> RequestOutput:
-        """The sampled token joins the request's output; its output (maybe the last)."""
+    def _append(self, sample: Sample) -> RequestOutput:
+        """The sampled token joins its request's output; the output (maybe the last)."""
+        request = sample.request
         request.token_ids.append(sample.token)
         if request.logprobs is not None:
             request.logprobs.append(sample.logprobs)
