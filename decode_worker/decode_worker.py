@@ -25,6 +25,7 @@ import time
 from dataclasses import replace
 
 from engine.messages import Attempt, Update
+from engine.outputs import Logprobs
 from engine.worker import EngineWorker
 from kv_transfer import KVDestination, Outcome, State, get_transport
 from kv_transfer.layout import cache_layout
@@ -123,10 +124,13 @@ class DecodeWorker(EngineWorker):
     def _start(self, attempt: Attempt, outcome: Outcome) -> list[Update]:
         h, now = outcome.handoff, time.time()
         times = {**h.phase_times, "transfer_end": now}
+        first = None  # the first token's logprobs, sampled with it on the prefill instance
+        if h.first_logprob is not None:
+            first = Logprobs(h.first_token, h.first_logprob, h.top_ids, h.top_logprobs)
         try:
             out = self.engine.add_prefilled(attempt.id, list(attempt.prompt_ids), h.first_token,
                                             attempt.params, attempt.delivered,
-                                            attempt.delivered_chars)  # fmt: skip
+                                            attempt.delivered_chars, first)  # fmt: skip
         except ValueError as e:
             self.engine.blocks.free(attempt.id)
             return [Update(attempt.id, error=str(e))]
@@ -136,7 +140,8 @@ class DecodeWorker(EngineWorker):
         self._totals["tokens_total"] += 1
         info = {"phases": times, "kv_bytes": outcome.bytes, "transfer_s": outcome.seconds,
                 "prefill_instance": h.prefill_instance}  # fmt: skip
-        return [Update(attempt.id, out.new_token_ids, out.new_text, out.finish_reason, info=info)]
+        return [Update(attempt.id, out.new_token_ids, out.new_text, out.finish_reason,
+                       info=info, logprobs=out.new_logprobs)]  # fmt: skip
 
     def _release(self, attempt_id: str, free: bool = True) -> None:
         """Take the transfer out of every rank's receiver; with ``free``, then its blocks

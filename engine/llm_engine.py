@@ -19,9 +19,10 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import Logprobs, RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from engine.request import Request, RequestStatus
+from engine.sampler import Sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, StepShape
 from engine.step_plan import StepPlan
@@ -104,11 +105,13 @@ class LLMEngine:
         params: SamplingParams,
         delivered: tuple[int, ...] = (),
         delivered_chars: int = 0,
+        first_logprobs: Logprobs | None = None,
     ) -> RequestOutput:
         """Admit a request prefilled elsewhere: the KV of its prompt + ``delivered`` (see
         ``add_request``) already sits in the blocks this engine holds for ``request_id``
         (reserved with ``blocks.allocate`` and filled by the KV transfer), and
-        ``first_token`` was sampled there at output position ``len(delivered)``. Returns
+        ``first_token`` was sampled there at output position ``len(delivered)`` (with
+        ``first_logprobs``, required exactly when ``params.logprobs`` is set). Returns
         the output of that token, which may already finish the request."""
         cached = len(prompt_ids) + len(delivered)
         have, need = len(self.blocks.block_table(request_id)), self.blocks.blocks_for(cached)
@@ -117,14 +120,15 @@ class LLMEngine:
                 f"request {request_id!r}: {cached} prompt and delivered tokens need {need} "
                 f"reserved blocks, {have} are held"
             )
+        if (first_logprobs is None) != (params.logprobs is None):
+            raise ValueError(
+                f"request {request_id!r}: logprobs={params.logprobs!r} but the first token "
+                f"came {'without' if first_logprobs is None else 'with'} logprobs"
+            )
         request = self._admit(request_id, prompt_ids, params, delivered, delivered_chars)
         request.num_computed_tokens = cached
         self.scheduler.add_running(request)
-        request.token_ids.append(first_token)
-        reason = self._check_stop(request, first_token)
-        if reason is not None:
-            return self._finish(request, reason, [first_token])
-        return self._output(request, [first_token], final=False)
+        return self._append(Sample(request, first_token, first_logprobs))
 
     def _admit(
         self,
@@ -235,22 +239,27 @@ class LLMEngine:
             self.scheduler.isolate(requests)
             return []
         if self.scheduler.suspects:
-            for request, _ in sampled:
-                self.scheduler.cleared(request)
+            for sample in sampled:
+                self.scheduler.cleared(sample.request)
         return sampled
 
     def _postprocess(self, batch: ScheduledBatch, sampled) -> list[RequestOutput]:
         outputs = []
         for request in batch.out_of_cache:
             outputs.append(self._finish(request, "length", []))
-        for request, token in sampled:
-            request.token_ids.append(token)
-            reason = self._check_stop(request, token)
-            if reason is not None:
-                outputs.append(self._finish(request, reason, [token]))
-            else:
-                outputs.append(self._output(request, [token], final=False))
+        outputs += [self._append(sample) for sample in sampled]
         return outputs
+
+    def _append(self, sample: Sample) -> RequestOutput:
+        """The sampled token joins its request's output; the output (maybe the last)."""
+        request = sample.request
+        request.token_ids.append(sample.token)
+        if request.logprobs is not None:
+            request.logprobs.append(sample.logprobs)
+        reason = self._check_stop(request, sample.token)
+        if reason is not None:
+            return self._finish(request, reason, [sample.token])
+        return self._output(request, [sample.token], final=False)
 
     def _check_stop(self, request: Request, token: int) -> str | None:
         p = request.params
@@ -274,7 +283,7 @@ class LLMEngine:
         return out
 
     def _output(self, request: Request, new_ids: list[int], final: bool) -> RequestOutput:
-        detok = self.detokenizers.get(request.request_id)
+        detok, lps = self.detokenizers.get(request.request_id), request.logprobs
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -283,4 +292,6 @@ class LLMEngine:
             new_token_ids=new_ids,
             new_text=detok.delta(final) if detok else "",
             finish_reason=request.finish_reason,
+            logprobs=None if lps is None else list(lps),
+            new_logprobs=None if lps is None else lps[len(lps) - len(new_ids) :],
         )

@@ -1,14 +1,16 @@
 """The typed messages between the router and an engine instance, through Ray.
 
 ``Attempt`` (router -> instance): one try at one request. ``Update`` (instance ->
-router): a request's new tokens, its end, or a failure, batched per engine step
-(``EngineWorker.poll``). No positional tuples cross the process boundary.
+router): a request's new tokens (with their ``Logprobs`` when the request asked), its
+end, or a failure, batched per engine step (``EngineWorker.poll``). No positional tuples
+cross the process boundary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -66,6 +68,8 @@ class Update:
     handed_off: bool = False  # prefill: every decode rank acknowledged the request's KV
     # phase times (wall clock, seconds), KV bytes moved, transfer seconds
     info: dict = field(default_factory=dict)
+    # one per token of ``token_ids`` when the request asked for logprobs, else None
+    logprobs: list[Logprobs] | None = None
 
     @property
     def final(self) -> bool:

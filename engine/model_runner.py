@@ -12,7 +12,7 @@ from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.model import LlamaModel
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sample, Sampler
 from engine.scheduler import ScheduledBatch
 from engine.step_plan import StepPlan
 
@@ -85,9 +85,10 @@ class ModelRunner:
         batch: ScheduledBatch,
         on_layer: Callable[[int], None] | None = None,
         extra: bytes = b"",
-    ) -> list[tuple[Request, int]]:
-        """One forward pass; returns (request, next token) for requests whose pass reached
-        the end of their known tokens (the others are part-way through a prompt).
+    ) -> list[Sample]:
+        """One forward pass; returns the ``Sample`` (next token, and its logprobs when
+        asked) of each request whose pass reached the end of its known tokens (the others
+        are part-way through a prompt).
         With tensor parallelism, this is rank 0: the plan goes to the other ranks first.
         ``on_layer``: see ``LlamaModel.forward``; ``extra``: see ``StepPlan``."""
         items, input_ids, positions, meta = self.prepare(batch.items)
@@ -106,7 +107,7 @@ class ModelRunner:
             request.num_computed_tokens += n
         if not sampled:
             return []
-        return list(zip(sampled, self.sampler(logits, sampled), strict=True))
+        return self.sampler.sample(logits, sampled)
 
     def execute(
         self, plan: StepPlan, on_layer: Callable[[int], None] | None = None

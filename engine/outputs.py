@@ -5,8 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """One generated token's log-probability and the most likely alternatives, under
+    the model's own distribution: the log-softmax of the raw logits, before penalties,
+    temperature, top-k and top-p (vLLM's default; docs/serving.md, "Log-probabilities
+    and penalties").
+
+    Invariants: ``top_ids`` and ``top_logprobs`` have the same length (the request's
+    ``SamplingParams.logprobs``, at most the vocabulary), most likely first; a
+    ``token_id`` among the top has the same logprob there. Values are float32 numbers.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass
 class RequestOutput:
+    """``logprobs`` (set when the request asked, ``SamplingParams.logprobs``) is of every
+    output token this engine sampled, in order; ``new_logprobs`` of ``new_token_ids``."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -14,6 +35,8 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finish_reason: str | None
+    logprobs: list[Logprobs] | None = None
+    new_logprobs: list[Logprobs] | None = None
 
     @property
     def finished(self) -> bool:

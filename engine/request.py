@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import InitVar, dataclass, field
 
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -20,7 +21,10 @@ class RequestStatus(enum.Enum):
 @dataclass
 class Request:
     """``delivered``: output tokens a client already received from an earlier attempt
-    (a resumed request); they start the output, as if this engine had generated them."""
+    (a resumed request); they start the output, as if this engine had generated them.
+    ``logprobs``: None unless the request asked (``params.logprobs``); then one entry per
+    output token this engine sampled, in order (none for ``delivered``: their client
+    already has them)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -32,10 +36,12 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
+    logprobs: list[Logprobs] | None = field(init=False)
     delivered: InitVar[tuple[int, ...]] = ()
 
     def __post_init__(self, delivered: tuple[int, ...]):
         self.token_ids = [*self.prompt_token_ids, *delivered]
+        self.logprobs = None if self.params.logprobs is None else []
 
     @property
     def num_prompt_tokens(self) -> int:

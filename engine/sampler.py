@@ -1,4 +1,12 @@
-"""Next-token choice per request: greedy, or temperature / top-k / top-p sampling.
+"""Next-token choice per request: greedy, or temperature / top-k / top-p sampling, after
+the request's penalties; and the log-probabilities of what was chosen, for requests that
+ask (docs/serving.md, "Log-probabilities and penalties").
+
+Per request and step, in this order: the raw logits row -> penalties (only when the
+request sets one: repetition, then frequency and presence) -> greedy argmax, or
+temperature, top-k, top-p and a draw. Logprobs are the log-softmax of the raw row,
+whatever changed it for the choice. A request that sets neither penalties nor logprobs
+costs what it did before: a greedy one is one row of the batch's argmax.
 
 A seeded request's draw for output position ``p`` (the number of output tokens before
 the one drawn) comes from a generator seeded with ``position_seed(seed, p)`` and from
@@ -10,9 +18,12 @@ engine's generator.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.cpu_ops import CpuOps, cpu_ops
+from engine.outputs import Logprobs
 from engine.request import Request
 
 _MASK64 = (1 << 64) - 1
@@ -28,9 +39,27 @@ def position_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
+@dataclass
+class Sample:
+    """One request's draw in a step: the token, and its ``Logprobs`` when the request
+    asked for them (``SamplingParams.logprobs`` not None), else None."""
+
+    request: Request
+    token: int
+    logprobs: Logprobs | None = None
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
+        """``self(logits, requests)`` with the logprobs of the requests that ask."""
+        tokens = self(logits, requests)
+        asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        found = dict(zip(asking, _logprobs(logits, asking, requests, tokens), strict=True))
+        pairs = enumerate(zip(requests, tokens, strict=True))
+        return [Sample(r, t, found.get(i)) for i, (r, t) in pairs]
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits [S, V] float32, one row per request -> one token id per request, drawn
@@ -40,10 +69,14 @@ class Sampler:
         out = []
         for i, request in enumerate(requests):
             p = request.params
-            if p.greedy:
+            if p.greedy and not p.penalized:
                 out.append(greedy[i])
                 continue
-            probs = _filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)
+            row = penalize(logits[i], request) if p.penalized else logits[i]
+            if p.greedy:
+                out.append(int(row.argmax()))
+                continue
+            probs = _filtered_probs(row, p.temperature, p.top_k, p.top_p)
             gen = self.generator
             if p.seed is not None:
                 gen = torch.Generator().manual_seed(
@@ -66,3 +99,46 @@ def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: fl
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs / sorted_probs.sum())
     return probs
+
+
+def penalize(row: torch.Tensor, request: Request) -> torch.Tensor:
+    """A copy of one logits row [V] with the request's penalties applied, over its tokens
+    so far (prompt + output, a resumed request's delivered output included; not yet the
+    token being drawn):
+
+    - ``repetition_penalty`` r (HF's ``RepetitionPenaltyLogitsProcessor``, vLLM's): for
+      every distinct token of prompt + output, a negative logit is multiplied by r and
+      any other divided by r;
+    - then OpenAI's ``frequency_penalty`` f and ``presence_penalty`` p over the output
+      tokens: ``logit[j] -= count[j] * f + (count[j] > 0) * p``."""
+    p = request.params
+    row = row.clone()
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(request.token_ids, device=row.device).unique()
+        s = row[seen]
+        row[seen] = torch.where(s < 0, s * p.repetition_penalty, s / p.repetition_penalty)
+    output = request.output_token_ids
+    if (p.frequency_penalty or p.presence_penalty) and output:
+        ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
+        row[ids] -= counts.to(row.dtype) * p.frequency_penalty + p.presence_penalty
+    return row
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: list[int], requests: list[Request], tokens: list[int]
+) -> list[Logprobs]:
+    """The ``Logprobs`` of the chosen tokens of ``rows``: log-softmax of the raw logits,
+    with each row's request's ``params.logprobs`` most likely tokens."""
+    if not rows:
+        return []
+    lp = torch.log_softmax(logits[rows], dim=-1)
+    k = min(max(requests[i].params.logprobs for i in rows), lp.shape[-1])
+    top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    picked = torch.tensor([tokens[i] for i in rows], device=lp.device)
+    chosen = lp.gather(1, picked[:, None])[:, 0].tolist()
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out = []
+    for j, i in enumerate(rows):
+        n = requests[i].params.logprobs
+        out.append(Logprobs(tokens[i], chosen[j], tuple(top_ids[j][:n]), tuple(top_values[j][:n])))
+    return out

@@ -10,11 +10,22 @@ from dataclasses import dataclass, field
 # the smallest temperature that divides float32 logits without overflowing them to inf;
 # below it (0 excepted: greedy) a request is refused rather than sampled as greedy
 MIN_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows (top_logprobs)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty: OpenAI's range
+# repetition_penalty: a positive factor; the bounds keep penalized float32 logits finite
+REPETITION_RANGE = (0.01, 100.0)
 
 
 @dataclass
 class SamplingParams:
-    """What vLLM users expect: temperature 0 is greedy; top_k 0 means no top-k cut."""
+    """What vLLM users expect: temperature 0 is greedy; top_k 0 or -1 means no top-k cut.
+
+    ``logprobs``: None computes none; N in [0, MAX_LOGPROBS] reports, for every generated
+    token, its log-probability and the N most likely tokens' (docs/serving.md,
+    "Log-probabilities and penalties"). Penalties (off at their defaults):
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, over the output tokens so
+    far) and ``repetition_penalty`` (vLLM's / HF's, over prompt + output tokens).
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -24,6 +35,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -44,14 +59,37 @@ class SamplingParams:
             )
         if not _number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
-        if not _integer(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")
+        if not _integer(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k={self.top_k!r}: must be an integer >= -1 (0 and -1 disable it)"
+            )
         if any(not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: stop strings must not be empty")
+        if self.logprobs is not None and (
+            not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs={self.logprobs!r}: must be unset or an integer in "
+                f"[0, {MAX_LOGPROBS}] (the alternatives reported per token)"
+            )
+        for key in ("presence_penalty", "frequency_penalty"):
+            _check_range(key, getattr(self, key), PENALTY_RANGE, "0 is off")
+        _check_range("repetition_penalty", self.repetition_penalty, REPETITION_RANGE, "1 is off")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits before the choice."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def _check_range(key: str, value, bounds: tuple[float, float], off: str) -> None:
+    low, high = bounds
+    if not _number(value) or not low <= value <= high:  # NaN fails the comparison too
+        raise ValueError(f"{key}={value!r}: must be a number in [{low:g}, {high:g}] ({off})")
 
 
 def _integer(v) -> bool:

@@ -28,6 +28,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = add_bos
         self._template = None
+        self._added: set[int] | None = None  # ids of added tokens, read on first use
 
     @property
     def vocab_size(self) -> int:
@@ -41,6 +42,20 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, for logprobs: a byte-level BPE token's exact
+        bytes (it may hold part of a UTF-8 character); an added (special) token's text;
+        otherwise the token decoded alone. Empty for an id outside the vocabulary."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self._added is None:
+            self._added = set(self.backend.get_added_tokens_decoder())
+        byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
+        if byte_level and token_id not in self._added and all(c in _BYTE_OF_CHAR for c in token):
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -134,6 +149,20 @@ class Tokenizer:
             fields.get("tokenizer.chat_template"),
             bool(fields.get("tokenizer.ggml.add_bos_token", False)),
         )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (``pre_tokenizers.ByteLevel``): the character that
+    stands for each byte -> that byte. Printable bytes stand for themselves, the others
+    for chr(256 + n), n counting them in byte order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in keep}
+    others = [b for b in range(256) if b not in chars]
+    chars.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _raise(message: str):

@@ -257,7 +257,8 @@ class EngineWorker:
         out: list[Update] = []
         for o in outputs:
             self._totals["tokens_total"] += len(o.new_token_ids)
-            out.append(Update(o.request_id, o.new_token_ids, o.new_text, o.finish_reason))
+            out.append(Update(o.request_id, o.new_token_ids, o.new_text, o.finish_reason,
+                              logprobs=o.new_logprobs))  # fmt: skip
         return out
 
     def _fail(self, request_ids: list[str]) -> list[Update]:

@@ -120,17 +120,35 @@ class Handoff:
     """A request leaving prefill, as the END of source rank 0 carries it: the first token
     sampled there, the prefill's phase times (wall clock: prefill_start, prefill_end,
     transfer_start) and the instance's name. No sampler state: a seeded request's draws
-    are keyed by (seed, output position) (``engine.sampler``), so decode needs none."""
+    are keyed by (seed, output position) (``engine.sampler``) and its penalties read its
+    tokens, so decode needs none.
+
+    A request that asked for logprobs also carries the first token's: ``first_logprob``
+    (None: it did not ask) and its ``top_ids`` / ``top_logprobs`` (same length, most
+    likely first; float32 values, exact on the wire)."""
 
     first_token: int
     phase_times: dict[str, float] = field(default_factory=dict, compare=False)
     prefill_instance: str = ""
+    first_logprob: float | None = None
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if len(self.top_ids) != len(self.top_logprobs):
+            raise ValueError(
+                f"Handoff: {len(self.top_ids)} top_ids and {len(self.top_logprobs)} "
+                "top_logprobs; they must pair up"
+            )
 
     def to_bytes(self) -> bytes:
         msg = pb.Handoff(
             first_token=self.first_token,
             phase_times=self.phase_times,
             prefill_instance=self.prefill_instance,
+            first_logprob=self.first_logprob,
+            top_ids=self.top_ids,
+            top_logprobs=self.top_logprobs,
         )
         return msg.SerializeToString()
 
@@ -138,4 +156,12 @@ class Handoff:
     def from_bytes(cls, data: bytes) -> Handoff:
         msg = pb.Handoff.FromString(data)
         times = dict(msg.phase_times)
-        return cls(msg.first_token, times, msg.prefill_instance)
+        logprob = msg.first_logprob if msg.HasField("first_logprob") else None
+        return cls(
+            msg.first_token,
+            times,
+            msg.prefill_instance,
+            logprob,
+            tuple(msg.top_ids),
+            tuple(msg.top_logprobs),
+        )

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
+from engine.outputs import Logprobs
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledBatch
 
@@ -33,6 +34,7 @@ class Prefilled:
     block_ids: list[int]
     times: dict[str, float] = field(default_factory=dict)  # wall clock: prefill_start/end
     error: str | None = None  # set instead when the prompt cannot be prefilled here
+    logprobs: Logprobs | None = None  # the first token's, when the request asked
 
 
 class PrefillEngine(LLMEngine):
@@ -67,8 +69,9 @@ class PrefillEngine(LLMEngine):
                 Prefilled(request, 0, [], error="the prompt does not fit in the prefill cache")
             )
         end = time.time()
-        for request, token in sampled:
-            request.token_ids.append(token)
+        for sample in sampled:
+            request = sample.request
+            request.token_ids.append(sample.token)
             # leaves the scheduler and the engine, keeping its blocks
             self.scheduler.running.remove(request)
             request.status = RequestStatus.FINISHED
@@ -78,9 +81,10 @@ class PrefillEngine(LLMEngine):
             out.append(
                 Prefilled(
                     request,
-                    token,
+                    sample.token,
                     list(self.blocks.block_table(request.request_id)),
                     {"prefill_start": start, "prefill_end": end},
+                    logprobs=sample.logprobs,
                 )
             )
         return out

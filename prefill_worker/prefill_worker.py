@@ -169,7 +169,9 @@ class PrefillWorker(EngineWorker):
             kv = self.engine.runner.kv_cache
             self._send(job, lambda: self.sender.send_all(tid, kv, p.block_ids, job.destination))
         times = {**p.times, "transfer_start": job.transfer_start or time.time()}
-        handoff = Handoff(p.first_token, times, self.name)
+        lp = p.logprobs  # the first token's, when the request asked
+        first = () if lp is None else (lp.logprob, lp.top_ids, lp.top_logprobs)
+        handoff = Handoff(p.first_token, times, self.name, *first)
         self._acks.submit(self._finish, job, handoff)
         return []
 

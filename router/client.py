@@ -27,7 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
-from router.client_types import Chunk, Completion, Timings, make_request, read_chunk
+from router.client_types import (
+    Chunk,
+    Completion,
+    Timings,
+    TokenLogprobs,
+    make_request,
+    read_chunk,
+)
 
 __all__ = [
     "AsyncStream",
@@ -36,6 +43,7 @@ __all__ = [
     "RouterClient",
     "Stream",
     "Timings",
+    "TokenLogprobs",
     "make_request",
 ]
 

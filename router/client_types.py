@@ -1,6 +1,7 @@
 """What ``RouterClient`` (router/client.py) sends and gives back, as plain types:
 ``make_request`` builds a protobuf ``GenerateRequest``; ``read_chunk`` reads one
-``GenerateResponse`` as a ``Chunk`` (the last one with usage and ``Timings``), which
+``GenerateResponse`` as a ``Chunk`` (the last one with usage and ``Timings``; each with
+its tokens' ``TokenLogprobs`` when the request asked, ``logprobs=N``), which
 ``Completion`` adds up."""
 
 from __future__ import annotations
@@ -8,6 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router import pdserve_pb2 as pb
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability under the model's distribution (the
+    log-softmax of its raw logits, before penalties and temperature) and the
+    alternatives': ``top_ids`` most likely first, ``top_logprobs`` one per id."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass
@@ -36,6 +49,7 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: Timings | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
 
     @property
     def finished(self) -> bool:
@@ -51,11 +65,15 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: Timings | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token when the request asked
 
     def add(self, chunk: Chunk) -> None:
         self.request_id = chunk.request_id
         self.token_ids += chunk.token_ids
         self.text += chunk.text
+        if chunk.logprobs is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs += chunk.logprobs
         if chunk.finished:
             self.finish_reason, self.timings = chunk.finish_reason, chunk.timings
             self.prompt_tokens = chunk.prompt_tokens
@@ -63,7 +81,13 @@ class Completion:
 
 
 def read_chunk(msg: pb.GenerateResponse) -> Chunk:
+    """One response message as a ``Chunk`` (its ``logprobs`` None when it carries none)."""
     c = Chunk(msg.request_id, list(msg.token_ids), msg.text)
+    if msg.logprobs:
+        c.logprobs = [
+            TokenLogprobs(t.token_id, t.logprob, tuple(t.top_ids), tuple(t.top_logprobs))
+            for t in msg.logprobs
+        ]
     if msg.finish_reason:
         t = msg.timings
         c.finish_reason = msg.finish_reason
@@ -98,8 +122,15 @@ def make_request(
     stop_token_ids: list[int] = (),
     ignore_eos: bool = False,
     request_id: str = "",
+    logprobs: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
 ) -> pb.GenerateRequest:
-    """A ``GenerateRequest``: exactly one of prompt, messages, prompt_token_ids."""
+    """A ``GenerateRequest``: exactly one of prompt, messages, prompt_token_ids.
+    ``logprobs=N`` (0-20) has every chunk carry its tokens' ``TokenLogprobs`` with N
+    alternatives; the penalties are OpenAI's (presence, frequency) and vLLM's
+    (repetition); None leaves a field unset (the engine's default)."""
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
@@ -114,7 +145,15 @@ def make_request(
         req.prompt_token_ids.ids.extend(prompt_token_ids)
     s = req.sampling
     for name, value in dict(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        logprobs=logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
     ).items():
         if value is not None:
             setattr(s, name, value)

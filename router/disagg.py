@@ -118,7 +118,7 @@ class Disaggregated(Placement):
                     self._release_prefill(inst, stream)
                 continue
             stream.landed = True
-            stream.deliver(Delta(u.token_ids, u.text, u.finish_reason))
+            stream.deliver(Delta(u.token_ids, u.text, u.finish_reason, logprobs=u.logprobs))
             if u.finish_reason is not None:
                 inst.release(stream)
                 ended.append(stream)

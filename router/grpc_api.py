@@ -49,7 +49,17 @@ GRPC_STATUS = {
     Refusal.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Refusal.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+_OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 _STAT_FIELDS = (
     "queued",
     "running",
@@ -271,6 +281,9 @@ def generate_response(stream: RequestStream, delta: Delta) -> pb.GenerateRespons
     msg = pb.GenerateResponse(
         request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
     )
+    for lp in delta.logprobs or ():
+        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids,
+                         top_logprobs=lp.top_logprobs)  # fmt: skip
     if delta.finish_reason is not None:
         usage = stream.usage()
         msg.finish_reason = delta.finish_reason

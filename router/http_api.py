@@ -10,8 +10,9 @@
 A request body becomes the core's ``GenerateRequest`` (router/openai_request.py), checked
 for JSON types there and for values by the core; the core's refusals map to HTTP
 statuses in OpenAI's error shape (router/openai_shapes.py). Extra body fields beyond
-OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them), and
-``timeout`` (seconds; past it the request ends with 408).
+OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (as vLLM
+accepts them), and ``timeout`` (seconds; past it the request ends with 408). Logprobs
+(router/openai_logprobs.py) come in each choice when the body asks for them.
 
 Closed as configured (docs/serving.md, "Authentication, TLS and limits"): with API keys
 every path but /health needs ``Authorization: Bearer <key>`` (401 otherwise, before the
@@ -39,6 +40,7 @@ from router.auth import ApiKeys, refusal
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.metrics import prometheus_text
+from router.openai_logprobs import LogprobsShape
 from router.openai_request import BadRequest, generate_request, timeout_s
 from router.openai_shapes import (
     Reply,
@@ -148,20 +150,23 @@ class HttpApi:
         timeout = timeout_s(body)
         deadline = None if timeout is None else arrival + timeout
         stream = await self.core.open_stream(req, arrival, deadline, request.get("owner", ""))
-        reply = Reply(stream.request_id, self.model, chat)
+        shape = None
+        if stream.params.logprobs is not None:
+            shape = LogprobsShape(chat, self.core.tokenizer)
+        reply = Reply(stream.request_id, self.model, chat, shape)
         try:
             delta = await stream.read()
             if body.get("stream"):
                 return await self._stream(request, stream, reply, body, delta)
-            text = delta.text
+            text, logprobs = delta.text, list(delta.logprobs or [])
             while delta.finish_reason is None and delta.error is None:
                 delta = await stream.read()
                 text += delta.text
+                logprobs += delta.logprobs or []
             if delta.error is not None:
                 return error_response(500, one_line(delta.error))
-            return web.json_response(
-                reply.whole(text, delta.finish_reason, usage_object(stream.usage()))
-            )
+            usage = usage_object(stream.usage())
+            return web.json_response(reply.whole(text, delta.finish_reason, usage, logprobs))
         finally:
             self.core.finish(stream)  # finished, failed, refused, or the client went away
 
@@ -194,7 +199,7 @@ class HttpApi:
         if delta.error is not None:
             await _send(resp, error_body(500, one_line(delta.error)))
             return True
-        await _send(resp, reply.chunk(delta.text, delta.finish_reason))
+        await _send(resp, reply.chunk(delta.text, delta.finish_reason, delta.logprobs))
         if delta.finish_reason is None:
             return False
         if (body.get("stream_options") or {}).get("include_usage"):

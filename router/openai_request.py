@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from engine.sampling_params import MAX_LOGPROBS
 from router.request import ChatMessage, GenerateRequest, SamplingOptions
 
 CHAT_MAX_TOKENS = 512  # when a chat request sets no limit
@@ -56,8 +57,37 @@ def generate_request(body: dict, chat: bool) -> GenerateRequest:
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=bool(body.get("ignore_eos", False)),
+        **logprobs_and_penalties(body, chat),
     )
     return req
+
+
+def logprobs_and_penalties(body: dict, chat: bool) -> dict:
+    """The body's logprobs and penalty fields as ``SamplingOptions`` keywords (None:
+    unset). Completions: ``logprobs``, an integer (alternatives per token). Chat:
+    ``logprobs``, a boolean, and ``top_logprobs``, an integer in [0, MAX_LOGPROBS] that
+    needs ``logprobs: true``. Penalties: ``presence_penalty``, ``frequency_penalty``
+    (OpenAI's) and ``repetition_penalty`` (vLLM's), numbers; the core checks ranges."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise BadRequest(
+                f"logprobs={wanted!r}: must be a boolean in chat completions "
+                "(top_logprobs says how many alternatives)"
+            )
+        top = _number("top_logprobs", body.get("top_logprobs"), integer=True)
+        if top is not None and not wanted:
+            raise BadRequest(f"top_logprobs={top!r}: needs logprobs: true")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise BadRequest(f"top_logprobs={top!r}: must be an integer in [0, {MAX_LOGPROBS}]")
+        logprobs = (top or 0) if wanted else None
+    else:
+        logprobs = _number("logprobs", body.get("logprobs"), integer=True)
+    penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    return {
+        "logprobs": logprobs,
+        **{key: _number(key, body.get(key), integer=False) for key in penalties},
+    }
 
 
 def _messages(messages) -> list[ChatMessage]:

@@ -1,7 +1,8 @@
 """OpenAI's response objects and error shape for the HTTP front end
 (router/http_api.py), and the HTTP statuses of the core's refusals.
 
-``Reply`` builds one request's completion, chunk and usage objects.
+``Reply`` builds one request's completion, chunk and usage objects (with the logprobs
+objects of router/openai_logprobs.py when the request asked for them).
 
 Every error a client gets over HTTP is ``{"error": {"message", "type", "param",
 "code"}}`` with ``code`` the HTTP status: as a response, or as an event of a stream
@@ -15,7 +16,9 @@ import time
 
 from aiohttp import web
 
+from engine.outputs import Logprobs
 from router.incidents import internal_error
+from router.openai_logprobs import LogprobsShape
 from router.request import Refusal, Refused
 from router.stream import Usage
 
@@ -65,39 +68,55 @@ async def internal_errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 class Reply:
-    """OpenAI's response objects for one request."""
+    """OpenAI's response objects for one request. ``logprobs``: the shape of its logprobs
+    when it asked for them (every choice then has a logprobs object, else null)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+    def __init__(
+        self, request_id: str, model: str, chat: bool, logprobs: LogprobsShape | None = None
+    ):
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model, self.chat, self.created = model, chat, int(time.time())
+        self.logprobs = logprobs
 
     def _base(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(
+        self, text: str, finish_reason: str, usage: dict, logprobs: list[Logprobs] | None = None
+    ) -> dict:
         message = {"role": "assistant", "content": text}
-        out = self._with_choice("chat.completion", "message", message, text, finish_reason)
+        out = self._with_choice(
+            "chat.completion", "message", message, text, finish_reason, logprobs
+        )
         return {**out, "usage": usage}
 
     def role_chunk(self) -> dict | None:
         if not self.chat:
             return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
         return {**self._base("chat.completion.chunk"), "choices": [choice]}
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(
+        self, text: str, finish_reason: str | None, logprobs: list[Logprobs] | None = None
+    ) -> dict:
         delta = {"content": text}
-        return self._with_choice("chat.completion.chunk", "delta", delta, text, finish_reason)
+        return self._with_choice(
+            "chat.completion.chunk", "delta", delta, text, finish_reason, logprobs
+        )
 
     def _with_choice(
-        self, chat_kind: str, chat_key: str, chat_value: dict, text: str, finish_reason
+        self, chat_kind: str, chat_key: str, chat_value: dict, text: str, finish_reason, logprobs
     ) -> dict:
         """One object with one choice: chat's (``chat_key``: ``chat_value``) or a plain
-        completion's (``text``)."""
+        completion's (``text``); ``logprobs``: of the tokens it covers."""
         if self.chat:
             kind, choice = chat_kind, {"index": 0, chat_key: chat_value}
         else:
-            kind, choice = "text_completion", {"index": 0, "text": text, "logprobs": None}
+            kind, choice = "text_completion", {"index": 0, "text": text}
+        choice["logprobs"] = None
+        if self.logprobs is not None:
+            choice["logprobs"] = self.logprobs.render(logprobs or [])
         choice["finish_reason"] = finish_reason
         return {**self._base(kind), "choices": [choice]}
 

@@ -104,7 +104,9 @@ class Colocated(Placement):
             stream = inst.streams.get(u.request_id)
             if stream is None:
                 continue  # aborted meanwhile
-            stream.deliver(Delta(u.token_ids, u.text, u.finish_reason, u.error))
+            stream.deliver(
+                Delta(u.token_ids, u.text, u.finish_reason, u.error, logprobs=u.logprobs)
+            )
             if u.final:
                 inst.release(stream)
                 finished.append(stream)

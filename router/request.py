@@ -30,6 +30,11 @@ class SamplingOptions:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # logprobs: alternatives per token (0-20; None: no logprobs); penalties: None is off
+    logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
 
 
 @dataclass

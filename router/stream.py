@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 from router.request import Refused
 
@@ -22,11 +23,15 @@ _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "de
 
 @dataclass
 class Delta:
+    """New output of a request. ``logprobs``: None unless the request asked for them
+    (``params.logprobs``); then one per token of ``token_ids``, in order."""
+
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     error: str | None = None  # set when the instance failed the request
     refused: Refused | None = None  # set when the router gave up on it (``read`` raises it)
+    logprobs: list[Logprobs] | None = None
 
     @property
     def last(self) -> bool:
@@ -146,6 +151,9 @@ class RequestStream:
         merged = self.waiting
         merged.token_ids += delta.token_ids
         merged.text += delta.text
+        if delta.logprobs is not None:  # every token's, when the request asked
+            merged.logprobs = [] if merged.logprobs is None else merged.logprobs
+            merged.logprobs += delta.logprobs
         self.text_chars += len(delta.text)
         merged.finish_reason, merged.error, merged.refused = (
             delta.finish_reason,
@@ -166,7 +174,7 @@ class RequestStream:
             if delta.token_ids:  # the tokens first; the refusal on the next read
                 self.waiting = Delta([], "", refused=delta.refused)
                 self._delivered.set()
-                return Delta(delta.token_ids, delta.text)
+                return Delta(delta.token_ids, delta.text, logprobs=delta.logprobs)
             raise delta.refused
         return delta
 

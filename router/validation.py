@@ -25,7 +25,17 @@ class ModelLimits:
     kv_tokens: int  # tokens the smallest instance's KV cache holds (blocks x block size)
 
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 _SEEDS = (-(2**63), 2**63)  # torch's generators take 64-bit seeds
 
 

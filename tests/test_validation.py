@@ -27,13 +27,30 @@ def llm(tiny_model):
         (dict(top_k=True), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), r"top_k=-2: must be an integer >= -1 \(0 and -1 disable it\)"),
         (dict(stop=[""]), "stop"),
+        (dict(logprobs=21), r"logprobs=21: must be unset or an integer in \[0, 20\]"),
+        (dict(logprobs=-1), "logprobs=-1"),
+        (dict(logprobs=True), "logprobs=True"),
+        (dict(presence_penalty=2.5), r"presence_penalty=2.5: must be a number in \[-2, 2\]"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty=nan"),
+        (dict(frequency_penalty=-3), "frequency_penalty=-3"),
+        (dict(repetition_penalty=0), r"repetition_penalty=0: must be a number in \[0.01, 100\]"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty=inf"),
+        (dict(repetition_penalty="2"), "repetition_penalty='2'"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_top_k_off_and_penalty_bounds_are_accepted():
+    for top_k in (-1, 0):
+        assert SamplingParams(top_k=top_k).top_k == top_k
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=100)
+    assert p.penalized and not SamplingParams(repetition_penalty=1.0).penalized
+    assert SamplingParams(logprobs=0).logprobs == 0 and SamplingParams(logprobs=20)
 
 
 def test_empty_prompt(llm):

@@ -1,6 +1,7 @@
 """Disaggregated serving through real clusters (Ray, the gRPC router, gloo and gRPC KV
 transfer between real processes, the real engine on a tiny model): outputs equal the
-offline engine's for every backend, layer-wise on and off, 1 and 2 prefill instances;
+offline engine's for every backend, layer-wise on and off, 1 and 2 prefill instances,
+logprobs and penalties included (the first token's logprobs travel in the handoff);
 phase times and KV bytes reach the client; no block leaks anywhere."""
 
 from __future__ import annotations
@@ -93,12 +94,45 @@ def expected(offline):
     return work, [o.token_ids for o in outs]
 
 
+# with logprobs and penalties: the first token's logprobs come from the prefill
+# instance in the handoff, the penalties run on both sides (a 150-token prompt: 2 chunks)
+LOGPROB_REQUESTS = [
+    (list(range(3, 153)), SamplingParams(max_tokens=8, temperature=0, logprobs=3,
+                                         repetition_penalty=1.3, presence_penalty=0.5)),
+    ([9, 8, 7, 9, 8], SamplingParams(max_tokens=8, temperature=0.8, seed=2,
+                                     frequency_penalty=1.0, logprobs=0)),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def expected_logprobs(offline):
+    """What a co-located instance computes for ``LOGPROB_REQUESTS`` (the offline engine)."""
+    return [offline.generate(ids, p)[0] for ids, p in LOGPROB_REQUESTS]
+
+
+def check_logprobs(client, expected_logprobs) -> None:
+    """Each of ``LOGPROB_REQUESTS`` through the router has the offline tokens and logprobs."""
+    for (ids, p), want in zip(LOGPROB_REQUESTS, expected_logprobs, strict=True):
+        got = client.complete(prompt_token_ids=ids, max_tokens=p.max_tokens,
+                              temperature=p.temperature, seed=p.seed, logprobs=p.logprobs,
+                              repetition_penalty=p.repetition_penalty,
+                              presence_penalty=p.presence_penalty,
+                              frequency_penalty=p.frequency_penalty, ignore_eos=True)  # fmt: skip
+        assert got.token_ids == want.token_ids
+        assert [x.top_ids for x in got.logprobs] == [x.top_ids for x in want.logprobs]
+        values = [(x.logprob, *x.top_logprobs) for x in got.logprobs]
+        assert values == [pytest.approx((x.logprob, *x.top_logprobs), abs=1e-5)
+                          for x in want.logprobs]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "backend,layerwise,prefills",
     SETUPS,
     ids=[f"{b}-{'layerwise' if lw else 'whole'}-{p}P1D" for b, lw, p in SETUPS],
 )
-def test_32_concurrent_requests_equal_offline(chat_model, expected, backend, layerwise, prefills):
+def test_32_concurrent_requests_equal_offline(
+    chat_model, expected, expected_logprobs, backend, layerwise, prefills
+):
     from cluster import launch
 
     work, want = expected
@@ -125,6 +159,7 @@ def test_32_concurrent_requests_equal_offline(chat_model, expected, backend, lay
         stats = client.stats()
         used = [i.requests_total for i in stats.instances if i.role == "prefill"]
         assert sum(used) == 32 and all(n > 0 for n in used), used
+        check_logprobs(client, expected_logprobs)
         assert wait_until(lambda: all_blocks_free(client.stats()), 10), client.stats()
         check_pools(cluster)
         client.close()

@@ -1,6 +1,7 @@
 """An instance killed under its streams (a real SIGKILL to its real process; a decode
 instance also SIGSTOPped): every stream continues on another instance and ends exactly
-as an uninterrupted run (greedy and seeded sampling), the supervisor restarts the
+as an uninterrupted run (greedy and seeded sampling, with penalties and logprobs), the
+supervisor restarts the
 instance and the router takes it back, and no KV block stays held. Each test on a
 cluster of its own."""
 
@@ -19,25 +20,34 @@ from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_confi
 from tests.cluster.test_disagg import disagg_config
 
 PROMPTS = [list(range(5 + i, 45 + i)) for i in range(4)]
-SAMPLING = [  # two greedy streams, two seeded ones
+SAMPLING = [  # two greedy streams, two seeded ones; one of each with penalties and logprobs
     dict(temperature=0.0),
-    dict(temperature=0.0),
+    dict(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3, logprobs=2),
     dict(temperature=0.8, top_p=0.9, seed=7),
-    dict(temperature=0.8, top_p=0.9, seed=11),
+    dict(temperature=0.8, top_p=0.9, seed=11, presence_penalty=0.5, logprobs=0),
 ]
 MAX_TOKENS = 160
 SUPERVISOR = {"heartbeat_s": 0.5, "unresponsive_s": 3.0}
 RESTART_BOUND_S = 90  # kill -> restarted, model loaded and serving again
 
 
-def expected(model: str) -> list[list[int]]:
+def expected(model: str) -> list:
+    """The uninterrupted runs' outputs (tokens, and logprobs where asked)."""
     from engine import LLM
 
     llm = LLM(model)
     return [
-        llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **s))[0].token_ids
+        llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **s))[0]
         for p, s in zip(PROMPTS, SAMPLING, strict=True)
     ]
+
+
+def assert_same_logprobs(got: list, want: list) -> None:
+    """A migrated stream's logprobs: one per token, the same alternatives, the values to
+    float32 rounding (its next attempt prefilled prompt + delivered tokens at once)."""
+    assert [x.top_ids for x in got] == [x.top_ids for x in want]
+    values = [(x.logprob, *x.top_logprobs) for x in got]
+    assert values == [pytest.approx((x.logprob, *x.top_logprobs), abs=1e-5) for x in want]
 
 
 class Streams:
@@ -45,6 +55,7 @@ class Streams:
 
     def __init__(self, client):
         self.tokens = [[] for _ in PROMPTS]
+        self.logprobs = [[] for _ in PROMPTS]
         self.ends: list = [None] * len(PROMPTS)
         self.threads = [
             threading.Thread(target=self._read, args=(client, i), daemon=True)
@@ -58,6 +69,7 @@ class Streams:
             kw = dict(max_tokens=MAX_TOKENS, ignore_eos=True, request_id=f"s{i}", **SAMPLING[i])
             for chunk in client.generate(prompt_token_ids=PROMPTS[i], **kw):
                 self.tokens[i] += chunk.token_ids
+                self.logprobs[i] += chunk.logprobs or []
                 if chunk.finish_reason is not None:
                     self.ends[i] = chunk
         except Exception as e:  # reported by the test
@@ -105,7 +117,8 @@ def survive(cluster, role: str, sig=signal.SIGKILL, rank: int = 0) -> str:
         print(f"streams ended {time.monotonic() - killed_at:.1f} s after the signal")
         for i, end in enumerate(streams.ends):
             assert not isinstance(end, Exception), (i, end)
-            assert streams.tokens[i] == want[i], (i, SAMPLING[i], end.timings)
+            assert streams.tokens[i] == want[i].token_ids, (i, SAMPLING[i], end.timings)
+            assert_same_logprobs(streams.logprobs[i], want[i].logprobs or [])
         migrated = [e for e in streams.ends if e.timings.attempts > 1]
         assert migrated, [e.timings for e in streams.ends]
         assert all(victim in e.timings.instances for e in migrated)

@@ -1,6 +1,7 @@
 """Tensor-parallel instances on a real cluster: N Ray actors in a STRICT_PACK placement
 group, one gloo world per instance. Outputs equal the offline engine's, co-located and
-disaggregated with different degrees on the two sides, over gloo and gRPC."""
+disaggregated with different degrees on the two sides, over gloo and gRPC; logprobs and
+penalties (rank 0 samples, from the gathered logits) too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import ray
 
 from engine import LLM, SamplingParams
 from tests.cluster.helpers import all_blocks_free, wait_until
-from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently, workload
+from tests.cluster.test_disagg import (
+    LOGPROB_REQUESTS,
+    check_logprobs,
+    check_pools,
+    disagg_config,
+    run_concurrently,
+    workload,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,19 +32,23 @@ def kv4_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def expected(kv4_model):
-    work = workload(16, seed=3)
-    outs = LLM(kv4_model).generate(
+    """The offline engine's outputs (one rank): greedy tokens of the workload, and the
+    tokens and logprobs of ``LOGPROB_REQUESTS`` (sampled on rank 0 of an instance)."""
+    llm, work = LLM(kv4_model), workload(16, seed=3)
+    outs = llm.generate(
         [ids for ids, _ in work],
         [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work],
     )
-    return work, [o.token_ids for o in outs]
+    logprobs = [llm.generate(ids, p)[0] for ids, p in LOGPROB_REQUESTS]
+    return work, [o.token_ids for o in outs], logprobs
 
 
-def _check(cluster, work, want) -> None:
+def _check(cluster, work, want, logprobs) -> None:
     client = cluster.client()
     streams = run_concurrently(client, work)
     for chunks, tokens in zip(streams, want, strict=True):
         assert [t for c in chunks for t in c.token_ids] == tokens
+    check_logprobs(client, logprobs)
     assert wait_until(lambda: all_blocks_free(client.stats()), 10), client.stats()
     check_pools(cluster)
     client.close()

@@ -139,7 +139,13 @@ def test_destination_and_handoff_round_trip_through_protobuf():
     assert KVDestination.from_bytes(dst.to_bytes()) == dst
     h = Handoff(42, {"prefill_start": 1.5}, "prefill-3")
     back = Handoff.from_bytes(h.to_bytes())
-    assert back == h and back.phase_times == h.phase_times
+    assert back == h and back.phase_times == h.phase_times and back.first_logprob is None
+    # the first token's logprobs (float32 values: exact through protobuf's float)
+    values = torch.tensor([-0.1, -2.5, -7.25]).tolist()
+    h = Handoff(42, {}, "prefill-3", values[0], (42, 7, 250), tuple(values))
+    assert Handoff.from_bytes(h.to_bytes()) == h
+    with pytest.raises(ValueError, match="2 top_ids and 1 top_logprobs"):
+        Handoff(42, {}, "", -0.5, (1, 2), (-0.5,))
     with pytest.raises(KVLayoutError, match="2 addresses for a decode pool of tensor_parallel=4"):
         KVDestination(["a:1", "b:2"], [1], dst_layout)
 
