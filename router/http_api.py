@@ -7,11 +7,14 @@
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus text: the router's queue, each instance's load
 
-A request body becomes the core's ``GenerateRequest`` (router/openai_request.py), checked
-for JSON types there and for values by the core; the core's refusals map to HTTP
-statuses in OpenAI's error shape (router/openai_shapes.py). Extra body fields beyond
-OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them), and
-``timeout`` (seconds; past it the request ends with 408).
+docs/openapi.yaml describes this API as served. A request body becomes the core's
+``GenerateRequest`` (router/openai_request.py), checked for JSON types there, for the
+fields pdserve reads, accepts or refuses (router/openai_fields.py) and for values by
+the core; the core's refusals map to HTTP statuses in OpenAI's error shape
+(router/openai_shapes.py). A body's ``model``, when given, must name the served model
+(``model_names``), else 404. Extra body fields beyond OpenAI's: ``top_k``,
+``ignore_eos``, ``stop_token_ids`` (as vLLM accepts them), and ``timeout`` (seconds;
+past it the request ends with 408).
 
 Invariants of a generate call: it holds a place in ``core.calls`` from arrival to its
 last byte (past the bound: 429 before the body is read); whatever ends it (finished,
@@ -26,13 +29,21 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from pathlib import Path
 
 from aiohttp import web
 
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.metrics import prometheus_text
-from router.openai_request import BadRequest, generate_request, timeout_s
+from router.openai_request import (
+    BadRequest,
+    OpenAIRequest,
+    parse_body,
+    read_request,
+    requested_model,
+    show,
+)
 from router.openai_shapes import (
     Reply,
     error_body,
@@ -46,11 +57,30 @@ from router.request import Refused
 from router.stream import Delta, RequestStream
 
 
+def model_names(model: str) -> frozenset[str]:
+    """The names a request may give the served ``model`` (the config's ``model``): that
+    string (the id ``/v1/models`` lists), and the other names of the same checkpoint
+    the config accepts: an alias of its file, its file or folder as an absolute path.
+    Worked out once, from the config; a request's name is only looked up."""
+    from engine.checkpoint import ALIASES, alias_path
+
+    def where(name: str) -> Path | None:
+        try:
+            return (alias_path(name) if name in ALIASES else Path(name).expanduser()).resolve()
+        except (OSError, ValueError):
+            return None
+
+    served = where(model)
+    names = {model} | ({str(served)} if served is not None else set())
+    return frozenset(names | {a for a in ALIASES if served is not None and where(a) == served})
+
+
 class HttpApi:
     """The aiohttp server of the router; started and stopped on the router's event loop."""
 
     def __init__(self, core: RouterCore, model: str):
         self.core, self.model = core, model
+        self.names = model_names(model)
         self.created = int(time.time())
         app = web.Application(middlewares=[internal_errors])
         app.add_routes(
@@ -105,25 +135,26 @@ class HttpApi:
             with self.core.calls.call():
                 return await self._serve(request, chat, arrival)
         except BadRequest as e:
-            return error_response(400, str(e))
+            return error_response(400, e.message, e.param)
         except Refused as e:  # before any output: the response is the refusal
             return refusal_response(e)
 
     async def _serve(self, request: web.Request, chat: bool, arrival: float):
-        try:
-            body = await request.json()
-        except ValueError as e:  # not JSON, or not UTF-8
-            raise BadRequest(f"the body is not valid JSON: {e}") from e
-        req = generate_request(body, chat)
-        timeout = timeout_s(body)
-        deadline = None if timeout is None else arrival + timeout
-        stream = self.core.open_stream(req, arrival, deadline)
+        body = parse_body(await request.read())
+        model = requested_model(body)
+        if model is not None and model not in self.names:
+            message = f"model={show(model)}: not served here; GET /v1/models lists {self.model!r}"
+            return error_response(404, message, "model")
+        read = read_request(body, chat)
+        deadline = None if read.timeout_s is None else arrival + read.timeout_s
+        stream = self.core.open_stream(read.request, arrival, deadline)
         reply = Reply(stream.request_id, self.model, chat)
         try:
+            prefix = self._echo(read)
             delta = await stream.read()
-            if body.get("stream"):
-                return await self._stream(request, stream, reply, body, delta)
-            text = delta.text
+            if read.stream:
+                return await self._stream(request, stream, reply, read, prefix, delta)
+            text = prefix + delta.text
             while delta.finish_reason is None and delta.error is None:
                 delta = await stream.read()
                 text += delta.text
@@ -135,14 +166,31 @@ class HttpApi:
         finally:
             self.core.finish(stream)  # finished, failed, refused, or the client went away
 
-    async def _stream(self, request, stream: RequestStream, reply, body, delta: Delta):
-        """Server-sent events from the request's first output on."""
+    def _echo(self, read: OpenAIRequest) -> str:
+        """The text ``echo`` puts before a completion: the prompt's ("" without echo).
+        Called once the core took the request, so token ids are in the vocabulary."""
+        req = read.request
+        if not read.echo:
+            return ""
+        if req.prompt is not None:
+            return req.prompt
+        if self.core.tokenizer is None:
+            raise BadRequest("echo: this model has no tokenizer to decode the prompt", "echo")
+        return self.core.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
+
+    async def _stream(
+        self, request, stream: RequestStream, reply, read: OpenAIRequest, prefix: str, delta
+    ):
+        """Server-sent events from the request's first output on (the echoed prompt
+        first, when there is one)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
             if chat_role := reply.role_chunk():
                 await _send(resp, chat_role)
-            while not await self._event(resp, stream, reply, body, delta):
+            if prefix:
+                await _send(resp, reply.chunk(prefix, None))
+            while not await self._event(resp, stream, reply, read, delta):
                 try:
                     delta = await stream.read()
                 except Refused as e:
@@ -159,7 +207,7 @@ class HttpApi:
                 await resp.write_eof()
         return resp
 
-    async def _event(self, resp, stream: RequestStream, reply, body, delta: Delta) -> bool:
+    async def _event(self, resp, stream: RequestStream, reply, read, delta: Delta) -> bool:
         """Send one delta; True when it was the last."""
         if delta.error is not None:
             await _send(resp, error_body(500, one_line(delta.error)))
@@ -167,7 +215,7 @@ class HttpApi:
         await _send(resp, reply.chunk(delta.text, delta.finish_reason))
         if delta.finish_reason is None:
             return False
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if read.include_usage:
             await _send(resp, reply.usage_chunk(usage_object(stream.usage())))
         return True
 
