@@ -11,8 +11,7 @@ import pytest
 
 from router.client import make_request
 from router.grpc_api import GRPC_STATUS, generate_request, timings_message
-from router.openai_request import BadRequest
-from router.openai_request import read_request
+from router.openai_request import BadRequest, read_request
 from router.openai_shapes import HTTP_STATUS
 from router.request import ChatMessage, GenerateRequest, Refusal, SamplingOptions
 from router.stream import Phases, Timings
