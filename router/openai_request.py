@@ -89,7 +89,8 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
     stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
         raise BadRequest(f"stop={show(stop)}: must be a string or a list of strings", "stop")
-    stop_token_ids = body.get("stop_token_ids") or []
+    stop_token_ids = body.get("stop_token_ids")
+    stop_token_ids = [] if stop_token_ids is None else stop_token_ids
     if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
         raise BadRequest(
             f"stop_token_ids={show(stop_token_ids)}: must be a list of integers", "stop_token_ids"

@@ -110,8 +110,9 @@ HOSTILE = {"temperature": ["NaN", "Infinity", "-Infinity", "1e-40", "-0.0"],
 
 def test_hostile_sampling_values_fail_alone(cluster, chat_model, offline):
     """Non-finite, denormal and negative-zero sampling values, over HTTP (where NaN and
-    Infinity are not JSON) and gRPC, are refused at the edge (400 / INVALID_ARGUMENT, naming the field and no traceback)
-    while four greedy streams run on the same instances; those finish intact."""
+    Infinity are not JSON) and gRPC, are refused at the edge (400 / INVALID_ARGUMENT,
+    naming the field and no traceback) while four greedy streams run on the same
+    instances; those finish intact."""
     import grpc
 
     from router.client import RouterClient
