@@ -22,7 +22,7 @@ INVALID = [
     ("temperature < 0", dict(prompt="hi", temperature=-0.5), "temperature=-0.5"),
     ("top_p 0", dict(prompt="hi", top_p=0.0), "top_p=0.0"),
     ("top_p above 1", dict(prompt="hi", top_p=1.5), "top_p=1.5"),
-    ("top_k negative", dict(prompt="hi", top_k=-1), "top_k=-1"),
+    ("top_k below -1", dict(prompt="hi", top_k=-2), "top_k=-2"),
     ("empty stop string", dict(prompt="hi", stop=[""]), "stop="),
 ]
 

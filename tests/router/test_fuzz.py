@@ -6,15 +6,24 @@ dropped connection, every response as the spec says (valid requests) or a 4xx
 fault, never INTERNAL or UNKNOWN; the background streams equal the offline engine's
 output; every KV block is free afterwards.
 
-The cluster serves a tiny model whose context is 64 tokens, so that whatever
-``max_tokens`` a case asks for, it generates at most a few dozen tokens."""
+The cluster (``pdserve up``, two co-located instances) serves a tiny model whose context
+is 64 tokens, so that whatever ``max_tokens`` a case asks for, it generates at most a
+few dozen tokens."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -33,10 +42,12 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from engine import LLM, SamplingParams
-from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config
+from router.client import RouterClient
+from tests.cluster.helpers import all_blocks_free, small_cluster_config, wait_until
 from tests.tiny_models import TINY_SHAPES, save_tiny_chat_llama
 
-SPEC = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "docs" / "openapi.yaml"
 CONTEXT = 64
 BACKGROUND = [[5 + i, 9, 33, 81] for i in range(3)]  # greedy streams of 56 tokens
 BACKGROUND_TOKENS = 56
@@ -63,13 +74,46 @@ def fuzz_model(tmp_path_factory) -> str:
     return str(folder)
 
 
-@pytest.fixture(scope="module")
-def fuzz_cluster(fuzz_model):
-    from cluster import launch
+@dataclass
+class Served:
+    address: str  # gRPC host:port
+    http_address: str
 
-    c = launch(small_cluster_config(fuzz_model))
-    yield c
-    c.shutdown(drain=False)
+
+@pytest.fixture(scope="module")
+def fuzz_cluster(fuzz_model, tmp_path_factory):
+    """``pdserve up`` on the context-64 model, in a process of its own (its own embedded
+    Ray: this folder's cluster may be up in the test process); stopped with SIGTERM."""
+    config = tmp_path_factory.mktemp("fuzz") / "fuzz.yaml"
+    config.write_text(yaml.safe_dump(small_cluster_config(fuzz_model)))
+    ray_base = tempfile.mkdtemp(prefix="pdf-", dir="/tmp")  # short: Ray's socket paths
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "up", str(config)],
+        cwd=ROOT,
+        env={**os.environ, "PDSERVE_RAY_TMPDIR": ray_base},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: Ray's processes join it
+    )
+    try:
+        lines, found, deadline = [], None, time.monotonic() + 180
+        while found is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            found = re.search(r"listening on (\S+) .* HTTP on http://(\S+)/v1;", line)
+        assert found, "".join(lines)
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep it unblocked
+        yield Served(found.group(1), found.group(2))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(ray_base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +129,10 @@ class Background:
     def __init__(self, address: str):
         self.address, self.done = address, threading.Event()
         self.streams: list[list[list[int]]] = [[] for _ in BACKGROUND]
+        self.error: BaseException | None = None  # what ended a stream early
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self) -> None:
-        from router.client import RouterClient
-
         client = RouterClient(self.address)
 
         async def loop(i: int) -> None:
@@ -101,18 +144,24 @@ class Background:
 
         try:
             await asyncio.gather(*(loop(i) for i in range(len(BACKGROUND))))
+        except BaseException as e:  # any: __exit__ reports it
+            self.error = e
         finally:
             await client.aclose()
             client.close()
 
     def __enter__(self):
+        """Start the loops; return once a stream of each is in flight."""
         self.thread.start()
+        with RouterClient(self.address) as client:
+            running = wait_until(lambda: client.stats().in_flight >= len(BACKGROUND), 60)
+        assert running and self.error is None, self.error
         return self
 
     def __exit__(self, *exc):
         self.done.set()
         self.thread.join(timeout=120)
-        assert not self.thread.is_alive()
+        assert not self.thread.is_alive() and self.error is None, self.error
 
 
 def served_spec(model: str) -> schemathesis.BaseSchema:
@@ -150,7 +199,10 @@ def test_schemathesis_fuzzes_the_http_api_while_streams_run(fuzz_cluster, fuzz_m
     started = time.monotonic()
     with Background(fuzz_cluster.address) as background:
         for path, mode, examples, stream in PLAN:
+            part = time.monotonic()
             fuzz(schema[path]["POST"], mode, examples, stream)
+            print(f"{path} {mode.value}{' stream' if stream else ''}: "
+                  f"{time.monotonic() - part:.0f} s")  # fmt: skip
         for path in ("/v1/models", "/health", "/metrics"):
             fuzz(schema[path]["GET"], GenerationMode.POSITIVE, 1, False)
         assert all(background.streams), "a background stream did not finish during the fuzz"
@@ -158,7 +210,8 @@ def test_schemathesis_fuzzes_the_http_api_while_streams_run(fuzz_cluster, fuzz_m
     assert sum(cases.values()) >= 2000, cases
     for i, streams in enumerate(background.streams):
         assert all(tokens == expected[i] for tokens in streams), i
-    seconds_until_blocks_free(fuzz_cluster, within_s=30)
+    with RouterClient(fuzz_cluster.address) as client:
+        assert wait_until(lambda: all_blocks_free(client.stats()), 30), client.stats()
 
 
 ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "", "wizard"])
