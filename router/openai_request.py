@@ -118,7 +118,8 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
 def _check_keys(body: dict, chat: bool) -> None:
     read, metadata, fixed = fields(chat)
     for key, value in body.items():
-        if key in read or value is None:
+        known = key in read or key in metadata or key in fixed
+        if known and (key in read or value is None):
             continue
         if key in metadata:
             kind = metadata[key]
@@ -172,11 +173,10 @@ def _message(i: int, m) -> ChatMessage:
     if not isinstance(m, dict):
         raise BadRequest(f"{where}={show(m)}: must be an object with role and content", where)
     for key, value in m.items():
-        if key in MESSAGE_READ or value is None:
-            continue
-        if key not in MESSAGE_FIXED:
+        if key not in MESSAGE_READ and key not in MESSAGE_FIXED:
             raise BadRequest(f"{where}.{key}: unknown field of a message", f"{where}.{key}")
-        _check_fixed(f"{where}.{key}", value, MESSAGE_FIXED[key])
+        if key in MESSAGE_FIXED and value is not None:
+            _check_fixed(f"{where}.{key}", value, MESSAGE_FIXED[key])
     role = m.get("role")  # which roles: the core's (router/validation.py)
     if not isinstance(role, str):
         raise BadRequest(f"{where}.role={show(role)}: must be a string", f"{where}.role")

@@ -69,8 +69,11 @@ def test_openai_bodies_become_core_requests():
         ({"prompt": "a", "stop_token_ids": ["a"]}, "stop_token_ids=['a']: must be a list"),
         ({"prompt": "a", "n": 2}, "n=2: not supported (one choice per request)"),
         ({"prompt": ["a", "b"]}, "one string or one list of token ids"),
+        ({"prompt": "a", "logit_bias": None, "nope": None}, "nope: unknown field"),
+        ({"prompt": "a", "stop_token_ids": False}, "stop_token_ids=False: must be a list"),
+        ({"messages": [{"role": "user", "content": "a", "x": None}]}, "messages[0].x: unknown"),
     ],
 )
 def test_openai_bodies_of_the_wrong_types_are_bad_requests(body, needle):
     with pytest.raises(BadRequest, match=re.escape(needle)):
-        http_request(body, chat=False)
+        http_request(body, chat="messages" in body)
