@@ -8,7 +8,8 @@ output; every KV block is free afterwards.
 
 The cluster (``pdserve up``, two co-located instances) serves a tiny model whose context
 is 64 tokens, so that whatever ``max_tokens`` a case asks for, it generates at most a
-few dozen tokens."""
+few dozen tokens. Hypothesis runs derandomized: the same cases each run (they change
+with the spec and the counts in ``PLAN``), so a failure reproduces."""
 
 from __future__ import annotations
 
