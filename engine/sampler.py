@@ -94,8 +94,10 @@ def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: fl
     probs = torch.softmax(row, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        # keep the smallest prefix whose mass reaches top_p, and always the first token
+        # (a top_p below float32's range compares as 0, which would drop every token)
         drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
+        drop[0] = False
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs / sorted_probs.sum())
     return probs

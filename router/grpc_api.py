@@ -29,6 +29,7 @@ import functools
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router import pdserve_pb2 as pb
@@ -36,7 +37,7 @@ from router import pdserve_pb2_grpc as pb_grpc
 from router import tls as router_tls
 from router.auth import ApiKeys, refusal
 from router.core import RouterCore
-from router.incidents import internal_error, one_line
+from router.incidents import first_line, internal_error, one_line
 from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
 from router.stream import Delta, RequestStream, Timings
 
@@ -96,7 +97,7 @@ class GrpcApi:
         self._tls = tls if tls and router_tls.enabled(tls) else None
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        pb_grpc.add_RouterServicer_to_server(RouterService(core, keys), self._server)
+        _add_router(RouterService(core, keys), self._server)
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port), NOT_SERVING; the bound port."""
@@ -131,6 +132,44 @@ class GrpcApi:
     async def stop(self, grace_s: float) -> None:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
+
+
+class Unparsable:
+    """A request protobuf could not parse (bad wire bytes, a string that is not UTF-8):
+    its handler answers INVALID_ARGUMENT with ``message``."""
+
+    def __init__(self, type_name: str, error: DecodeError):
+        self.message = f"the request is not a valid {type_name}: {first_line(error)}"
+
+
+def _parser(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return Unparsable(message_type.DESCRIPTOR.full_name, e)
+
+    return parse
+
+
+def _add_router(service: RouterService, server) -> None:
+    """Register ``service`` as the generated ``add_RouterServicer_to_server`` does,
+    except that a request protobuf cannot parse reaches its handler as ``Unparsable``
+    (grpc would answer UNKNOWN with the parser's exception text)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Router"].methods:
+        request = getattr(pb, method.input_type.name)
+        response = getattr(pb, method.output_type.name)
+        make = grpc.unary_unary_rpc_method_handler
+        if method.server_streaming:
+            make = grpc.unary_stream_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(service, method.name),
+            request_deserializer=_parser(request),
+            response_serializer=response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 async def _abort(context, refused: Refused) -> None:
@@ -180,10 +219,13 @@ class GrpcAuth(grpc.aio.ServerInterceptor):
 
 def _no_tracebacks(handler):
     """A unary handler whose unexpected exceptions end the call with INTERNAL and an
-    incident id (the traceback goes to the log)."""
+    incident id (the traceback goes to the log); an ``Unparsable`` request is answered
+    INVALID_ARGUMENT."""
 
     @functools.wraps(handler)
     async def wrapped(self, request, context):
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             return await handler(self, request, context)
         except grpc.aio.AbortError:
@@ -202,6 +244,8 @@ class RouterService(pb_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         owner = _owner(self.keys, context)  # not None: GrpcAuth let the call in
         try:
             with self.core.calls.call(owner):
@@ -255,7 +299,14 @@ class RouterService(pb_grpc.RouterServicer):
 
 def generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
     """A protobuf ``GenerateRequest`` in the core's terms: the input the ``oneof`` holds
-    (an empty one included), the sampling fields that are set."""
+    (an empty one included), the sampling fields that are set. Raises ``Refused``
+    (INVALID) for a ``request_id`` that cannot go back as gRPC metadata."""
+    if not all(" " <= c <= "~" for c in msg.request_id):
+        raise Refused(
+            Refusal.INVALID,
+            f"request_id={msg.request_id[:40]!r}: must be printable ASCII "
+            "(it is sent back as the metadata request-id)",
+        )
     s = msg.sampling
     req = GenerateRequest(
         sampling=SamplingOptions(

@@ -7,11 +7,14 @@
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus text: the router's queue, each instance's load
 
-A request body becomes the core's ``GenerateRequest`` (router/openai_request.py), checked
-for JSON types there and for values by the core; the core's refusals map to HTTP
-statuses in OpenAI's error shape (router/openai_shapes.py). Extra body fields beyond
-OpenAI's: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (as vLLM
-accepts them), and ``timeout`` (seconds; past it the request ends with 408). Logprobs
+docs/openapi.yaml describes this API as served. A request body becomes the core's
+``GenerateRequest`` (router/openai_request.py), checked for JSON types there, for the
+fields pdserve reads, accepts or refuses (router/openai_fields.py) and for values by
+the core; the core's refusals map to HTTP statuses in OpenAI's error shape
+(router/openai_shapes.py). A body's ``model``, when given, must name the served model
+(``model_names``), else 404. Extra body fields beyond OpenAI's: ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (as vLLM accepts them), and
+``timeout`` (seconds; past it the request ends with 408). Logprobs
 (router/openai_logprobs.py) come in each choice when the body asks for them.
 
 Closed as configured (docs/serving.md, "Authentication, TLS and limits"): with API keys
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -41,7 +45,14 @@ from router.core import RouterCore
 from router.incidents import internal_error, one_line
 from router.metrics import prometheus_text
 from router.openai_logprobs import LogprobsShape
-from router.openai_request import BadRequest, generate_request, timeout_s
+from router.openai_request import (
+    BadRequest,
+    OpenAIRequest,
+    parse_body,
+    read_request,
+    requested_model,
+    show,
+)
 from router.openai_shapes import (
     Reply,
     error_body,
@@ -58,6 +69,24 @@ MAX_BODY_BYTES = 8 * 2**20  # router.max_body_bytes's default
 OPEN_PATHS = ("/health",)  # probes: answered without a key
 
 
+def model_names(model: str) -> frozenset[str]:
+    """The names a request may give the served ``model`` (the config's ``model``): that
+    string (the id ``/v1/models`` lists), and the other names of the same checkpoint
+    the config accepts: an alias of its file, its file or folder as an absolute path.
+    Worked out once, from the config; a request's name is only looked up."""
+    from engine.checkpoint import ALIASES, alias_path
+
+    def where(name: str) -> Path | None:
+        try:
+            return (alias_path(name) if name in ALIASES else Path(name).expanduser()).resolve()
+        except (OSError, ValueError):
+            return None
+
+    served = where(model)
+    names = {model} | ({str(served)} if served is not None else set())
+    return frozenset(names | {a for a in ALIASES if served is not None and where(a) == served})
+
+
 class HttpApi:
     """The aiohttp server of the router; started and stopped on the router's event loop."""
 
@@ -72,6 +101,7 @@ class HttpApi:
         """``keys``: None, anyone may call; ``tls``: the ``router.tls`` section (None or
         no ``cert_file``: plain HTTP); ``max_body_bytes``: past it, 413."""
         self.core, self.model = core, model
+        self.names = model_names(model)
         self.created = int(time.time())
         self.max_body_bytes = max_body_bytes
         self._tls = tls if tls and router_tls.enabled(tls) else None
@@ -137,28 +167,30 @@ class HttpApi:
             bound = f"router.max_body_bytes={self.max_body_bytes}"
             return error_response(413, f"request body:{size} past {bound}")
         except BadRequest as e:
-            return error_response(400, str(e))
+            return error_response(400, e.message, e.param)
         except Refused as e:  # before any output: the response is the refusal
             return refusal_response(e)
 
     async def _serve(self, request: web.Request, chat: bool, arrival: float):
-        try:
-            body = await request.json()
-        except ValueError as e:  # not JSON, or not UTF-8
-            raise BadRequest(f"the body is not valid JSON: {e}") from e
-        req = generate_request(body, chat)
-        timeout = timeout_s(body)
-        deadline = None if timeout is None else arrival + timeout
-        stream = await self.core.open_stream(req, arrival, deadline, request.get("owner", ""))
+        body = parse_body(await request.read())
+        model = requested_model(body)
+        if model is not None and model not in self.names:
+            message = f"model={show(model)}: not served here; GET /v1/models lists {self.model!r}"
+            return error_response(404, message, "model")
+        read = read_request(body, chat)
+        deadline = None if read.timeout_s is None else arrival + read.timeout_s
+        owner = request.get("owner", "")
+        stream = await self.core.open_stream(read.request, arrival, deadline, owner)
         shape = None
         if stream.params.logprobs is not None:
             shape = LogprobsShape(chat, self.core.tokenizer)
         reply = Reply(stream.request_id, self.model, chat, shape)
         try:
+            prefix = self._echo(read)
             delta = await stream.read()
-            if body.get("stream"):
-                return await self._stream(request, stream, reply, body, delta)
-            text, logprobs = delta.text, list(delta.logprobs or [])
+            if read.stream:
+                return await self._stream(request, stream, reply, read, prefix, delta)
+            text, logprobs = prefix + delta.text, list(delta.logprobs or [])
             while delta.finish_reason is None and delta.error is None:
                 delta = await stream.read()
                 text += delta.text
@@ -170,14 +202,31 @@ class HttpApi:
         finally:
             self.core.finish(stream)  # finished, failed, refused, or the client went away
 
-    async def _stream(self, request, stream: RequestStream, reply, body, delta: Delta):
-        """Server-sent events from the request's first output on."""
+    def _echo(self, read: OpenAIRequest) -> str:
+        """The text ``echo`` puts before a completion: the prompt's ("" without echo).
+        Called once the core took the request, so token ids are in the vocabulary."""
+        req = read.request
+        if not read.echo:
+            return ""
+        if req.prompt is not None:
+            return req.prompt
+        if self.core.tokenizer is None:
+            raise BadRequest("echo: this model has no tokenizer to decode the prompt", "echo")
+        return self.core.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
+
+    async def _stream(
+        self, request, stream: RequestStream, reply, read: OpenAIRequest, prefix: str, delta
+    ):
+        """Server-sent events from the request's first output on (the echoed prompt
+        first, when there is one)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
             if chat_role := reply.role_chunk():
                 await _send(resp, chat_role)
-            while not await self._event(resp, stream, reply, body, delta):
+            if prefix:
+                await _send(resp, reply.chunk(prefix, None))
+            while not await self._event(resp, stream, reply, read, delta):
                 try:
                     delta = await stream.read()
                 except Refused as e:
@@ -194,7 +243,7 @@ class HttpApi:
                 await resp.write_eof()
         return resp
 
-    async def _event(self, resp, stream: RequestStream, reply, body, delta: Delta) -> bool:
+    async def _event(self, resp, stream: RequestStream, reply, read, delta: Delta) -> bool:
         """Send one delta; True when it was the last."""
         if delta.error is not None:
             await _send(resp, error_body(500, one_line(delta.error)))
@@ -202,7 +251,7 @@ class HttpApi:
         await _send(resp, reply.chunk(delta.text, delta.finish_reason, delta.logprobs))
         if delta.finish_reason is None:
             return False
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if read.include_usage:
             await _send(resp, reply.usage_chunk(usage_object(stream.usage())))
         return True
 

@@ -29,17 +29,17 @@ HTTP_STATUS = {
     Refusal.UNAVAILABLE: 503,
     Refusal.DEADLINE: 408,
 }
-_TYPES = {408: "timeout_error", 429: "rate_limit_error"}
+_TYPES = {404: "NotFoundError", 408: "timeout_error", 429: "rate_limit_error"}
 
 
-def error_body(status: int, message: str) -> dict:
-    """OpenAI's error object for ``status``."""
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error object for ``status``; ``param``: the request field at fault."""
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str) -> web.Response:
-    return web.json_response(error_body(status, message), status=status)
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param), status=status)
 
 
 def refusal_response(refused: Refused) -> web.Response:
@@ -57,12 +57,18 @@ def refusal_event(refused: Refused) -> dict:
 
 @web.middleware
 async def internal_errors(request: web.Request, handler) -> web.StreamResponse:
-    """An unexpected exception in a handler: a 500 in OpenAI's shape naming an incident
-    id; the traceback goes to the log only. (aiohttp's own HTTP errors pass through.)"""
+    """aiohttp's own errors (no such route 404, wrong method 405 with ``Allow``, a body
+    past its size 413) in OpenAI's shape; an unexpected exception in a handler a 500
+    naming an incident id, the traceback in the log only."""
     try:
         return await handler(request)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = error_response(e.status, f"{request.method} {request.path[:100]}: {e.reason}")
+        if "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
     except Exception:
         return error_response(500, internal_error(f"{request.method} {request.path}"))
 

@@ -25,6 +25,8 @@ class ModelLimits:
     kv_tokens: int  # tokens the smallest instance's KV cache holds (blocks x block size)
 
 
+# the roles a chat message may have (tool and function results need tool calling)
+ROLES = ("system", "developer", "user", "assistant")
 _SAMPLING_FIELDS = (
     "max_tokens",
     "temperature",
@@ -79,6 +81,7 @@ class RequestValidator:
         s = request.sampling
         kwargs = {name: getattr(s, name) for name in _SAMPLING_FIELDS}
         kwargs = {name: value for name, value in kwargs.items() if value is not None}
+        kwargs["top_k"] = 0 if s.top_k == -1 else kwargs.get("top_k", 0)  # -1: off, as vLLM
         kwargs.update(
             stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos
         )
@@ -98,13 +101,26 @@ class RequestValidator:
         if not messages:
             raise InvalidRequest("messages: empty; give at least one message")
         for i, m in enumerate(messages):
-            if not m.role:
-                raise InvalidRequest(f"messages[{i}].role: empty; e.g. user, assistant, system")
+            if m.role not in ROLES:
+                raise InvalidRequest(
+                    f"messages[{i}].role={m.role[:40]!r}: must be one of {', '.join(ROLES)}"
+                )
         if self.tokenizer is None:
             raise InvalidRequest("messages: this model has no tokenizer; send prompt_token_ids")
         try:
             return self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages]
             )
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from e
+        except Exception as e:  # any: the template is code run on the request's messages
+            raise InvalidRequest(_template_error(e)) from e
+
+
+def _template_error(error: Exception) -> str:
+    """A chat template's failure on a request's messages, in one short line: its own
+    ``raise_exception`` text, or the kind of error (jinja2's undefined names, type
+    errors, sandbox refusals, recursion) and its first line."""
+    text = str(error).strip()
+    text = text.splitlines()[0][:200] if text else ""
+    if isinstance(error, ValueError) and text.startswith(("messages:", "chat template:")):
+        return text  # the tokenizer's own, and the template's raise_exception
+    return f"messages: the chat template failed on them ({type(error).__name__}: {text})"

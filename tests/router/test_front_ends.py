@@ -11,8 +11,7 @@ import pytest
 
 from router.client import make_request
 from router.grpc_api import GRPC_STATUS, generate_request, timings_message
-from router.openai_request import BadRequest
-from router.openai_request import generate_request as http_request
+from router.openai_request import BadRequest, read_request
 from router.openai_shapes import HTTP_STATUS
 from router.request import ChatMessage, GenerateRequest, Refusal, SamplingOptions
 from router.stream import Phases, Timings
@@ -47,11 +46,15 @@ def test_timings_become_the_protobuf_message_field_by_field():
     assert list(msg.phases.tokens) == [2.0, 2.5] and msg.phases.prefill_start == 0
 
 
+def http_request(body: dict, chat: bool) -> GenerateRequest:
+    return read_request(body, chat).request
+
+
 def test_openai_bodies_become_core_requests():
     req = http_request({"prompt": [[5, 6]], "temperature": 0, "stop": "x", "seed": 7}, False)
     assert req.prompt_token_ids == [5, 6] and req.sampling.temperature == 0.0
     assert (req.sampling.stop, req.sampling.seed, req.sampling.max_tokens) == (["x"], 7, None)
-    parts = [{"type": "text", "text": "Hi "}, {"type": "image_url"}, {"type": "text", "text": "!"}]
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "!"}]
     chat = http_request({"messages": [{"role": "user", "content": parts}]}, True)
     assert chat.messages == [ChatMessage("user", "Hi !")] and chat.sampling.max_tokens == 512
 
@@ -64,10 +67,13 @@ def test_openai_bodies_become_core_requests():
         ({"prompt": "a", "temperature": "hot"}, "temperature='hot': must be a number"),
         ({"prompt": "a", "stop": [1]}, "stop=[1]: must be a string or a list of strings"),
         ({"prompt": "a", "stop_token_ids": ["a"]}, "stop_token_ids=['a']: must be a list"),
-        ({"prompt": "a", "n": 2}, "n: only 1 is supported"),
+        ({"prompt": "a", "n": 2}, "n=2: not supported (one choice per request)"),
         ({"prompt": ["a", "b"]}, "one string or one list of token ids"),
+        ({"prompt": "a", "logit_bias": None, "nope": None}, "nope: unknown field"),
+        ({"prompt": "a", "stop_token_ids": False}, "stop_token_ids=False: must be a list"),
+        ({"messages": [{"role": "user", "content": "a", "x": None}]}, "messages[0].x: unknown"),
     ],
 )
 def test_openai_bodies_of_the_wrong_types_are_bad_requests(body, needle):
     with pytest.raises(BadRequest, match=re.escape(needle)):
-        http_request(body, chat=False)
+        http_request(body, chat="messages" in body)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.request import GenerateRequest, SamplingOptions
+from router.request import ChatMessage, GenerateRequest, SamplingOptions
 from router.validation import InvalidRequest, ModelLimits, RequestValidator
 
 
@@ -35,3 +35,34 @@ def test_sampling_unset_takes_the_defaults_and_seeds_fit_64_bits(validator):
     huge = GenerateRequest(prompt_token_ids=[5], sampling=SamplingOptions(seed=2**64))
     with pytest.raises(InvalidRequest, match=r"sampling.seed=18446744073709551616: must be in"):
         validator.sampling(huge)
+
+
+TEMPLATES = {
+    "{{ raise_exception('roles must alternate') }}": "chat template: roles must alternate",
+    "{{ messages[0].content.upper().missing.deeper }}": "(UndefinedError: ",
+    "{% for m in messages %}{{ m.content + 1 }}{% endfor %}": "(TypeError: ",
+    "{{ messages.__class__.__subclasses__() }}": "(SecurityError: ",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}": "(RecursionError: ",
+    "{{ messages[0].content.index('zzz') }}": "failed on them (ValueError: substring not found)",
+}
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_a_chat_template_failing_on_the_messages_is_invalid(tmp_path, template):
+    """Whatever a model's template raises on a request's messages refuses that request
+    (INVALID, naming the failure in one line), never the router."""
+    from engine.tokenizer import Tokenizer
+    from tests.tiny_models import save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path)
+    backend = Tokenizer.from_folder(tmp_path, (2,)).backend
+    tokenizer = Tokenizer(backend, 1, (2,), template)
+    limits = ModelLimits(max_context=64, vocab_size=256, kv_tokens=512)
+    request = GenerateRequest(messages=[ChatMessage("user", "hi")])
+    with pytest.raises(InvalidRequest) as err:
+        RequestValidator(tokenizer, limits).prompt_ids(request)
+    message = str(err.value)
+    assert TEMPLATES[template] in message and "\n" not in message and len(message) < 300
+    unknown = GenerateRequest(messages=[ChatMessage("wizard", "hi")])
+    with pytest.raises(InvalidRequest, match="messages.0..role='wizard': must be one of system"):
+        RequestValidator(tokenizer, limits).prompt_ids(unknown)
