@@ -124,13 +124,14 @@ def test_top_k_minus_one_is_off(api, chat_model, client):
     [
         (False, {"logprobs": 21}, "logprobs=21: must be unset or an integer in [0, 20]"),
         (False, {"logprobs": True}, "logprobs=True: must be an integer"),
-        (True, {"logprobs": 2}, "logprobs=2: must be a boolean"),
+        (True, {"logprobs": 2}, "logprobs=2: must be true or false"),
         (True, {"top_logprobs": 2}, "top_logprobs=2: needs logprobs: true"),
         (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs=21: must be an integer"),
         (False, {"presence_penalty": 2.5}, "presence_penalty=2.5: must be a number in [-2, 2]"),
         (True, {"frequency_penalty": "x"}, "frequency_penalty='x': must be a number"),
         (False, {"repetition_penalty": 0}, "repetition_penalty=0.0: must be a number in"),
         (False, {"top_k": -2}, "top_k=-2: must be an integer >= -1"),
+        (False, {"logprobs": 1, "echo": True}, "echo with logprobs: the prompt's logprobs"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(api, chat_model, chat, body, needle):
