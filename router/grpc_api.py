@@ -8,8 +8,8 @@ an instance failed ends with INTERNAL. Health is set by the owner of the server
 (router/server.py): NOT_SERVING from ``start`` until ``set_serving(True)``.
 
 Closed as configured (docs/serving.md, "Authentication, TLS and limits"): with API keys
-the ``GrpcAuth`` interceptor refuses a ``Router`` call without a known key
-(UNAUTHENTICATED) before its handler runs, health stays open; with ``router.tls`` the
+the ``GrpcAuth`` interceptor (router/grpc_gate.py) refuses a ``Router`` call without a
+known key (UNAUTHENTICATED) before its handler runs, health stays open; with ``router.tls`` the
 port speaks TLS only; a message past ``router.max_message_bytes`` either way is refused
 by gRPC (RESOURCE_EXHAUSTED). ``Abort`` ends only a request of the caller's own key.
 
@@ -29,20 +29,19 @@ import functools
 import time
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
 from router import tls as router_tls
-from router.auth import ApiKeys, refusal
+from router.auth import ApiKeys
 from router.core import RouterCore
-from router.incidents import first_line, internal_error, one_line
+from router.grpc_gate import SERVICE_NAME, GrpcAuth, Unparsable, add_router
+from router.incidents import internal_error, one_line
 from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
 from router.stream import Delta, RequestStream, Timings
 
 MAX_MESSAGE_BYTES = 8 * 2**20  # router.max_message_bytes's default
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # pdserve.v1.Router
 GRPC_STATUS = {
     Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Refusal.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
@@ -97,7 +96,7 @@ class GrpcApi:
         self._tls = tls if tls and router_tls.enabled(tls) else None
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        _add_router(RouterService(core, keys), self._server)
+        add_router(RouterService(core, keys), self._server)
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port), NOT_SERVING; the bound port."""
@@ -134,44 +133,6 @@ class GrpcApi:
         await self._server.stop(grace_s)
 
 
-class Unparsable:
-    """A request protobuf could not parse (bad wire bytes, a string that is not UTF-8):
-    its handler answers INVALID_ARGUMENT with ``message``."""
-
-    def __init__(self, type_name: str, error: DecodeError):
-        self.message = f"the request is not a valid {type_name}: {first_line(error)}"
-
-
-def _parser(message_type):
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except DecodeError as e:
-            return Unparsable(message_type.DESCRIPTOR.full_name, e)
-
-    return parse
-
-
-def _add_router(service: RouterService, server) -> None:
-    """Register ``service`` as the generated ``add_RouterServicer_to_server`` does,
-    except that a request protobuf cannot parse reaches its handler as ``Unparsable``
-    (grpc would answer UNKNOWN with the parser's exception text)."""
-    handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name["Router"].methods:
-        request = getattr(pb, method.input_type.name)
-        response = getattr(pb, method.output_type.name)
-        make = grpc.unary_unary_rpc_method_handler
-        if method.server_streaming:
-            make = grpc.unary_stream_rpc_method_handler
-        handlers[method.name] = make(
-            getattr(service, method.name),
-            request_deserializer=_parser(request),
-            response_serializer=response.SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
 async def _abort(context, refused: Refused) -> None:
     """End the call with the refusal's status (and ``retry-after`` when it has one)."""
     trailing = ()
@@ -183,38 +144,6 @@ async def _abort(context, refused: Refused) -> None:
 def _owner(keys: ApiKeys, context) -> str | None:
     """The owner of a call: its ``authorization`` metadata's (router/auth.py)."""
     return keys.owner(dict(context.invocation_metadata() or ()).get("authorization"))
-
-
-class GrpcAuth(grpc.aio.ServerInterceptor):
-    """Refuses (UNAUTHENTICATED) a call to ``pdserve.v1.Router`` without a known key;
-    other services (health) pass."""
-
-    def __init__(self, keys: ApiKeys):
-        self.keys = keys
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return handler
-        metadata = dict(details.invocation_metadata or ())
-        if self.keys.owner(metadata.get("authorization")) is not None:
-            return handler
-        message = refusal("the metadata 'authorization'")
-
-        async def refuse(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        async def refuse_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            yield  # an async generator, as a streaming handler is
-
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                refuse_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer
-        )
 
 
 def _no_tracebacks(handler):
