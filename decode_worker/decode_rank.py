@@ -24,10 +24,12 @@ class DecodeRank(RankActor):
     def ready(self) -> dict:
         return {**super().ready(), "kv_address": self.receiver.address}
 
-    def expect(self, transfer_id: str, block_ids: list[int], src_tp: int, token: str) -> None:
-        """Expect rank 0's reservation, named on the wire by rank 0's ``token``."""
+    def expect(self, transfer_id: str, block_ids: list[int], src_tp: int, token: str,
+               sender: str) -> None:  # fmt: skip
+        """Expect rank 0's reservation, named on the wire by rank 0's ``token``, from the
+        prefill instance ``sender``."""
         src = replace(self.layout, tp_size=src_tp, tp_rank=0)
-        self.receiver.expect(transfer_id, block_ids, src, token=token)
+        self.receiver.expect(transfer_id, block_ids, src, token=token, sender=sender)
 
     def release(self, transfer_id: str) -> None:
         self.receiver.release(transfer_id)

@@ -67,7 +67,8 @@ class DecodeWorker(EngineWorker):
 
             try:
                 ray.get([r.expect.remote(attempt.id, list(dst.block_ids), attempt.prefill_tp,
-                                         dst.token) for r in self.ranks])  # fmt: skip
+                                         dst.token, attempt.prefill)
+                         for r in self.ranks])  # fmt: skip
             except Exception:
                 self.abort([attempt.id])
                 raise
@@ -96,9 +97,9 @@ class DecodeWorker(EngineWorker):
         block_ids = e.blocks.allocate(attempt.id, n)
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
         try:  # the receiver mints the transfer's token: its only name on the wire
-            token = self.receiver.expect(
-                attempt.id, block_ids, src, self.lease_s, ranks=1 + len(self.ranks)
-            )
+            ranks = 1 + len(self.ranks)
+            token = self.receiver.expect(attempt.id, block_ids, src, self.lease_s, ranks,
+                                         sender=attempt.prefill)  # fmt: skip
         except Exception:  # a layout the receiver refuses: nothing stays held
             e.blocks.free(attempt.id)
             raise

@@ -8,7 +8,7 @@ opened). Invariants:
 
 - a proof binds its purpose (``join`` / ``push``) and every field the receiver acts on:
   a join's receiver incarnation, sender name, rank, pair generation and layout; a
-  push's transfer token, source layout and a fresh nonce. Changing any of them breaks
+  push's transfer token, sender name, source layout and a fresh nonce. Changing any of them breaks
   the proof, so a captured one is good only for what it was made for;
 - a receiver takes each proof once (``Seen``): a replay of a captured join (same
   generation) or push (same nonce) is refused;
@@ -67,9 +67,9 @@ def join_proof(secret: bytes, incarnation: str, name: str, rank: int, gen: str,
     return _mac(secret, "pdserve-kv-join", incarnation, name, rank, gen, layout)
 
 
-def push_proof(secret: bytes, token: str, layout: bytes, nonce: bytes) -> bytes:
-    """A grpc Push stream's proof, for transfer ``token``."""
-    return _mac(secret, "pdserve-kv-push", token, layout, nonce)
+def push_proof(secret: bytes, token: str, sender: str, layout: bytes, nonce: bytes) -> bytes:
+    """A grpc Push stream's proof, for transfer ``token`` from instance ``sender``."""
+    return _mac(secret, "pdserve-kv-push", token, sender, layout, nonce)
 
 
 def valid(expected: bytes, given: bytes) -> bool:

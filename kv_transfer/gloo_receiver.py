@@ -47,6 +47,7 @@ class RecvPair:
 
     def __init__(self, join: pb.Join, pg):
         self.key, self.gen = (join.name, join.rank), join.gen
+        self.sender = join.name  # proved by the join (``KVReceiver.claim`` checks it)
         self.layout = KVLayout.from_proto(join.layout)
         self.pg = pg
         self.replaced = False

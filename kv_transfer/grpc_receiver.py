@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import warnings
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -30,6 +31,14 @@ MAX_TOKEN = 64  # most characters of a transfer token
 # The chunk data is read in place from the (read-only) message bytes; torch warns about
 # wrapping a read-only buffer although nothing writes through it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+
+
+@dataclass(eq=False)
+class PushLink:
+    """One proven stream: the link its segments claim through (``KVReceiver.claim``)."""
+
+    sender: str  # the sending instance, as its proof named it
+    peer: str
 
 
 def _read_varint(buf, pos: int) -> tuple[int, int]:
@@ -107,7 +116,7 @@ class GrpcReceiver(KVReceiver):
     def _push(self, chunks, context) -> pb.PushAck:
         """One stream: each segment is checked and written as it arrives; the answer is
         what ``end`` says of this source's share."""
-        key, src, layout, ended = None, 0, None, False
+        key, src, layout, ended, link = None, 0, None, False, None
         status, text = Status.INCOMPLETE, "the stream ended before its END"
         try:
             for head, data in chunks:
@@ -122,17 +131,17 @@ class GrpcReceiver(KVReceiver):
                         transfer_key(head.transfer_id),
                         KVLayout.from_proto(head.src_layout),
                     )
-                    src = layout.tp_rank
+                    src, link = layout.tp_rank, PushLink(head.sender, context.peer())
                 for meta in head.meta:
-                    self._segment(key, src, layout, meta, data, context)
+                    self._segment(key, src, layout, meta, data, link)
                 if head.end:
-                    status, text = self.end(key, src, head.handoff, context)
+                    status, text = self.end(key, src, head.handoff, link)
                     ended = True
         except KVLayoutError as e:
             status, text = Status.REJECTED, str(e)
         finally:  # a stream that ends without its END: the sender died, or gave up
             if key is not None and not ended:
-                self.link_lost(context, src, "the stream ended before its END")
+                self.link_lost(link, src, "the stream ended before its END")
         return pb.PushAck(status=int(status), message=text)
 
     def _unproven(self, head: pb.KVChunk) -> str:
@@ -140,7 +149,7 @@ class GrpcReceiver(KVReceiver):
         if not 0 < len(head.transfer_id) <= MAX_TOKEN or len(head.nonce) != auth.NONCE_BYTES:
             return "the first message names no transfer token and nonce"
         layout = head.src_layout.SerializeToString(deterministic=True)
-        proof = auth.push_proof(self.secret, head.transfer_id, layout, head.nonce)
+        proof = auth.push_proof(self.secret, head.transfer_id, head.sender, layout, head.nonce)
         if not auth.valid(proof, head.proof):
             return "the push does not prove the cluster's secret"
         if not self._seen.first(proof):

@@ -6,8 +6,9 @@ out of the cache into the message bytes (one copy), so the copy runs at the netw
 pace, not in the forward pass. The message is written with its metadata first and its
 data last (``encode_chunk``), so the receiver reads the data in place; the END is the
 stream's last message, and the stream's close brings the receiver's ``PushAck``. The
-first message names the transfer by its destination's token and proves the cluster's
-secret over (token, source layout, a fresh nonce) (``kv_transfer/auth.py``).
+first message names the transfer by its destination's token and this instance, and
+proves the cluster's secret over (token, name, source layout, a fresh nonce)
+(``kv_transfer/auth.py``).
 """
 
 from __future__ import annotations
@@ -172,10 +173,10 @@ class GrpcSender(KVSender):
         head = pb.KVChunk()
         if address not in t.opened:  # the stream's first message names the transfer
             t.opened.add(address)
-            head.transfer_id, head.nonce = t.dst.token, auth.new_nonce()
+            head.transfer_id, head.sender, head.nonce = t.dst.token, self.name, auth.new_nonce()
             self.layout.to_proto(head.src_layout)
-            head.proof = auth.push_proof(self.secret, head.transfer_id,
-                                         head.src_layout.SerializeToString(deterministic=True),
+            layout = head.src_layout.SerializeToString(deterministic=True)
+            head.proof = auth.push_proof(self.secret, head.transfer_id, self.name, layout,
                                          head.nonce)  # fmt: skip
         metas, parts, offset = [], [], 0
         for source, item in items:

@@ -15,13 +15,13 @@ import psutil
 import pytest
 import torch
 
-from kv_transfer import KVPeerError, State, auth, get_transport
+from kv_transfer import KVPeerError, KVTransferError, State, auth, get_transport
 from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.gloo_wire import Kind
 from kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard
-from tests.kv_transfer.test_integrity import NUM_BLOCKS, SRC_IDS, Side
+from tests.kv_transfer.test_integrity import DST_IDS, NUM_BLOCKS, SRC_IDS, Side
 
 OTHER = b"not-the-cluster-secret-0123456789"
 
@@ -55,8 +55,9 @@ def test_proofs_bind_secret_receiver_and_transfer():
     ):
         assert not auth.valid(one, other)
     nonce = auth.new_nonce()
-    push = auth.push_proof(SECRET, "token-a", lay, nonce)
-    assert not auth.valid(push, auth.push_proof(SECRET, "token-b", lay, nonce))
+    push = auth.push_proof(SECRET, "token-a", "prefill-0", lay, nonce)
+    assert not auth.valid(push, auth.push_proof(SECRET, "token-b", "prefill-0", lay, nonce))
+    assert not auth.valid(push, auth.push_proof(SECRET, "token-a", "prefill-1", lay, nonce))
     seen = auth.Seen()
     assert seen.first(push) and not seen.first(push)
     with pytest.raises(ValueError, match="at least 16 bytes"):
@@ -159,14 +160,14 @@ def test_grpc_push_needs_the_secret_once_per_stream():
         raw = lay.SerializeToString(deterministic=True)
         nonce = auth.new_nonce()
         forged = pb.KVChunk(transfer_id="live", nonce=nonce, src_layout=lay,
-                            proof=auth.push_proof(OTHER, "live", raw, nonce))  # fmt: skip
+                            proof=auth.push_proof(OTHER, "live", "", raw, nonce))  # fmt: skip
         forged.meta.add(layer=0, block_offset=0, num_blocks=(1 << 32) - 1, head_start=0,
                         head_end=4)  # fmt: skip
         ack = _push(receiver.address, forged, pb.KVChunk(end=True))
         assert ack.status == pb.PushAck.REJECTED and "secret" in ack.message
         assert receiver.state("live") == State.RESERVED
         proved = pb.KVChunk(transfer_id="live", nonce=nonce, src_layout=lay,
-                            proof=auth.push_proof(SECRET, "live", raw, nonce))  # fmt: skip
+                            proof=auth.push_proof(SECRET, "live", "", raw, nonce))  # fmt: skip
         assert _push(receiver.address, proved).status == pb.PushAck.INCOMPLETE  # taken
         ack = _push(receiver.address, proved)
         assert ack.status == pb.PushAck.REJECTED and "replays" in ack.message
@@ -194,3 +195,30 @@ def test_listening_store_binds_the_interface_given():
 
     tp_store, address = serve_store("127.0.0.1", 0, "127.0.0.1")
     assert _listening(tp_store.port) == ["127.0.0.1"] and address.endswith(f":{tp_store.port}")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "grpc"])
+def test_only_the_expected_sender_feeds_a_reservation(backend):
+    """Bytes for a reservation from another (proven) instance than the one it expects
+    are refused (its END answered REJECTED) without failing it; the expected sender's
+    then land."""
+    side = Side(backend)
+    tr = get_transport(backend)
+    other = tr.sender(layout(), secret=SECRET, checksum=True, name="prefill-1")
+    real = tr.sender(layout(), secret=SECRET, checksum=True, name="prefill-0")
+    receiver = side.receivers[0]
+    try:
+        receiver.expect("t", DST_IDS, layout(), lease_s=30, token="t", sender="prefill-0")
+        cache = shard(reference(layout(), NUM_BLOCKS, 8), layout())
+        other.send_all("t", torch.zeros_like(cache), SRC_IDS, side.dst("t"))
+        with pytest.raises(KVTransferError, match="REJECTED.*expected from 'prefill-0'"):
+            other.finish("t", timeout=20)
+        assert receiver.state("t") == State.RESERVED
+        real.send_all("t", cache, SRC_IDS, side.dst("t"))
+        assert real.finish("t", timeout=20).acks[0].status.name == "OK"
+        assert receiver.wait("t", timeout=20).state == State.LANDED
+        side.check(8)
+    finally:
+        other.close()
+        real.close()
+        side.close()
