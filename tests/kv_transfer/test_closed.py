@@ -222,3 +222,18 @@ def test_only_the_expected_sender_feeds_a_reservation(backend):
         other.close()
         real.close()
         side.close()
+
+
+def test_the_cluster_secret_comes_from_secret_file_or_is_made(tmp_path):
+    from cluster.launcher import kv_secret
+
+    assert len(kv_secret(None)) == 32 and kv_secret(None) != kv_secret(None)
+    good = tmp_path / "kv.secret"
+    good.write_bytes(SECRET + b"\n")
+    assert kv_secret(str(good)) == SECRET
+    short = tmp_path / "short.secret"
+    short.write_bytes(b"0123456789")
+    with pytest.raises(ValueError, match=r"kv_transfer.secret_file=.*holds 10 bytes; allowed: at"):
+        kv_secret(str(short))
+    with pytest.raises(ValueError, match=r"kv_transfer.secret_file=.*cannot be read"):
+        kv_secret(str(tmp_path / "missing"))
