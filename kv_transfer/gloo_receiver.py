@@ -209,9 +209,7 @@ class GlooReceiver(KVReceiver):
         lay = self.layout
         rows = wire.rows(h, lay.num_layers, self.kv_cache.shape[2], lay.num_kv_heads)
         size, per = h[wire.H_AUX], lay.block_bytes(1)
-        for seg, _, offset in rows:
-            if seg.count < 1 or seg.num_heads < 1:
-                raise RuntimeError(f"a segment of {seg.count} blocks, {seg.num_heads} heads")
+        for seg, _, offset in rows:  # rows() bounded each segment's blocks and heads
             if (
                 offset != NOT_PACKED
                 and not 0 <= offset <= size - 2 * seg.count * seg.num_heads * per

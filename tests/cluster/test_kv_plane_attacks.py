@@ -32,7 +32,7 @@ RSS_BOUND = 64 << 20  # the decode process may grow this much while it serves th
 
 @pytest.fixture(scope="module")
 def long_streams(chat_model):
-    work = [([3 + (7 * i + j) % 250 for j in range(40 + 13 * i)], 480) for i in range(8)]
+    work = [([3 + (7 * i + j) % 250 for j in range(40 + 13 * i)], 320) for i in range(6)]
     outs = LLM(chat_model).generate(
         [ids for ids, _ in work],
         [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work],
