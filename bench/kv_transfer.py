@@ -125,12 +125,12 @@ def raw_grpc_cell(peer: Peer, nbytes: int, state: dict):
 def backend_cell(name: str, peer: Peer, sender, cache, src_ids, dst_ids):
     from kv_transfer import KVDestination
 
-    dst = KVDestination([peer.addresses[name]], dst_ids, _layout(), name)
     counter = iter(range(1 << 30))
 
     def once() -> float:
         tid = f"{name}-{next(counter)}"
-        peer.ask(op="expect", backend=name, tid=tid, dst=list(dst_ids))
+        token = peer.ask(op="expect", backend=name, tid=tid, dst=list(dst_ids))["token"]
+        dst = KVDestination([peer.addresses[name]], dst_ids, _layout(), name, token)
         t = time.perf_counter()
         sender.send_all(tid, cache, src_ids, dst)
         sender.finish(tid, timeout=120)
@@ -204,9 +204,14 @@ def main(argv: list[str] | None = None) -> None:
     per_block = 2 * layout.num_layers * layout.block_bytes()
     max_bytes = max(blocks.values()) * per_block
     cache = torch.randn(layout.cache_shape(cache_blocks))
-    peer = Peer(cache_blocks, max_bytes)
+    from kv_transfer.auth import new_secret
+
+    secret = new_secret()
+    peer = Peer(cache_blocks, max_bytes, secret)
     senders = {
-        name: get_transport(name).sender(layout, checksum=args.checksum)
+        name: get_transport(name).sender(
+            layout, secret=secret, bind="127.0.0.1", checksum=args.checksum
+        )
         for name in ("gloo", "grpc")
     }
     state: dict = {}

@@ -38,18 +38,20 @@ def _receiver(args) -> None:
     from concurrent import futures
 
     import grpc
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import PrefixStore
 
     from kv_transfer import get_transport
-    from kv_transfer.gloo_wire import GlooGroup
+    from kv_transfer.gloo_wire import GlooGroup, listening_store
 
     torch.set_num_threads(1)
     layout = _layout()
     cache = torch.zeros(layout.cache_shape(args.cache_blocks))
-    receivers = {name: get_transport(name).receiver(layout, cache) for name in ("gloo", "grpc")}
-    raw_store = TCPStore(
-        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
-    )
+    secret = bytes.fromhex(sys.stdin.readline().strip())  # Peer's first line: never in argv
+    receivers = {
+        name: get_transport(name).receiver(layout, cache, secret=secret, bind="127.0.0.1")
+        for name in ("gloo", "grpc")
+    }
+    raw_store = listening_store("127.0.0.1", 0, datetime.timedelta(seconds=60))
     raw_dst = torch.empty(args.max_bytes, dtype=torch.uint8)
 
     def push(chunks, context):
@@ -82,7 +84,8 @@ def _receiver(args) -> None:
         op = cmd["op"]
         reply: dict = {"ok": True}
         if op == "expect":
-            receivers[cmd["backend"]].expect(cmd["tid"], cmd["dst"], layout, lease_s=120)
+            receiver = receivers[cmd["backend"]]
+            reply["token"] = receiver.expect(cmd["tid"], cmd["dst"], layout, lease_s=120)
         elif op == "wait":
             st = receivers[cmd["backend"]].wait(cmd["tid"], timeout=120)
             reply["bytes"] = st.bytes
@@ -110,7 +113,8 @@ def _receiver(args) -> None:
 # sender (this process)
 # ---------------------------------------------------------------------------------------
 class Peer:
-    def __init__(self, cache_blocks: int, max_bytes: int):
+    def __init__(self, cache_blocks: int, max_bytes: int, secret: bytes):
+        """The receiving process; ``secret``: the KV plane's, sent as its first line."""
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -125,6 +129,8 @@ class Peer:
             stdout=subprocess.PIPE,
             text=True,
         )
+        self.proc.stdin.write(secret.hex() + "\n")
+        self.proc.stdin.flush()
         self.addresses = json.loads(self.proc.stdout.readline())
 
     def ask(self, **cmd) -> dict:

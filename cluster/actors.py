@@ -5,7 +5,8 @@ Rank 0 is the role's worker (``EngineWorker``, ``PrefillWorker``, ``DecodeWorker
 named ``<role>-<index>``; ranks 1..N-1 are the role's rank actors (``RankActor``,
 ``PrefillRank``, ``DecodeRank``) named ``<role>-<index>-rank<r>``, started first so
 that rank 0 gets their handles. They join one torch.distributed world whose store
-rank 0 serves on a port picked on the group's node.
+rank 0 serves on a port picked on the group's node, on the pool's interface
+(``kv["bind"]``, advertised as ``kv["advertise"]``: ``kv_transfer.protocol.endpoint``).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ class InstanceHandles:
     group: object = None  # the placement group (tensor-parallel instances)
 
 
-def _free_port() -> tuple[str, int]:
+def _free_port(bind: str | None, advertise: str | None) -> tuple[str, str, int]:
+    """On the group's node: (interface, advertised address, a port free on it)."""
     import socket
 
-    import ray
+    from kv_transfer.protocol import endpoint
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    bind, advertise = endpoint(bind, advertise)
+    with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as s:
+        s.bind((bind, 0))
+        return bind, advertise, s.getsockname()[1]
 
 
 def start_instance(
@@ -54,7 +57,7 @@ def start_instance(
     cpus, gpus = pool.resources.num_cpus, pool.resources.num_gpus
     threads = max(1, math.floor(cpus))
     options = dict(namespace=NAMESPACE, num_cpus=cpus, num_gpus=gpus, max_restarts=0)
-    setup = () if role == "colocated" else (kv,)
+    setup = () if role == "colocated" else (kv,)  # kv["bind"], ["advertise"]: every role
     worker_cls = ray.remote(classes[role])
     if size == 1:
         handle = worker_cls.options(name=name, max_concurrency=8, **options).remote(
@@ -68,11 +71,12 @@ def start_instance(
     def in_bundle(r: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
 
-    host, port = ray.get(
-        ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=in_bundle(0)).remote()
+    bind, host, port = ray.get(
+        ray.remote(_free_port)
+        .options(num_cpus=0, scheduling_strategy=in_bundle(0))
+        .remote(kv["bind"], kv["advertise"])
     )
-    address = f"{host}:{port}"
-    parallel = {"size": size, "address": address}
+    parallel = {"size": size, "address": f"{host}:{port}", "bind": bind}
     ranks = [
         ray.remote(rank_classes[role])
         .options(

@@ -80,6 +80,15 @@ class PoolConfig:
     kv_blocks: int = spec(2048, at_least(1), "paged KV cache blocks per instance")
     block_size: int = spec(16, at_least(1), "tokens per KV block")
     resources: Resources = spec(factory=Resources)
+    bind: str | None = spec(
+        None,
+        None,
+        "interface this pool's workers listen on (KV receivers, gloo pairs, tensor-parallel "
+        "stores); null: 127.0.0.1 with an embedded Ray, else the node's Ray address",
+    )
+    advertise: str | None = spec(
+        None, None, "address peers are told; null: bind (a wildcard bind: the node's)"
+    )
 
     def engine_config(self, dtype: str, attention_backend: str | None, device: str) -> dict:
         """Keyword arguments of ``engine.EngineConfig`` for one instance of this pool."""
@@ -200,6 +209,12 @@ class KVTransferConfig:
     layerwise: bool = spec(True, None, "send KV layer by layer as the last chunk runs")
     lease_s: float = spec(30.0, above(0), "seconds a KV transfer may make no progress")
     checksum: bool = spec(False, None, "checksum every transferred chunk (receiver verifies)")
+    secret_file: str | None = spec(
+        None,
+        None,
+        "file holding the secret that KV peers prove (at least 16 bytes); null: a new one "
+        "per launch. Set it when pools of separate launches send KV to each other",
+    )
 
 
 @dataclass

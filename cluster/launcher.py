@@ -144,6 +144,25 @@ def launch(
     return cluster
 
 
+def kv_secret(secret_file: str | None) -> bytes:
+    """The secret the KV plane's peers prove (docs/kv_transfer.md, "Closed by default"):
+    the bytes of ``kv_transfer.secret_file``, else a new one. It reaches the workers as an
+    actor argument only: never logged, never in stats."""
+    from kv_transfer.auth import MIN_SECRET_BYTES, new_secret
+
+    if secret_file is None:
+        return new_secret()
+    try:
+        secret = Path(secret_file).expanduser().read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"kv_transfer.secret_file={secret_file!r} cannot be read: "
+                         f"{e.strerror}; allowed: a readable file") from e  # fmt: skip
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"kv_transfer.secret_file={secret_file!r} holds {len(secret)} bytes; "
+                         f"allowed: at least {MIN_SECRET_BYTES}")  # fmt: skip
+    return secret
+
+
 def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
@@ -161,7 +180,7 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     cluster.supervisor = (
         ray.remote(Supervisor)
         .options(name="supervisor", max_concurrency=16, **options)
-        .remote(config.to_dict())
+        .remote(config.to_dict(), kv_secret(config.kv_transfer.secret_file))
     )
     specs = ray.get(cluster.supervisor.start.remote(), timeout=ready_timeout_s)
     cluster.router = (

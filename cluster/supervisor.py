@@ -64,12 +64,13 @@ class Supervised:
 
 
 class Supervisor:
-    def __init__(self, config: dict):
-        """``config``: ``ClusterConfig.to_dict()`` (checked already)."""
+    def __init__(self, config: dict, kv_secret: bytes):
+        """``config``: ``ClusterConfig.to_dict()`` (checked already); ``kv_secret``: what
+        the KV plane's peers prove (``cluster.launcher.kv_secret``)."""
         from cluster.config_loader import load_config
 
         self.config: ClusterConfig = load_config(config)
-        self.kv = config["kv_transfer"]
+        self.kv = {**config["kv_transfer"], "secret": kv_secret}
         self.limits = self.config.supervisor
         self.instances: dict[str, Supervised] = {}
         self.router = None
@@ -87,9 +88,17 @@ class Supervisor:
             device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
             engine = pool.engine_config(config.dtype, config.attention_backend, device)
             for index in range(pool.instances):
-                handles = start_instance(role, index, pool, config.model, engine, self.kv)
+                handles = start_instance(role, index, pool, config.model, engine, self._kv(pool))
                 self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
         return [(s.name, s.role, s.handles.worker) for s in self.instances.values()]
+
+    def _kv(self, pool: PoolConfig) -> dict:
+        """The ``kv`` argument of a pool's workers: ``kv_transfer``'s keys, the secret, and
+        where the pool's workers listen (``bind``: 127.0.0.1 by default on an embedded Ray,
+        whose processes all run here) and what they advertise."""
+        embedded = self.config.ray.address is None
+        bind = pool.bind or ("127.0.0.1" if embedded else None)
+        return {**self.kv, "bind": bind, "advertise": pool.advertise}
 
     def watch(self, router) -> None:
         """Every instance is ready: start pinging them; failures go to ``router``."""
@@ -176,7 +185,7 @@ class Supervisor:
             try:
                 _wait_names_free([s.name, *(f"{s.name}-rank{r}" for r in range(1, _size(s)))])
                 handles = start_instance(
-                    s.role, s.index, s.pool, self.config.model, s.engine, self.kv
+                    s.role, s.index, s.pool, self.config.model, s.engine, self._kv(s.pool)
                 )
                 info = self._wait_ready(handles)
             except Exception as e:  # a start that failed (no resources yet, a crash)

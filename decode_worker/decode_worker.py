@@ -37,7 +37,10 @@ class DecodeWorker(EngineWorker):
     def _setup(self, kv_config: dict) -> None:
         self.layout = cache_layout(self.engine)
         self.transport = get_transport(kv_config["backend"])
-        self.receiver = self.transport.receiver(self.layout, self.engine.runner.kv_cache)
+        self.receiver = self.transport.receiver(
+            self.layout, self.engine.runner.kv_cache, secret=kv_config["secret"],
+            bind=kv_config["bind"], advertise=kv_config["advertise"],
+        )  # fmt: skip
         self.receiver.on_event = lambda outcome: self._post(("landed", outcome))
         self.lease_s = kv_config["lease_s"]
         self.reservations: dict[str, Attempt] = {}
@@ -64,7 +67,8 @@ class DecodeWorker(EngineWorker):
             import ray
 
             try:
-                ray.get([r.expect.remote(attempt.id, list(dst.block_ids), attempt.prefill_tp)
+                ray.get([r.expect.remote(attempt.id, list(dst.block_ids), attempt.prefill_tp,
+                                         dst.token, attempt.prefill)
                          for r in self.ranks])  # fmt: skip
             except Exception:
                 self.abort([attempt.id])
@@ -93,16 +97,16 @@ class DecodeWorker(EngineWorker):
             raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
         block_ids = e.blocks.allocate(attempt.id, n)
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
-        try:
-            self.receiver.expect(
-                attempt.id, block_ids, src, self.lease_s, ranks=1 + len(self.ranks)
-            )
+        try:  # the receiver mints the transfer's token: its only name on the wire
+            ranks = 1 + len(self.ranks)
+            token = self.receiver.expect(attempt.id, block_ids, src, self.lease_s, ranks,
+                                         sender=attempt.prefill)  # fmt: skip
         except Exception:  # a layout the receiver refuses: nothing stays held
             e.blocks.free(attempt.id)
             raise
         self.reservations[attempt.id] = attempt
         self._consumer[attempt.id] = attempt.consumer
-        return KVDestination(self.addresses, block_ids, self.layout, self.transport.name)
+        return KVDestination(self.addresses, block_ids, self.layout, self.transport.name, token)
 
     def _op_landed(self, outcome: Outcome) -> list[Update]:
         attempt = self.reservations.pop(outcome.transfer_id, None)

@@ -30,9 +30,10 @@ class Attempt:
     (or an abort of a finished one) can never be taken for a later try's. A co-located
     instance reads ``id``, ``prompt_ids``, ``params`` and
     ``consumer``; a decode instance's ``reserve`` also ``prefill_tp`` (which prefill ranks
-    send which heads); a prefill instance's ``prefill`` also ``destination`` (the decode
-    instance's answer to ``reserve``, opaque here: the router never reads it) and
-    ``decode`` (that instance's name, for messages).
+    send which heads) and ``prefill`` (the instance that will send the KV: its receiver
+    takes bytes of this transfer from no other); a prefill instance's ``prefill`` also
+    ``destination`` (the decode instance's answer to ``reserve``, opaque here: the router
+    never reads it) and ``decode`` (that instance's name, for messages).
 
     Every instance also reads ``delivered`` and ``delivered_chars``: a request resumed
     after an earlier attempt died mid-stream carries the token ids and the number of
@@ -47,6 +48,7 @@ class Attempt:
     params: SamplingParams
     consumer: str  # whose outbox on the instance gets its updates
     prefill_tp: int = 1
+    prefill: str = ""
     decode: str = ""
     destination: bytes = b""
     delivered: tuple[int, ...] = ()

@@ -10,6 +10,7 @@ every rank runs the forward pass on its shard.
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -81,10 +82,28 @@ def check_degree(cfg, size: int, where: str = "tensor_parallel") -> None:
             )
 
 
-def serve_store(host: str = "127.0.0.1", port: int = 0) -> tuple[torch.distributed.TCPStore, str]:
-    """A store for a new world (kept alive by the caller) and its ``host:port``."""
-    store = torch.distributed.TCPStore(host, port, None, True, TIMEOUT, wait_for_workers=False)
-    return store, f"{host}:{store.port}"
+def serve_store(
+    bind: str = "127.0.0.1", port: int = 0, advertise: str | None = None
+) -> tuple[torch.distributed.TCPStore, str]:
+    """A store for a new world (kept alive by the caller), listening on ``bind`` only,
+    and its ``advertise:port`` (``advertise`` None: ``bind``). torch's stores listen on
+    every interface whatever host they are given, so the socket is bound here and handed
+    over (``master_listen_fd``; the store closes it)."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own stores
+        sock.bind((bind, port))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = torch.distributed.TCPStore(bind, port, None, True, TIMEOUT,
+                                           wait_for_workers=False,
+                                           master_listen_fd=sock.fileno())  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's now
+    return store, f"{advertise or bind}:{port}"
 
 
 def _group(store, rank: int, size: int, host: str, device: str):

@@ -52,8 +52,9 @@ class EngineWorker:
         parallel: dict | None = None,
     ):
         """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts).
-        ``parallel``: ``{"size": N, "address": host:port, "ranks": [handles]}`` makes
-        this rank 0 of a tensor-parallel instance: it serves the world's store there;
+        ``parallel``: ``{"size": N, "address": host:port, "bind": interface, "ranks":
+        [handles]}`` makes this rank 0 of a tensor-parallel instance: it serves the
+        world's store on ``bind`` at that port, advertised as ``address``;
         ranks 1..N-1 are the given actors (``engine.tp_rank.RankActor`` and the pools'
         subclasses)."""
         torch.set_num_threads(max(1, num_threads))
@@ -62,7 +63,7 @@ class EngineWorker:
         tp, self.ranks = SINGLE, []
         if parallel is not None and parallel["size"] > 1:
             host, port = parallel["address"].rsplit(":", 1)
-            self._store, address = serve_store(host, int(port))
+            self._store, address = serve_store(parallel["bind"], int(port), host)
             tp = TensorParallel.join(address, 0, parallel["size"], config.device)
             self.ranks = list(parallel["ranks"])
         self.engine = self.engine_class(model, config, tp)

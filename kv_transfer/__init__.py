@@ -7,10 +7,18 @@ of a request's KV to the transport; ``finish(transfer_id, handoff)`` sends the E
 that its share landed, or raises a ``KVTransferError``; ``abort`` forgets a transfer.
 The source blocks stay untouched until ``finish`` returned.
 
-Decode side, one ``KVReceiver`` per rank, owning its cache: ``expect`` reserves (its
-``address`` goes into the ``KVDestination``); the transfer then lands, fails or expires,
-reported once to ``on_event``; ``release`` takes it out in any state, after which no byte
-of it is written, so the blocks may be freed.
+Decode side, one ``KVReceiver`` per rank, owning its cache: ``expect`` reserves and
+returns the transfer's token (its ``address`` and the token go into the
+``KVDestination``); the transfer then lands, fails or expires, reported once to
+``on_event``; ``release`` takes it out in any state, after which no byte of it is
+written, so the blocks may be freed.
+
+Closed by default (docs/kv_transfer.md), for every backend: both sides take the
+cluster's ``secret`` and listen on ``bind`` only (advertising ``advertise``); a sender
+proves the secret when it opens a link and names a transfer on the wire by the
+destination's token alone; a receiver takes bytes only over proven links, for a
+transfer it expects, from the sender ``expect`` named, and bounds every header field
+before it allocates anything.
 
 Backends by name (``kv_transfer.backend``): ``gloo``, ``nccl``, ``grpc``, or
 ``package.module:attribute`` naming a ``Transport`` (the tests' fault injector).

@@ -1,6 +1,11 @@
-"""Decode side of the ``gloo`` and ``nccl`` backends: a ``TCPStore`` server that senders
-join through, one pair per sender rank (replaced when that sender joins again), each
-read by a pair thread and a completer thread.
+"""Decode side of the ``gloo`` and ``nccl`` backends: a ``TCPStore`` server (on ``bind``
+only) that senders join through, one pair per sender rank (replaced when that sender
+joins again), each read by a pair thread and a completer thread.
+
+A join is taken only with a valid proof of the cluster's secret for this receiver's
+incarnation (``kv_transfer/auth.py``), seen for the first time; anything else is
+refused on the accept thread at once (no group is formed, no pair is touched) and
+logged with the name it claimed.
 
 The pair thread reads headers in order and posts each batch's receives as soon as its
 header arrives (its pack into staging, its direct segments straight into the cache where
@@ -22,18 +27,19 @@ import time
 import uuid
 
 import torch
-from torch.distributed import PrefixStore, QueueEmptyError, TCPStore
+from torch.distributed import PrefixStore, QueueEmptyError
 
+from kv_transfer import auth
 from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.gloo_wire import FOREVER, NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
 from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.protocol import kv_host
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.segment import BufferPool, typed
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02  # how often the accept thread looks for joins (and for close())
+MAX_JOIN = 4096  # most bytes of a join taken off the queue
 
 
 class RecvPair:
@@ -41,6 +47,7 @@ class RecvPair:
 
     def __init__(self, join: pb.Join, pg):
         self.key, self.gen = (join.name, join.rank), join.gen
+        self.sender = join.name  # proved by the join (``KVReceiver.claim`` checks it)
         self.layout = KVLayout.from_proto(join.layout)
         self.pg = pg
         self.replaced = False
@@ -61,23 +68,24 @@ class GlooReceiver(KVReceiver):
     backend = "gloo"
     group = GlooGroup
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str | None = None,
-                 port=0, connect_timeout=30.0, slots=4, pack_bytes=4 << 20, **kwargs):  # fmt: skip
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, port=0, connect_timeout=30.0,
+                 slots=4, pack_bytes=4 << 20, **kwargs):  # fmt: skip
         if kv_cache.device.type != self.group.device_type:
             raise KVLayoutError(f"the {self.backend} backend needs a {self.group.device_type} "
                                 f"cache, got {kv_cache.device}")  # fmt: skip
         super().__init__(layout, kv_cache, **kwargs)
         self.slots, self.pack_bytes = slots, pack_bytes
         self.pool = BufferPool(kv_cache.device)
-        self.host = host or kv_host()
         self.connect_timeout = datetime.timedelta(seconds=connect_timeout)
-        self._store = TCPStore(self.host, port, None, True, datetime.timedelta(seconds=60),
-                               wait_for_workers=False)  # fmt: skip
-        card = pb.ReceiverCard(backend=self.backend, incarnation=uuid.uuid4().hex[:12],
+        self._store = wire.listening_store(self.bind, port, datetime.timedelta(seconds=60))
+        self.incarnation = uuid.uuid4().hex
+        card = pb.ReceiverCard(backend=self.backend, incarnation=self.incarnation,
                                pack_bytes=pack_bytes)  # fmt: skip
         layout.to_proto(card.layout)
         self._store.set("kv/receiver", card.SerializeToString())
-        self._address = f"{self.host}:{self._store.port}"
+        self._address = self._address_of(self._store.port)
+        self._seen = auth.Seen()
+        self.refused = 0  # joins refused so far
         self._pairs: dict[tuple[str, int], RecvPair] = {}
         self._pairs_lock = threading.Lock()
         self.generations: dict[tuple[str, int], int] = {}  # joins seen per sender rank
@@ -113,13 +121,19 @@ class GlooReceiver(KVReceiver):
                     log.error("KV receiver %s: join queue failed: %s", self._address, e)
                 return
             try:
-                join = pb.Join.FromString(raw)
-                KVLayout.from_proto(join.layout).check_compatible(self.layout)
-                prefix = f"pair/{join.name}/{join.rank}/{join.gen}"
-                pg = self.group.make_group(PrefixStore(prefix, store), 1, self.host,
-                                           self.connect_timeout)  # fmt: skip
+                join = self._check_join(raw)
             except Exception as e:  # noqa: BLE001 - a bad join must not stop the loop
-                log.warning("KV receiver %s: join %r refused: %s", self._address, raw[:200], e)
+                self.refused += 1
+                log.warning("KV receiver %s: join refused (%d so far): %s", self._address,
+                            self.refused, e)  # fmt: skip
+                continue
+            try:
+                prefix = f"pair/{join.name}/{join.rank}/{join.gen}"
+                pg = self.group.make_group(PrefixStore(prefix, store), 1, self.advertise,
+                                           self.connect_timeout)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - the sender went away meanwhile
+                log.warning("KV receiver %s: pair with %s rank %d not formed: %s",
+                            self._address, join.name[:64], join.rank, e)  # fmt: skip
                 continue
             pair = RecvPair(join, pg)
             with self._pairs_lock:
@@ -129,6 +143,23 @@ class GlooReceiver(KVReceiver):
                 old.replaced = True
                 old.break_()
             self._threads.append(self._thread(self._serve, f"pair-{join.name}-{join.rank}", pair))
+
+    def _check_join(self, raw: bytes) -> pb.Join:
+        """The join in ``raw`` when it proves the secret for this incarnation, for the
+        first time, with a layout that fits; else a ValueError saying why."""
+        if len(raw) > MAX_JOIN:
+            raise ValueError(f"a join of {len(raw)} bytes; allowed: up to {MAX_JOIN}")
+        join = pb.Join.FromString(raw)
+        who = f"{join.name[:64]!r} rank {join.rank}"
+        layout = join.layout.SerializeToString(deterministic=True)
+        proof = auth.join_proof(self.secret, self.incarnation, join.name, join.rank, join.gen,
+                                layout)  # fmt: skip
+        if not auth.valid(proof, join.proof):
+            raise ValueError(f"join from {who} does not prove the cluster's secret")
+        if not self._seen.first(proof):
+            raise ValueError(f"join from {who} replays generation {join.gen[:32]!r}")
+        KVLayout.from_proto(join.layout).check_compatible(self.layout)
+        return join
 
     def _serve(self, pair: RecvPair) -> None:
         done: queue.SimpleQueue = queue.SimpleQueue()
@@ -175,11 +206,10 @@ class GlooReceiver(KVReceiver):
     def _post_batch(self, pair: RecvPair, h: list[int]):
         """Check a DATA header, post its pack's receive, then claim the direct segments and
         post their K and V receives, in the order the sender sends them."""
-        rows, size = wire.rows(h), h[wire.H_AUX]
-        per = self.layout.block_bytes(1)
-        for seg, _, offset in rows:
-            if seg.count < 1 or seg.num_heads < 1:
-                raise RuntimeError(f"a segment of {seg.count} blocks, {seg.num_heads} heads")
+        lay = self.layout
+        rows = wire.rows(h, lay.num_layers, self.kv_cache.shape[2], lay.num_kv_heads)
+        size, per = h[wire.H_AUX], lay.block_bytes(1)
+        for seg, _, offset in rows:  # rows() bounded each segment's blocks and heads
             if (
                 offset != NOT_PACKED
                 and not 0 <= offset <= size - 2 * seg.count * seg.num_heads * per

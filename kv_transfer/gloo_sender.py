@@ -7,6 +7,10 @@ A pair is rebuilt when it broke, and, on a transfer's first use of a pair idle f
 names another incarnation). A restarted receiver on a recently used pair is found by the
 transfer's first send failing: nothing of the transfer went there yet, so it joins the
 new receiver and sends again.
+
+A join carries a proof of the cluster's secret for the incarnation on the receiver's
+card (``kv_transfer/auth.py``) and a new generation each time; this side's pair device
+listens on ``bind`` only.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
+from kv_transfer import auth
 from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.gloo_wire import NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
 from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.protocol import KVPeerError, KVTransferError, KVTransferTimeout, Status, kv_host
+from kv_transfer.protocol import KVPeerError, KVTransferError, KVTransferTimeout, Status
 from kv_transfer.segment import Source, typed
 from kv_transfer.sender import Ack, KVSender, Outgoing
 
@@ -70,7 +75,7 @@ class GlooSender(KVSender):
     group = GlooGroup
     outgoing = GlooOutgoing
 
-    def __init__(self, layout: KVLayout, *, host: str | None = None, connect_timeout=30.0,
+    def __init__(self, layout: KVLayout, *, connect_timeout=30.0,
                  pack_below=128 << 10, pack_bytes=4 << 20, pack_window=4, verify_idle_s=1.0,
                  batch_bytes: int | None = None, **kwargs):  # fmt: skip
         self.device_type = self.group.device_type
@@ -82,7 +87,6 @@ class GlooSender(KVSender):
         # data under one header (None: as much as fits); 4 MiB with checksums by default,
         # since the sums are taken before the header goes and checked once the batch landed
         self.batch_bytes = 4 << 20 if batch_bytes is None and self.checksum else batch_bytes
-        self.host = host or kv_host()
         self.connect_timeout = datetime.timedelta(seconds=connect_timeout)
         self._pairs: dict[str, SendPair] = {}
         self._pairs_lock = threading.Lock()
@@ -114,13 +118,21 @@ class GlooSender(KVSender):
                                 f"the destination lists it as rank {dst_rank}")  # fmt: skip
         if card.backend != self.backend:
             raise KVPeerError(f"KV receiver {address} runs {card.backend!r}, not {self.backend!r}")
-        join = pb.Join(name=self.name, rank=self.layout.tp_rank, gen=uuid.uuid4().hex[:12])
+        join = pb.Join(name=self.name, rank=self.layout.tp_rank, gen=uuid.uuid4().hex)
         self.layout.to_proto(join.layout)
+        join.proof = auth.join_proof(
+            self.secret,
+            card.incarnation,
+            join.name,
+            join.rank,
+            join.gen,
+            join.layout.SerializeToString(deterministic=True),
+        )
         store.queue_push("kv/joins", join.SerializeToString())
         prefix = f"pair/{join.name}/{join.rank}/{join.gen}"
         try:
             pg = self.group.make_group(
-                PrefixStore(prefix, store), 0, self.host, self.connect_timeout
+                PrefixStore(prefix, store), 0, self.advertise, self.connect_timeout
             )
         except Exception as e:  # noqa: BLE001
             raise KVPeerError(f"cannot form a group with KV receiver {address}: {e}") from e

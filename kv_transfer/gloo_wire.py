@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import socket
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -68,14 +69,27 @@ def put_row(h: list[int], i: int, seg: Segment, total: int | None, offset: int) 
     h[H_NSEGS] = max(h[H_NSEGS], i + 1)
 
 
-def rows(h: list[int]) -> list[tuple[Segment, int | None, int]]:
-    """The (segment, checksum or None, pack offset) rows of a DATA header."""
+def rows(h: list[int], num_layers: int, max_blocks: int,
+         num_heads: int) -> list[tuple[Segment, int | None, int]]:  # fmt: skip
+    """The (segment, checksum or None, pack offset) rows of a DATA header, each checked
+    against the receiver's cache before anything is allocated for it: a layer of its
+    ``num_layers``, 1 to ``max_blocks`` blocks (its cache's), heads inside the model's
+    ``num_heads``. A RuntimeError names the row, the field, its value and the bound."""
     n = h[H_NSEGS]
     if not 0 < n <= MAX_SEGS:
-        raise RuntimeError(f"header announces {n} segments")
+        raise RuntimeError(f"header announces {n} segments; allowed: 1 to {MAX_SEGS}")
     out = []
     for i in range(n):
         r = h[HEAD + ROW * i : HEAD + ROW * (i + 1)]
+        for name, value, low, high in (
+            ("layer", r[S_LAYER], 0, num_layers - 1),
+            ("start", r[S_START], 0, max_blocks - 1),
+            ("count", r[S_COUNT], 1, max_blocks),
+            ("head_start", r[S_HEAD0], 0, num_heads - 1),
+            ("head_end", r[S_HEAD1], r[S_HEAD0] + 1, num_heads),
+        ):
+            if not low <= value <= high:
+                raise RuntimeError(f"header row {i}: {name}={value}; allowed: {low} to {high}")
         seg = Segment(r[S_LAYER], r[S_START], r[S_COUNT], (r[S_HEAD0], r[S_HEAD1]))
         out.append((seg, r[S_SUM] & ((1 << 64) - 1) if r[S_HAS_SUM] else None, r[S_OFFSET]))
     return out
@@ -201,6 +215,26 @@ def abort(pg) -> None:
     if pg is not None:
         with contextlib.suppress(Exception):  # already gone
             pg.abort()
+
+
+def listening_store(bind: str, port: int, timeout: datetime.timedelta):
+    """A ``TCPStore`` server listening on ``bind`` only. torch's stores (libuv or not)
+    listen on every interface whatever host they are given, so the socket is bound here
+    and handed over (``master_listen_fd``: the store keeps it as it is, and closes it)."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own stores
+        sock.bind((bind, port))
+        sock.listen(128)
+        store = TCPStore(bind, sock.getsockname()[1], None, True, timeout,
+                         wait_for_workers=False, master_listen_fd=sock.fileno())  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's now
+    return store
 
 
 def split_address(address: str) -> tuple[str, int]:

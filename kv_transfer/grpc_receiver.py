@@ -1,25 +1,44 @@
-"""Decode side of the ``grpc`` backend: a ``KVTransfer`` server writing each chunk's
-segments into the cache as they arrive; one stream is one transfer from one source rank,
-its END the last message, its answer the ``PushAck``."""
+"""Decode side of the ``grpc`` backend: a ``KVTransfer`` server (on ``bind`` only)
+writing each chunk's segments into the cache as they arrive; one stream is one transfer
+from one source rank, its END the last message, its answer the ``PushAck``.
+
+A stream's first message names the transfer by its token and proves the cluster's
+secret over (token, source layout, nonce) (``kv_transfer/auth.py``); a stream without a
+valid proof seen for the first time is answered REJECTED before any of its segments is
+looked at, and logged with its peer: no transfer is touched."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import torch
 
+from kv_transfer import auth
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.grpc_sender import CHANNEL_OPTIONS
 from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.protocol import KVPeerError, KVTransferError, Status, kv_host, transfer_key
+from kv_transfer.protocol import KVPeerError, KVTransferError, Status, transfer_key
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.segment import Segment
+
+log = logging.getLogger(__name__)
+MAX_TOKEN = 64  # most characters of a transfer token
 
 # The chunk data is read in place from the (read-only) message bytes; torch warns about
 # wrapping a read-only buffer although nothing writes through it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+
+
+@dataclass(eq=False)
+class PushLink:
+    """One proven stream: the link its segments claim through (``KVReceiver.claim``)."""
+
+    sender: str  # the sending instance, as its proof named it
+    peer: str
 
 
 def _read_varint(buf, pos: int) -> tuple[int, int]:
@@ -63,8 +82,8 @@ class GrpcReceiver(KVReceiver):
 
     backend = "grpc"
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str | None = None,
-                 port: int = 0, workers: int = 32, **kwargs):  # fmt: skip
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, port: int = 0,
+                 workers: int = 32, **kwargs):  # fmt: skip
         super().__init__(layout, kv_cache, **kwargs)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-grpc"),
@@ -81,11 +100,13 @@ class GrpcReceiver(KVReceiver):
                 ),
             )
         )
-        host = host or kv_host()
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        wrap = (lambda h: f"[{h}]") if ":" in self.bind else (lambda h: h)
+        bound = self._server.add_insecure_port(f"{wrap(self.bind)}:{port}")
         if not bound:
-            raise KVPeerError(f"KV receiver cannot listen on {host}:{port}")
-        self._address = f"{host}:{bound}"
+            raise KVPeerError(f"KV receiver cannot listen on {self.bind}:{port}")
+        self._address = self._address_of(bound)
+        self._seen = auth.Seen()
+        self.refused = 0  # streams refused so far
         self._server.start()
 
     @property
@@ -95,27 +116,45 @@ class GrpcReceiver(KVReceiver):
     def _push(self, chunks, context) -> pb.PushAck:
         """One stream: each segment is checked and written as it arrives; the answer is
         what ``end`` says of this source's share."""
-        key, src, layout, ended = None, 0, None, False
+        key, src, layout, ended, link = None, 0, None, False, None
         status, text = Status.INCOMPLETE, "the stream ended before its END"
         try:
             for head, data in chunks:
                 if key is None:
+                    if problem := self._unproven(head):
+                        self.refused += 1
+                        log.warning("KV receiver %s: push from %s refused (%d so far): %s",
+                                    self._address, context.peer(), self.refused,
+                                    problem)  # fmt: skip
+                        return pb.PushAck(status=int(Status.REJECTED), message=problem)
                     key, layout = (
                         transfer_key(head.transfer_id),
                         KVLayout.from_proto(head.src_layout),
                     )
-                    src = layout.tp_rank
+                    src, link = layout.tp_rank, PushLink(head.sender, context.peer())
                 for meta in head.meta:
-                    self._segment(key, src, layout, meta, data, context)
+                    self._segment(key, src, layout, meta, data, link)
                 if head.end:
-                    status, text = self.end(key, src, head.handoff, context)
+                    status, text = self.end(key, src, head.handoff, link)
                     ended = True
         except KVLayoutError as e:
             status, text = Status.REJECTED, str(e)
         finally:  # a stream that ends without its END: the sender died, or gave up
             if key is not None and not ended:
-                self.link_lost(context, src, "the stream ended before its END")
+                self.link_lost(link, src, "the stream ended before its END")
         return pb.PushAck(status=int(status), message=text)
+
+    def _unproven(self, head: pb.KVChunk) -> str:
+        """Why a stream's first message does not open a push ("" when it does)."""
+        if not 0 < len(head.transfer_id) <= MAX_TOKEN or len(head.nonce) != auth.NONCE_BYTES:
+            return "the first message names no transfer token and nonce"
+        layout = head.src_layout.SerializeToString(deterministic=True)
+        proof = auth.push_proof(self.secret, head.transfer_id, head.sender, layout, head.nonce)
+        if not auth.valid(proof, head.proof):
+            return "the push does not prove the cluster's secret"
+        if not self._seen.first(proof):
+            return "the push replays another stream's proof"
+        return ""
 
     def _segment(self, key, src, layout, meta: pb.KVChunkMeta, data: memoryview, link) -> None:
         seg = Segment(

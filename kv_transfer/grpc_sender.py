@@ -5,7 +5,10 @@ ready, several to a ``KVChunk`` of up to ``chunk_bytes``, reading the blocks str
 out of the cache into the message bytes (one copy), so the copy runs at the network's
 pace, not in the forward pass. The message is written with its metadata first and its
 data last (``encode_chunk``), so the receiver reads the data in place; the END is the
-stream's last message, and the stream's close brings the receiver's ``PushAck``.
+stream's last message, and the stream's close brings the receiver's ``PushAck``. The
+first message names the transfer by its destination's token and this instance, and
+proves the cluster's secret over (token, name, source layout, a fresh nonce)
+(``kv_transfer/auth.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from kv_transfer import auth
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.layout import KVLayout
 from kv_transfer.protocol import KVPeerError, KVTransferTimeout, Status
@@ -169,8 +173,11 @@ class GrpcSender(KVSender):
         head = pb.KVChunk()
         if address not in t.opened:  # the stream's first message names the transfer
             t.opened.add(address)
-            head.transfer_id = t.transfer_id
+            head.transfer_id, head.sender, head.nonce = t.dst.token, self.name, auth.new_nonce()
             self.layout.to_proto(head.src_layout)
+            layout = head.src_layout.SerializeToString(deterministic=True)
+            head.proof = auth.push_proof(self.secret, head.transfer_id, self.name, layout,
+                                         head.nonce)  # fmt: skip
         metas, parts, offset = [], [], 0
         for source, item in items:
             if source is None:  # the END

@@ -10,12 +10,13 @@ transfer and what went wrong.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.layout import KVLayout, KVLayoutError
+
+WILDCARDS = ("0.0.0.0", "::", "")  # bind addresses that listen on every interface
 
 
 class KVTransferError(RuntimeError):
@@ -59,31 +60,40 @@ def status_of(error: KVTransferError) -> Status:
     return Status.UNKNOWN if isinstance(error, KVTransferTimeout) else Status.REJECTED
 
 
-def kv_host() -> str:
-    """The address a worker's KV endpoints listen on and advertise: ``PDSERVE_KV_HOST``,
-    else Ray's address of this node (in a Ray worker), else loopback."""
-    if "PDSERVE_KV_HOST" in os.environ:
-        return os.environ["PDSERVE_KV_HOST"]
-    import ray
+def endpoint(bind: str | None = None, advertise: str | None = None) -> tuple[str, str]:
+    """(the interface a worker's KV endpoints listen on, the address peers are told).
 
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    ``bind`` None: this node's Ray address in a Ray worker, else loopback (the cluster
+    passes 127.0.0.1 for an embedded Ray, cluster/supervisor.py). ``advertise`` None:
+    ``bind``, or the node's Ray address when ``bind`` is a wildcard (0.0.0.0, ::)."""
+    node = None
+    if bind is None or (advertise is None and bind in WILDCARDS):
+        import ray
+
+        node = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    bind = bind or node
+    return bind, advertise or (node if bind in WILDCARDS else bind)
 
 
-def transfer_key(transfer_id: str) -> int:
-    """A 63-bit integer naming a transfer id (the gloo/nccl header has no strings)."""
-    digest = hashlib.blake2b(transfer_id.encode(), digest_size=8).digest()
+def transfer_key(token: str) -> int:
+    """A 63-bit integer naming a transfer's token (the gloo/nccl header has no strings)."""
+    digest = hashlib.blake2b(token.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True)
 class KVDestination:
     """The decode side of one transfer: its ranks' receiver addresses (index = decode
-    tensor-parallel rank), the blocks it reserved, and its pool layout."""
+    tensor-parallel rank), the blocks it reserved, its pool layout, and the transfer's
+    ``token``: its name on the wire, minted by the receiver (``KVReceiver.expect``), 128
+    random bits, never derived from a request id, so that only whoever was given this
+    destination can name the transfer."""
 
     addresses: tuple[str, ...]
     block_ids: tuple[int, ...]
     layout: KVLayout
     backend: str = "gloo"
+    token: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "addresses", tuple(self.addresses))
@@ -100,12 +110,13 @@ class KVDestination:
         msg.block_ids.extend(self.block_ids)
         self.layout.to_proto(msg.layout)
         msg.backend = self.backend
+        msg.token = self.token
         return msg
 
     @classmethod
     def from_proto(cls, msg: pb.KVDestination) -> KVDestination:
         layout = KVLayout.from_proto(msg.layout)
-        return cls(tuple(msg.addresses), tuple(msg.block_ids), layout, msg.backend)
+        return cls(tuple(msg.addresses), tuple(msg.block_ids), layout, msg.backend, msg.token)
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString()

@@ -14,6 +14,14 @@ rank starts it, each one renews it. LANDED, FAILED and EXPIRED are reported once
 ``Outcome``, to ``on_event`` on the receiver's own thread; claims are refused from then
 on. Rank 0 of a tensor-parallel instance expects ``ranks`` parts: its own and a report
 from each other rank (``rank_event``).
+
+Closed by default (docs/kv_transfer.md): a backend listens on ``bind`` only and tells
+peers ``advertise``; it takes bytes only from a sender that proved the cluster's
+``secret`` (``kv_transfer/auth.py``) and only for a transfer it expects, named on the
+wire by the ``token`` that ``expect`` minted (never the transfer id), from the sending
+instance ``expect`` names (a link's ``sender``, proved by its handshake); and it checks
+every header field against the reservation and the layout before it allocates or
+receives anything. A refused sender is logged and does not disturb the others.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from enum import Enum
 import numpy as np
 import torch
 
+from kv_transfer.auth import check_secret, new_token
 from kv_transfer.layout import HeadRoute, KVLayout, KVLayoutError, routes_into
 from kv_transfer.protocol import (
     Handoff,
@@ -37,6 +46,7 @@ from kv_transfer.protocol import (
     KVTransferError,
     KVTransferTimeout,
     Status,
+    endpoint,
     status_of,
     transfer_key,
 )
@@ -78,6 +88,7 @@ class Transfer:
     have: np.ndarray
     lease_s: float | None
     others: int  # other ranks still to report (rank 0)
+    sender: str = ""  # the only sending instance whose links may feed it ("": any)
     state: State = State.RESERVED
     deadline: float | None = None
     ended: set[int] = field(default_factory=set)  # source ranks whose END arrived
@@ -132,8 +143,14 @@ class Claim:
 class KVReceiver:
     backend = ""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, stuck_s: float = 5.0):
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, secret: bytes,
+                 bind: str | None = None, advertise: str | None = None,
+                 stuck_s: float = 5.0):  # fmt: skip
+        """``secret``: the cluster's (``kv_transfer/auth.py``); ``bind``: the interface the
+        backend listens on, ``advertise``: the address in ``address`` (``endpoint``)."""
         layout.check_cache(kv_cache)
+        self.secret = check_secret(secret)
+        self.bind, self.advertise = endpoint(bind, advertise)
         self.layout, self.kv_cache = layout, kv_cache
         self.layer_caches = [layer.unbind(0) for layer in kv_cache.unbind(0)]  # [layer][kv]
         self.stuck_s = stuck_s  # how long a release waits for a write in progress
@@ -153,10 +170,20 @@ class KVReceiver:
     def address(self) -> str:
         raise NotImplementedError
 
+    def _address_of(self, port: int) -> str:
+        """``advertise:port`` (an IPv6 address in brackets)."""
+        return f"[{self.advertise}]:{port}" if ":" in self.advertise else f"{self.advertise}:{port}"
+
     # -- the owner (the decode instance) ------------------------------------------------
-    def expect(self, transfer_id, dst_block_ids, src_layout: KVLayout, lease_s=None, ranks=1):
+    def expect(self, transfer_id, dst_block_ids, src_layout: KVLayout, lease_s=None, ranks=1,
+               token: str | None = None, sender: str = "") -> str:  # fmt: skip
         """Reserve: the i-th source block lands in ``dst_block_ids[i]``; ``ranks`` parts
-        (this rank's and ``ranks - 1`` reports through ``rank_event``) make it land."""
+        (this rank's and ``ranks - 1`` reports through ``rank_event``) make it land.
+        Returns the transfer's ``token`` (``KVDestination.token``): minted here, or the
+        one given (rank 0's, for the other ranks of a tensor-parallel instance).
+        ``sender``: the prefill instance whose links alone may feed it (a link's
+        ``sender`` is the name its handshake proved); "" takes any proven link."""
+        token = token or new_token()
         src_layout.check_compatible(self.layout)
         ids = tuple(int(b) for b in dst_block_ids)
         if bad := [b for b in ids if not 0 <= b < self.kv_cache.shape[2]]:
@@ -166,13 +193,14 @@ class KVReceiver:
             raise KVLayoutError(f"transfer {transfer_id!r}: destination blocks repeat: {ids}")
         routes = {r.src_rank: r for r in routes_into(self.layout, src_layout.tp_size)}
         have = np.zeros((len(routes), self.layout.num_layers, len(ids)), dtype=bool)
-        t = Transfer(transfer_id, transfer_key(transfer_id), ids, src_layout.tp_size, routes,
-                     have, lease_s, ranks - 1)  # fmt: skip
+        t = Transfer(transfer_id, transfer_key(token), ids, src_layout.tp_size, routes,
+                     have, lease_s, ranks - 1, sender)  # fmt: skip
         with self._cond:
             if transfer_id in self._by_id or t.key in self._by_key:
                 raise KVTransferError(f"transfer {transfer_id!r} is already expected")
             self._by_id[transfer_id], self._by_key[t.key] = t, t
             self._recent.pop(t.key, None)
+        return token
 
     def release(self, transfer_id: str) -> Outcome | None:
         """Take a transfer out of the book, whatever its state; None when it is not in.
@@ -236,6 +264,8 @@ class KVReceiver:
             t = self._by_key.get(key)
             if t is None or not t.live:
                 return None, *self._status(t, key, src_rank)
+            if problem := self._stranger(t, link):
+                return None, Status.REJECTED, problem
             if problem := self._misfit(t, src_rank, src_layout, segs):
                 self._finish(t, State.FAILED, KVTransferError(
                     f"transfer {t.transfer_id!r} rejected: {problem}"))  # fmt: skip
@@ -299,6 +329,8 @@ class KVReceiver:
         acknowledge. A source whose share is incomplete at its END fails the transfer."""
         with self._cond:
             t = self._by_key.get(key)
+            if t is not None and t.live and (problem := self._stranger(t, link)):
+                return Status.REJECTED, problem
             if t is not None and t.live:
                 t.links.add(link)
                 if src_rank not in t.routes:
@@ -330,6 +362,16 @@ class KVReceiver:
                         f"KV transfer {t.transfer_id!r}: connection lost ({why})"))  # fmt: skip
 
     # -- internals (lock held) ------------------------------------------------------------
+    def _stranger(self, t: Transfer, link) -> str:
+        """Why ``link`` may not feed ``t`` ("" when it may): it proved another sender's
+        name. Refused without failing ``t``: the expected sender may still come."""
+        sender = getattr(link, "sender", "")
+        if t.sender and sender != t.sender:
+            log.warning("KV transfer %r: bytes from %r refused, it expects %r", t.transfer_id,
+                        sender[:64], t.sender)  # fmt: skip
+            return f"this transfer is expected from {t.sender!r}, not {sender[:64]!r}"
+        return ""
+
     def _misfit(self, t: Transfer, src_rank: int, src_layout: KVLayout, segs) -> str:
         """Why segments from ``src_rank`` do not belong in ``t`` ("" when they do)."""
         try:

@@ -3,6 +3,11 @@ checks, ``Segment``s per destination rank, each transfer's state (``Outgoing``, 
 backend subclasses). A backend implements the steps every transfer goes through, which
 are also where a test transport injects faults: ``_post``, ``_end``, ``_acks``,
 ``_disconnect`` (and ``_sum``, the checksum). The contract: ``kv_transfer/__init__.py``.
+
+Closed by default (docs/kv_transfer.md): a sender proves the cluster's ``secret`` when it
+opens a link (a gloo join, a grpc stream; ``kv_transfer/auth.py``), names a transfer on
+the wire by its destination's ``token`` only, and listens (gloo's pair device) on
+``bind`` only.
 """
 
 from __future__ import annotations
@@ -16,8 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kv_transfer.auth import check_secret
 from kv_transfer.layout import HeadRoute, KVLayout, KVLayoutError, routes_from
-from kv_transfer.protocol import Handoff, KVDestination, KVTransferError, Status, transfer_key
+from kv_transfer.protocol import (
+    Handoff,
+    KVDestination,
+    KVTransferError,
+    Status,
+    endpoint,
+    transfer_key,
+)
 from kv_transfer.segment import BufferPool, Segment, Source, checksum, plan_positions
 
 
@@ -60,9 +73,15 @@ class KVSender(ABC):
     device_type: str | None = "cpu"  # the caches it sends from (None: any device)
     outgoing = Outgoing
 
-    def __init__(self, layout: KVLayout, *, checksum=False, name: str | None = None,
+    def __init__(self, layout: KVLayout, *, secret: bytes, bind: str | None = None,
+                 advertise: str | None = None, checksum=False, name: str | None = None,
                  part_bytes=4 << 20, min_run=4):  # fmt: skip
+        """``secret``: the cluster's (``kv_transfer/auth.py``); ``bind``/``advertise``:
+        this worker's interface and address (``protocol.endpoint``), for a backend whose
+        sending side listens too (gloo's pair device, on ``advertise``)."""
         self.layout, self.checksum = layout, checksum
+        self.secret = check_secret(secret)
+        self.bind, self.advertise = endpoint(bind, advertise)
         self.name = name or f"sender-{uuid.uuid4().hex[:8]}"
         self.part_bytes = part_bytes  # most bytes of K (or of V) in one segment
         self.min_run = min_run
@@ -189,7 +208,10 @@ class KVSender(ABC):
             t = self._transfers.get(transfer_id)
             if t is None:
                 self.layout.check_compatible(dst.layout)
-                t = self.outgoing(transfer_id, transfer_key(transfer_id), dst)
+                if not dst.token:
+                    raise KVLayoutError(f"transfer {transfer_id!r}: the destination has no "
+                                        "token (KVReceiver.expect mints it)")  # fmt: skip
+                t = self.outgoing(transfer_id, transfer_key(dst.token), dst)
                 self._transfers[transfer_id] = t
             elif t.dst != dst:
                 raise KVTransferError(f"transfer {transfer_id!r} already goes to "

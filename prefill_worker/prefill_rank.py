@@ -19,7 +19,11 @@ class PrefillRank(RankActor):
     def _setup(self, kv_config: dict) -> None:
         self.layout = cache_layout(self.engine)
         transport = get_transport(kv_config["backend"])
-        self.sender = transport.sender(self.layout, checksum=kv_config["checksum"], name=self.name)
+        self.sender = transport.sender(
+            self.layout, secret=kv_config["secret"], bind=kv_config["bind"],
+            advertise=kv_config["advertise"], checksum=kv_config["checksum"],
+            name=self.name.rsplit("-rank", 1)[0],  # the instance: what decode expects
+        )  # fmt: skip
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self._acks = ThreadPoolExecutor(4, thread_name_prefix=f"{self.name}-acks")
 

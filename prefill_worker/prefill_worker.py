@@ -56,7 +56,10 @@ class PrefillWorker(EngineWorker):
     def _setup(self, kv_config: dict) -> None:
         self.layout = cache_layout(self.engine)
         transport = get_transport(kv_config["backend"])
-        self.sender = transport.sender(self.layout, checksum=kv_config["checksum"], name=self.name)
+        self.sender = transport.sender(
+            self.layout, secret=kv_config["secret"], bind=kv_config["bind"],
+            advertise=kv_config["advertise"], checksum=kv_config["checksum"], name=self.name,
+        )  # fmt: skip
         self.layerwise = kv_config["layerwise"]
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self.jobs: dict[str, Job] = {}

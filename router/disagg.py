@@ -61,7 +61,10 @@ class Disaggregated(Placement):
             key=lambda p: (p.name in stream.avoid, p.load.prefill_tokens, p.load.index),
         )
         attempt = self.attempt(
-            stream, prefill_tp=prefill.info.get("kv_tp_size", 1), decode=decode.name
+            stream,
+            prefill_tp=prefill.info.get("kv_tp_size", 1),
+            prefill=prefill.name,
+            decode=decode.name,
         )
         stream.pair = (prefill.name, decode.name)
         decode.hold(stream)

@@ -14,11 +14,20 @@ import torch
 from kv_transfer import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
+SECRET = b"pdserve-tests-kv-plane-secret-0001"  # the KV plane's secret in these tests
 H, D, BS = 4, 8, 4  # 4 KV heads (the acceptance's tiny model), head dim 8, blocks of 4
 
 
 def layout(tp: int = 1, rank: int = 0, layers: int = 3, dtype: str = "float32") -> KVLayout:
     return KVLayout(layers, BS, H, D, dtype, tp, rank)
+
+
+def tokened(dst, tid: str):
+    """``dst`` naming transfer ``tid`` on the wire: these tests use the id as its token
+    (``KVReceiver.expect(..., token=tid)``); a cluster's are random."""
+    import dataclasses
+
+    return dataclasses.replace(dst, token=tid)
 
 
 def reference(lay: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:

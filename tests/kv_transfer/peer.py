@@ -16,7 +16,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from kv_transfer import Handoff, KVDestination, KVTransferError, get_transport
-from tests.kv_transfer.helpers import BS, layout, reference, shard
+from tests.kv_transfer.helpers import BS, SECRET, layout, reference, shard
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -39,7 +39,9 @@ class PeerState:
             s.close()
         tr = get_transport(backend)
         self.senders[key] = [
-            tr.sender(layout(tp, r, layers), checksum=checksum, name=name, **options)
+            tr.sender(
+                layout(tp, r, layers), secret=SECRET, checksum=checksum, name=name, **options
+            )  # fmt: skip
             for r in range(tp)
         ]
         return {}
@@ -92,8 +94,9 @@ class PeerState:
         ids = self.blocks.allocate(tid, count * BS)
         receiver = self.receivers[0]
         receiver.on_event = lambda o: self.outcomes.__setitem__(o.transfer_id, o)
-        receiver.expect(tid, ids, layout(src_tp, 0, receiver.layout.num_layers), lease_s=lease_s)
-        dst = KVDestination([receiver.address], ids, receiver.layout, receiver.backend)
+        src = layout(src_tp, 0, receiver.layout.num_layers)
+        token = receiver.expect(tid, ids, src, lease_s=lease_s)
+        dst = KVDestination([receiver.address], ids, receiver.layout, receiver.backend, token)
         return {"dst": dst.to_bytes().hex(), "ids": ids}
 
     def outcome(self, tid, timeout):
@@ -140,13 +143,13 @@ class PeerState:
             lay = layout(tp, rank, layers)
             cache = torch.zeros(lay.cache_shape(num_blocks), dtype=lay.torch_dtype)
             kw = {"port": ports[rank]} if ports else {}
-            self.receivers.append(tr.receiver(lay, cache, **kw))
+            self.receivers.append(tr.receiver(lay, cache, secret=SECRET, **kw))
             self.caches.append(cache)
         return {"addresses": [r.address for r in self.receivers]}
 
     def expect(self, tid, dst_ids, src_tp, layers, lease_s=30.0):
         for r in self.receivers:
-            r.expect(tid, dst_ids, layout(src_tp, 0, layers), lease_s=lease_s)
+            r.expect(tid, dst_ids, layout(src_tp, 0, layers), lease_s=lease_s, token=tid)
         return {}
 
     def wait(self, tid, timeout):

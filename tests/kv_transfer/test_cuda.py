@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kv_transfer import KVDestination, get_transport
-from tests.kv_transfer.helpers import Peer, layout, reference, shard
+from tests.kv_transfer.helpers import SECRET, Peer, layout, reference, shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -29,12 +29,15 @@ def test_grpc_between_device_caches(src_tp, dst_tp, dtype):
     full = reference(layout(dtype=dtype), NUM_BLOCKS, 5).cuda()
     dl = [layout(dst_tp, r, dtype=dtype) for r in range(dst_tp)]
     caches = [torch.zeros(lay.cache_shape(NUM_BLOCKS), dtype=lay.torch_dtype).cuda() for lay in dl]
-    receivers = [tr.receiver(lay, c) for lay, c in zip(dl, caches, strict=True)]
-    senders = [tr.sender(layout(src_tp, r, dtype=dtype), checksum=True) for r in range(src_tp)]
+    receivers = [tr.receiver(lay, c, secret=SECRET) for lay, c in zip(dl, caches, strict=True)]
+    senders = [
+        tr.sender(layout(src_tp, r, dtype=dtype), secret=SECRET, checksum=True)
+        for r in range(src_tp)
+    ]
     try:
-        dst = KVDestination([r.address for r in receivers], DST_IDS, dl[0], "grpc")
+        dst = KVDestination([r.address for r in receivers], DST_IDS, dl[0], "grpc", "t")
         for r in receivers:
-            r.expect("t", DST_IDS, layout(src_tp, dtype=dtype), lease_s=30)
+            r.expect("t", DST_IDS, layout(src_tp, dtype=dtype), lease_s=30, token="t")
         for s in senders:
             s.send_all("t", shard(full, s.layout), SRC_IDS, dst)
         for s in senders:
@@ -52,14 +55,14 @@ def test_nccl_across_processes():
     tr = get_transport("nccl")
     torch.cuda.set_device(0)
     cache = torch.zeros(layout().cache_shape(NUM_BLOCKS), device="cuda:0")
-    receiver = tr.receiver(layout(), cache)
+    receiver = tr.receiver(layout(), cache, secret=SECRET)
     peer = Peer()
     try:
         reply = peer.ask(op="senders", key="n", backend="nccl", tp=1, name="gpu1",
                          checksum=True, layers=3, device="cuda:1")  # fmt: skip
         assert reply["ok"], reply
-        receiver.expect("t", DST_IDS, layout(), lease_s=60)
-        dst = KVDestination([receiver.address], DST_IDS, layout(), "nccl")
+        token = receiver.expect("t", DST_IDS, layout(), lease_s=60)
+        dst = KVDestination([receiver.address], DST_IDS, layout(), "nccl", token)
         reply = peer.ask(op="send", key="n", tid="t", seed=9, num_blocks=NUM_BLOCKS,
                          src_ids=SRC_IDS, dst=dst.to_proto().SerializeToString().hex(),
                          device="cuda:1")  # fmt: skip

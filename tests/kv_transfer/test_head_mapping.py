@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kv_transfer import KVDestination, get_transport
-from tests.kv_transfer.helpers import layout, reference, shard
+from tests.kv_transfer.helpers import SECRET, layout, reference, shard, tokened
 
 COMBOS = list(itertools.product((1, 2, 4), repeat=2))
 NUM_BLOCKS = 20
@@ -30,7 +30,10 @@ def _receivers(backend: str):
     out = {}
     for tp in (1, 2, 4):
         caches = [torch.zeros(layout(tp, r).cache_shape(NUM_BLOCKS)) for r in range(tp)]
-        out[tp] = [tr.receiver(layout(tp, r), c) for r, c in enumerate(caches)], caches
+        out[tp] = (
+            [tr.receiver(layout(tp, r), c, secret=SECRET) for r, c in enumerate(caches)],
+            caches,
+        )
     return out
 
 
@@ -47,7 +50,10 @@ def gloo_receivers():
 def grpc_side():
     recv = _receivers("grpc")
     tr = get_transport("grpc")
-    senders = {tp: [tr.sender(layout(tp, r), checksum=True) for r in range(tp)] for tp in (1, 2, 4)}
+    senders = {
+        tp: [tr.sender(layout(tp, r), secret=SECRET, checksum=True) for r in range(tp)]
+        for tp in (1, 2, 4)
+    }
     yield recv, senders
     for rs, _ in recv.values():
         for r in rs:
@@ -78,8 +84,9 @@ def test_gloo_across_processes(peer, gloo_receivers, src_tp, dst_tp):
     assert reply["ok"], reply
     dst = KVDestination([r.address for r in receivers], DST_IDS, layout(dst_tp), "gloo")
     tid = f"hm-{src_tp}-{dst_tp}"
+    dst = tokened(dst, tid)
     for r in receivers:
-        r.expect(tid, DST_IDS, layout(src_tp), lease_s=30)
+        r.expect(tid, DST_IDS, layout(src_tp), lease_s=30, token=tid)
     # layer-wise, out of order, as a forward pass with a late layer would
     reply = peer.ask(op="send", key=key, tid=tid, seed=SEED, num_blocks=NUM_BLOCKS,
                      src_ids=SRC_IDS, dst=dst.to_proto().SerializeToString().hex(),
@@ -101,8 +108,9 @@ def test_grpc_in_process(grpc_side, src_tp, dst_tp):
         c.zero_()
     dst = KVDestination([r.address for r in receivers], DST_IDS, layout(dst_tp), "grpc")
     tid = f"hm-{src_tp}-{dst_tp}"
+    dst = tokened(dst, tid)
     for r in receivers:
-        r.expect(tid, DST_IDS, layout(src_tp), lease_s=30)
+        r.expect(tid, DST_IDS, layout(src_tp), lease_s=30, token=tid)
     full = reference(layout(), NUM_BLOCKS, SEED)
     for s in senders[src_tp]:
         s.send_all(tid, shard(full, s.layout), SRC_IDS, dst)

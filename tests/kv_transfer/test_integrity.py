@@ -23,7 +23,7 @@ from kv_transfer import (
     get_transport,
 )
 from tests.kv_transfer.faults import ENV, write_plan
-from tests.kv_transfer.helpers import Peer, layout, reference, shard
+from tests.kv_transfer.helpers import SECRET, Peer, layout, reference, shard, tokened
 
 NUM_BLOCKS = 16
 SRC_IDS = [3, 4, 5, 6, 7, 1, 12]
@@ -39,13 +39,17 @@ class Side:
         tr = get_transport(backend)
         self.caches = [torch.zeros(layout(tp, r).cache_shape(NUM_BLOCKS)) for r in range(tp)]
         self.receivers = [
-            tr.receiver(layout(tp, r), c, **options) for r, c in enumerate(self.caches)
+            tr.receiver(layout(tp, r), c, secret=SECRET, **options)
+            for r, c in enumerate(self.caches)
         ]
-        self.dst = KVDestination([r.address for r in self.receivers], DST_IDS, layout(tp), backend)
+        self.base = KVDestination([r.address for r in self.receivers], DST_IDS, layout(tp), backend)
+
+    def dst(self, tid: str) -> KVDestination:
+        return tokened(self.base, tid)
 
     def expect(self, tid: str, src_tp: int = 1, lease_s: float = 30.0) -> None:
         for r in self.receivers:
-            r.expect(tid, DST_IDS, layout(src_tp), lease_s=lease_s)
+            r.expect(tid, DST_IDS, layout(src_tp), lease_s=lease_s, token=tid)
 
     def check(self, seed: int) -> None:
         full = reference(layout(), NUM_BLOCKS, seed)
@@ -74,7 +78,7 @@ def _senders(peer: Peer, side: Side, name: str, **options) -> str:
 
 
 def _send(peer: Peer, side: Side, key: str, tid: str, seed: int, **kw) -> dict:
-    dst = side.dst.to_proto().SerializeToString().hex()
+    dst = side.dst(tid).to_proto().SerializeToString().hex()
     return peer.ask(op="send", key=key, tid=tid, seed=seed, num_blocks=NUM_BLOCKS,
                     src_ids=SRC_IDS, dst=dst, **kw)  # fmt: skip
 
@@ -100,18 +104,20 @@ def test_corrupted_chunk_is_caught(backend, tmp_path, monkeypatch):
     write_plan(tmp_path / "plan.json", [{"side": "sender", "step": "data", "action": "corrupt",
                                          "match": "bad"}])  # fmt: skip
     side = Side(backend)
-    sender = get_transport(f"tests.kv_transfer.faults:{backend}").sender(layout(), checksum=True)
+    sender = get_transport(f"tests.kv_transfer.faults:{backend}").sender(
+        layout(), secret=SECRET, checksum=True
+    )
     cache = shard(reference(layout(), NUM_BLOCKS, 21), layout())
     try:
         side.expect("bad")
-        sender.send_all("bad", cache, SRC_IDS, side.dst)
+        sender.send_all("bad", cache, SRC_IDS, side.dst("bad"))
         with pytest.raises(KVChecksumError, match="CHECKSUM"):
             sender.finish("bad", timeout=10)
         with pytest.raises(KVChecksumError, match=r"'bad'.*checksum mismatch in layer 0"):
             side.receivers[0].wait("bad", timeout=10)
         assert side.receivers[0].pending() == []
         side.expect("good")
-        sender.send_all("good", cache, SRC_IDS, side.dst)
+        sender.send_all("good", cache, SRC_IDS, side.dst("good"))
         sender.finish("good", timeout=10)
         side.receivers[0].wait("good", timeout=20)
         side.check(21)
@@ -204,10 +210,10 @@ def test_gloo_receives_straight_into_the_cache():
     full = reference(layout(), NUM_BLOCKS, 61)
     for dst_tp in (1, 2):
         side = Side("gloo", tp=dst_tp)
-        sender = tr.sender(layout(), checksum=True, pack_below=0)
+        sender = tr.sender(layout(), secret=SECRET, checksum=True, pack_below=0)
         try:
             side.expect("direct")
-            sender.send_all("direct", shard(full, layout()), SRC_IDS, side.dst)
+            sender.send_all("direct", shard(full, layout()), SRC_IDS, side.dst("direct"))
             assert [a.status.name for a in sender.finish("direct").acks] == ["OK"] * dst_tp
             for r in side.receivers:
                 r.wait("direct", timeout=20)
@@ -224,12 +230,12 @@ def test_gloo_layer_by_layer(dst_tp, pack_below):
     tr = get_transport("gloo")
     cache = shard(reference(layout(), NUM_BLOCKS, 91), layout())
     side = Side("gloo", tp=dst_tp)
-    sender = tr.sender(layout(), checksum=True, pack_below=pack_below)
+    sender = tr.sender(layout(), secret=SECRET, checksum=True, pack_below=pack_below)
     try:
         side.expect("layerwise")
         for layer in (2, 0, 1):
             k, v = cache[layer, 0], cache[layer, 1]
-            sender.send_layer("layerwise", layer, k, v, SRC_IDS, side.dst)
+            sender.send_layer("layerwise", layer, k, v, SRC_IDS, side.dst("layerwise"))
         assert [a.status.name for a in sender.finish("layerwise").acks] == ["OK"] * dst_tp
         for r in side.receivers:
             assert r.wait("layerwise", timeout=20).bytes == 2 * 3 * len(SRC_IDS) * (
@@ -247,7 +253,9 @@ def test_gloo_pair_rebuilt_after_the_receiver_restarts(verify_idle_s):
     pair on its next transfer, having asked the store for the receiver's incarnation
     (the pair was idle) or found the old pair closed on its first send (recently used)."""
     tr = get_transport("gloo")
-    sender = tr.sender(layout(), checksum=True, name="steady", verify_idle_s=verify_idle_s)
+    sender = tr.sender(
+        layout(), secret=SECRET, checksum=True, name="steady", verify_idle_s=verify_idle_s
+    )
     full = reference(layout(), NUM_BLOCKS, 71)
     cache = shard(full, layout())
     peers = []
@@ -264,7 +272,7 @@ def test_gloo_pair_rebuilt_after_the_receiver_restarts(verify_idle_s):
             assert address.endswith(f":{port}")
             tid = f"restart-{attempt}"
             assert peer.ask(op="expect", tid=tid, dst_ids=DST_IDS, src_tp=1, layers=3)["ok"]
-            dst = KVDestination([address], DST_IDS, layout(), "gloo")
+            dst = KVDestination([address], DST_IDS, layout(), "gloo", tid)
             sender.send_all(tid, cache, SRC_IDS, dst)
             assert sender.finish(tid, timeout=20).acks[0].status.name == "OK"
             assert peer.ask(op="wait", tid=tid, timeout=20)["ok"]
@@ -282,7 +290,7 @@ def test_gloo_pair_rebuilt_after_the_receiver_restarts(verify_idle_s):
 
 def test_mismatched_block_sizes_are_refused_by_name():
     tr = get_transport("grpc")
-    sender = tr.sender(layout())
+    sender = tr.sender(layout(), secret=SECRET)
     try:
         from kv_transfer import KVLayout
 
@@ -301,17 +309,17 @@ def test_gloo_abort_keeps_the_pair_in_step():
     next transfer on the same pair lands in its own blocks, bit for bit."""
     tr = get_transport("gloo")
     side = Side("gloo")
-    sender = tr.sender(layout(), checksum=True, pack_below=0)
+    sender = tr.sender(layout(), secret=SECRET, checksum=True, pack_below=0)
     try:
         first, second = reference(layout(), NUM_BLOCKS, 81), reference(layout(), NUM_BLOCKS, 82)
         other_ids = [1, 2, 3, 4, 6, 13, 14]
         for r in side.receivers:
-            r.expect("dropped", other_ids, layout(), lease_s=30)
+            r.expect("dropped", other_ids, layout(), lease_s=30, token="dropped")
         side.expect("kept")
-        dropped = dataclasses.replace(side.dst, block_ids=other_ids)
+        dropped = dataclasses.replace(side.dst("dropped"), block_ids=other_ids)
         sender.send_all("dropped", shard(first, layout()), SRC_IDS, dropped)
         sender.abort("dropped")
-        sender.send_all("kept", shard(second, layout()), SRC_IDS, side.dst)
+        sender.send_all("kept", shard(second, layout()), SRC_IDS, side.dst("kept"))
         assert sender.finish("kept", timeout=20).acks[0].status.name == "OK"
         side.receivers[0].wait("kept", timeout=20)
         side.check(82)
@@ -331,7 +339,7 @@ def test_gloo_concurrent_finishes_on_one_pair_get_their_own_acks():
 
     tr = get_transport("gloo")
     side = Side("gloo")
-    sender = tr.sender(layout(), checksum=True)
+    sender = tr.sender(layout(), secret=SECRET, checksum=True)
     src_ids = [3, 4]
     dst_sets = [[2 * i, 2 * i + 1] for i in range(8)]
     caches = [shard(reference(layout(), NUM_BLOCKS, 90 + i), layout()) for i in range(8)]
@@ -339,8 +347,10 @@ def test_gloo_concurrent_finishes_on_one_pair_get_their_own_acks():
         for rounds in range(20):
             tids = [f"t{rounds}-{i}" for i in range(8)]
             for tid, ids, cache in zip(tids, dst_sets, caches, strict=True):
-                side.receivers[0].expect(tid, ids, layout(), lease_s=30)
-                sender.send_all(tid, cache, src_ids, dataclasses.replace(side.dst, block_ids=ids))
+                side.receivers[0].expect(tid, ids, layout(), lease_s=30, token=tid)
+                sender.send_all(
+                    tid, cache, src_ids, dataclasses.replace(side.dst(tid), block_ids=ids)
+                )
             with ThreadPoolExecutor(8) as pool:
                 acks = list(pool.map(lambda t: sender.finish(t, timeout=20), tids))
             assert [a.acks[0].status.name for a in acks] == ["OK"] * 8

@@ -12,6 +12,7 @@ from kv_transfer import Handoff, KVDestination, KVLayout, KVLayoutError, get_tra
 from kv_transfer.gloo_wire import layer_spans
 from kv_transfer.layout import all_routes, routes_from, routes_into
 from kv_transfer.segment import Segment, checksum, gather, is_run, plan_positions, scatter
+from tests.kv_transfer.helpers import SECRET
 
 
 def test_layout_head_ranges():
@@ -170,9 +171,9 @@ def test_nccl_refuses_host_memory_by_name():
     tr = get_transport("nccl")
     lay = KVLayout(2, 4, 4, 8)
     with pytest.raises(KVLayoutError, match="nccl backend needs a cuda cache"):
-        tr.receiver(lay, torch.zeros(lay.cache_shape(4)))
-    sender = tr.sender(lay)
-    dst = KVDestination(["127.0.0.1:1"], [0], lay, "nccl")
+        tr.receiver(lay, torch.zeros(lay.cache_shape(4)), secret=SECRET)
+    sender = tr.sender(lay, secret=SECRET)
+    dst = KVDestination(["127.0.0.1:1"], [0], lay, "nccl", "t")
     cache = torch.zeros(lay.cache_shape(4))
     with pytest.raises(KVLayoutError, match="the nccl backend sends cuda tensors"):
         sender.send_all("t", cache, [1], dst)
