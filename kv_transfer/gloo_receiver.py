@@ -129,8 +129,8 @@ class GlooReceiver(KVReceiver):
                 continue
             try:
                 prefix = f"pair/{join.name}/{join.rank}/{join.gen}"
-                pg = self.group.make_group(PrefixStore(prefix, store), 1, self.advertise,
-                                           self.connect_timeout)  # fmt: skip
+                form = min(self.connect_timeout, wire.PAIR_FORM)
+                pg = self.group.make_group(PrefixStore(prefix, store), 1, self.advertise, form)
             except Exception as e:  # noqa: BLE001 - the sender went away meanwhile
                 log.warning("KV receiver %s: pair with %s rank %d not formed: %s",
                             self._address, join.name[:64], join.rank, e)  # fmt: skip

@@ -131,9 +131,8 @@ class GlooSender(KVSender):
         store.queue_push("kv/joins", join.SerializeToString())
         prefix = f"pair/{join.name}/{join.rank}/{join.gen}"
         try:
-            pg = self.group.make_group(
-                PrefixStore(prefix, store), 0, self.advertise, self.connect_timeout
-            )
+            form = min(self.connect_timeout, wire.PAIR_FORM)
+            pg = self.group.make_group(PrefixStore(prefix, store), 0, self.advertise, form)
         except Exception as e:  # noqa: BLE001
             raise KVPeerError(f"cannot form a group with KV receiver {address}: {e}") from e
         return SendPair(address, pg, card, store, self.pack_bytes)

@@ -36,6 +36,10 @@ MSG_LEN = 256  # most bytes of ACK text
 MAX_HANDOFF = 1 << 20  # most bytes of handoff an END may announce
 TAG_HDR, TAG_DATA, TAG_ACK, TAG_PACK, TAG_END = 1, 2, 3, 4, 5
 FOREVER = datetime.timedelta(days=365)  # an idle pair waits this long for its next header
+# A pair forms within this once its join is pushed: both sides are up and meet through
+# the receiver's store. Past it the other side counts as gone: the sender's transfer
+# fails over (KVPeerError), the receiver's accept loop moves on to the next join.
+PAIR_FORM = datetime.timedelta(seconds=5)
 
 
 class Kind(IntEnum):

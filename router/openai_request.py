@@ -81,9 +81,11 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
         req.messages = _messages(body.get("messages"))
     else:
         req.prompt, req.prompt_token_ids = _prompt(body.get("prompt"))
-    limit = _number(body, "max_completion_tokens", integer=True) if chat else None
-    if limit is None:
-        limit = _number(body, "max_tokens", integer=True)
+    limit = max_tokens = _number(body, "max_tokens", integer=True)
+    if chat and (completion := _number(body, "max_completion_tokens", integer=True)) is not None:
+        limit = completion  # it wins; the value it overrides must still be one
+        if max_tokens is not None and max_tokens < 1:
+            raise BadRequest(f"max_tokens={max_tokens}: must be an integer >= 1", "max_tokens")
     if limit is None and chat:
         limit = CHAT_MAX_TOKENS
     stop = body.get("stop")

@@ -18,9 +18,18 @@ from engine import LLM, SamplingParams
 from engine.messages import Attempt
 from engine.worker import EngineWorker
 from prefill_worker import PrefillWorker
+from tests.kv_transfer.helpers import SECRET
 
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 32}
-KV = {"backend": "grpc", "checksum": True, "layerwise": True, "lease_s": 30.0}
+KV = {
+    "backend": "grpc",
+    "checksum": True,
+    "layerwise": True,
+    "lease_s": 30.0,
+    "secret": SECRET,
+    "bind": "127.0.0.1",
+    "advertise": "127.0.0.1",
+}
 PROMPT = (7, 7, 8, 9, 7, 30, 31, 32, 33, 7, 8)
 PARAMS = {
     "greedy": SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.4,

@@ -1,4 +1,4 @@
-"""An outsider on the KV plane, run as its own OS process by test_kv_plane_attacks.py:
+"""An outsider on the KV plane, run as its own OS process by test_closed_by_default.py:
 it knows a decode receiver's address, a real prefill instance's name and a live
 transfer token, but not the cluster's secret. Once started it prints ``ready``, waits
 for a line on its stdin, attacks, and prints one JSON line: what each attack got.
