@@ -38,7 +38,14 @@ from router.auth import ApiKeys
 from router.core import RouterCore
 from router.grpc_gate import SERVICE_NAME, GrpcAuth, Unparsable, add_router
 from router.incidents import internal_error, one_line
-from router.request import ChatMessage, GenerateRequest, Refusal, Refused, SamplingOptions
+from router.request import (
+    OPTIONAL_SAMPLING,
+    ChatMessage,
+    GenerateRequest,
+    Refusal,
+    Refused,
+    SamplingOptions,
+)
 from router.stream import Delta, RequestStream, Timings
 
 MAX_MESSAGE_BYTES = 8 * 2**20  # router.max_message_bytes's default
@@ -49,17 +56,6 @@ GRPC_STATUS = {
     Refusal.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Refusal.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-_OPTIONAL_SAMPLING = (
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
 _STAT_FIELDS = (
     "queued",
     "running",
@@ -239,7 +235,7 @@ def generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
     s = msg.sampling
     req = GenerateRequest(
         sampling=SamplingOptions(
-            **{name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)},
+            **{name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)},
             stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,

@@ -37,6 +37,20 @@ class SamplingOptions:
     repetition_penalty: float | None = None
 
 
+# the fields of SamplingOptions that may be unset (None), as the front ends read them
+OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 @dataclass
 class GenerateRequest:
     """One generation request.

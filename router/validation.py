@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from router.request import ChatMessage, GenerateRequest
+from router.request import OPTIONAL_SAMPLING, ChatMessage, GenerateRequest
 
 
 class InvalidRequest(ValueError):
@@ -27,17 +27,6 @@ class ModelLimits:
 
 # the roles a chat message may have (tool and function results need tool calling)
 ROLES = ("system", "developer", "user", "assistant")
-_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
 _SEEDS = (-(2**63), 2**63)  # torch's generators take 64-bit seeds
 
 
@@ -79,7 +68,7 @@ class RequestValidator:
 
     def sampling(self, request: GenerateRequest) -> SamplingParams:
         s = request.sampling
-        kwargs = {name: getattr(s, name) for name in _SAMPLING_FIELDS}
+        kwargs = {name: getattr(s, name) for name in OPTIONAL_SAMPLING}
         kwargs = {name: value for name, value in kwargs.items() if value is not None}
         kwargs["top_k"] = 0 if s.top_k == -1 else kwargs.get("top_k", 0)  # -1: off, as vLLM
         kwargs.update(

@@ -18,18 +18,9 @@ from engine import LLM, SamplingParams
 from engine.messages import Attempt
 from engine.worker import EngineWorker
 from prefill_worker import PrefillWorker
-from tests.kv_transfer.helpers import SECRET
+from tests.kv_transfer.helpers import WORKER_KV
 
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 32}
-KV = {
-    "backend": "grpc",
-    "checksum": True,
-    "layerwise": True,
-    "lease_s": 30.0,
-    "secret": SECRET,
-    "bind": "127.0.0.1",
-    "advertise": "127.0.0.1",
-}
 PROMPT = (7, 7, 8, 9, 7, 30, 31, 32, 33, 7, 8)
 PARAMS = {
     "greedy": SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.4,
@@ -52,8 +43,8 @@ def workers(tiny_model):
     threads, path = torch.get_num_threads(), tiny_model("gqa2")
     made = {
         "colocated": EngineWorker("colocated-0", path, CONFIG, 1),
-        "prefill": PrefillWorker("prefill-0", path, CONFIG, 1, KV),
-        "decode": DecodeWorker("decode-0", path, CONFIG, 1, KV),
+        "prefill": PrefillWorker("prefill-0", path, CONFIG, 1, WORKER_KV),
+        "decode": DecodeWorker("decode-0", path, CONFIG, 1, WORKER_KV),
     }
     yield made
     for w in made.values():

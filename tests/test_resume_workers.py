@@ -15,7 +15,7 @@ from engine import EngineConfig, LLMEngine
 from engine.messages import Attempt
 from engine.worker import EngineWorker
 from prefill_worker import PrefillWorker
-from tests.kv_transfer.helpers import SECRET
+from tests.kv_transfer.helpers import WORKER_KV
 from tests.resume_utils import (
     PROMPTS,
     Stream,
@@ -27,15 +27,6 @@ from tests.resume_utils import (
 )
 
 CONFIG = {"num_kv_blocks": 128, "max_batch_tokens": 32}
-KV = {
-    "backend": "grpc",
-    "checksum": True,
-    "layerwise": True,
-    "lease_s": 30.0,
-    "secret": SECRET,
-    "bind": "127.0.0.1",
-    "advertise": "127.0.0.1",
-}
 THREADS = 2  # as tests/conftest.py: the reference runs' numerics
 
 
@@ -58,8 +49,8 @@ def reference():
 def workers():
     made = {
         "colocated": EngineWorker("colocated-0", "smollm2-135m", CONFIG, THREADS),
-        "prefill": PrefillWorker("prefill-0", "smollm2-135m", CONFIG, THREADS, KV),
-        "decode": DecodeWorker("decode-0", "smollm2-135m", CONFIG, THREADS, KV),
+        "prefill": PrefillWorker("prefill-0", "smollm2-135m", CONFIG, THREADS, WORKER_KV),
+        "decode": DecodeWorker("decode-0", "smollm2-135m", CONFIG, THREADS, WORKER_KV),
     }
     yield made
     for w in made.values():

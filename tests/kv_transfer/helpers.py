@@ -15,6 +15,16 @@ from kv_transfer import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"pdserve-tests-kv-plane-secret-0001"  # the KV plane's secret in these tests
+# the kv_transfer section a worker built in the test process takes (grpc, on loopback)
+WORKER_KV = {
+    "backend": "grpc",
+    "checksum": True,
+    "layerwise": True,
+    "lease_s": 30.0,
+    "secret": SECRET,
+    "bind": "127.0.0.1",
+    "advertise": "127.0.0.1",
+}
 H, D, BS = 4, 8, 4  # 4 KV heads (the acceptance's tiny model), head dim 8, blocks of 4
 
 
