@@ -172,6 +172,9 @@ class RouterConfig:
         None, readable_file, "file of API keys, one a line (null: no authentication)"
     )
     tls: RouterTLSConfig = spec(factory=RouterTLSConfig)
+    insecure: bool = spec(
+        False, None, "allow a host off loopback with neither API keys nor mTLS (trusted network)"
+    )
     max_concurrent_requests_per_key: int | None = spec(
         None, at_least(1), "generate calls one API key may have in progress (null: no bound)"
     )

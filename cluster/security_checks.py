@@ -2,7 +2,10 @@
 and limits"), run at load with the others, and Ray's TLS environment for the driver.
 
 Closed by default, for the router: the API key file must hold keys, a TLS certificate
-comes with its key. For an existing Ray (``ray.address`` set): pdserve's router reaches
+comes with its key, and a router bound off loopback authenticates its clients (API keys
+or mTLS) unless ``router.insecure: true`` says the network is trusted.
+
+For an existing Ray (``ray.address`` set): pdserve's router reaches
 its instances through Ray's own RPCs, so the Ray it joins must be loopback-only or
 authenticated. A Ray off loopback is joined only with Ray's TLS (``ray.tls`` or
 ``RAY_USE_TLS=1``) or Ray's token authentication (``RAY_AUTH_MODE=token``), unless
@@ -46,6 +49,16 @@ def check_router(config: ClusterConfig) -> list[tuple[str, str]]:
             read_key_file(config.router.api_key_file)
         except KeyFileError as e:
             problems.append(("router.api_key_file", str(e).partition(": ")[2]))
+    authenticated = config.router.api_key_file is not None or tls.client_ca_file is not None
+    if not (is_loopback(config.router.host) or authenticated or config.router.insecure):
+        problems.append(
+            (
+                "router.host",
+                f"{config.router.host!r} is not loopback and the router would serve anyone "
+                "who reaches it; allowed: set router.api_key_file (API keys) or "
+                "router.tls.client_ca_file (mTLS), or router.insecure: true on a trusted network",
+            )
+        )
     return problems
 
 

@@ -99,3 +99,19 @@ def test_router_tls_and_key_file(chat_model, pem, tmp_path):
         load_config(_config(chat_model, router={"api_key_file": "/no/keys"}))
     with pytest.raises(ConfigError, match="router.max_body_bytes: 10 is not allowed"):
         load_config(_config(chat_model, router={"max_body_bytes": 10}))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "router.example"])
+def test_a_router_off_loopback_authenticates_its_clients_unless_insecure(
+    chat_model, pem, tmp_path, host
+):
+    with pytest.raises(ConfigError, match="router.host: .*not loopback.*router.insecure: true"):
+        load_config(_config(chat_model, router={"host": host}))
+    keys = tmp_path / "keys"
+    keys.write_text("a-key\n")
+    load_config(_config(chat_model, router={"host": host, "api_key_file": str(keys)}))
+    mtls = {"cert_file": pem, "key_file": pem, "client_ca_file": pem}
+    load_config(_config(chat_model, router={"host": host, "tls": mtls}))
+    assert load_config(_config(chat_model, router={"host": host, "insecure": True})).router.insecure
+    for loopback in ("127.0.0.1", "::1", "localhost"):
+        load_config(_config(chat_model, router={"host": loopback}))
