@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -95,6 +96,16 @@ def test_ray_is_the_projects_and_joins_with_a_token():
             assert "RAY_AUTH_MODE=token" in command, command
     start = next(c for c in config["worker_start_ray_commands"] if "ray start" in c)
     assert command_flags(start.partition("ray start")[2])["address"] == "$RAY_HEAD_IP:6379"
+
+
+def test_commands_are_valid_shell():
+    config = launcher()
+    keys = ("initialization_commands", "setup_commands", "head_setup_commands")
+    keys += ("head_start_ray_commands", "worker_start_ray_commands")
+    for key in keys:
+        for command in config[key]:
+            check = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+            assert check.returncode == 0, f"{key}: {command}: {check.stderr}"
 
 
 def test_no_secret_in_the_config():

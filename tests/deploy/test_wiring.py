@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 
 import pytest
 
@@ -95,6 +96,14 @@ def test_only_the_router_pod_can_run_the_driver():
             g["rayStartParams"] for g in spec["workerGroupSpecs"]
         ]:
             assert not wanted.keys() & start_resources(params).keys()
+
+
+def test_the_router_pods_command_is_valid_shell():
+    container = router_container()
+    assert container["command"] == ["/bin/bash", "-c"]
+    (script,) = container["args"]
+    check = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
 
 
 def test_the_job_and_the_router_pod_join_the_cluster():
