@@ -287,5 +287,6 @@ class EngineWorker:
             "running": len(s.running),
             "free_blocks": self.engine.blocks.num_free_blocks,
             "total_blocks": self.engine.blocks.num_blocks,
+            "preemptions_total": s.num_preemptions,
             **self._totals,
         }
