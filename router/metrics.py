@@ -20,7 +20,14 @@ Where each observation happens (all on the router's event loop):
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.metrics_instances import InstanceCollector
@@ -59,7 +66,10 @@ REFUSAL_REASONS = (
 
 class RouterMetrics:
     def __init__(self, model_name: str, slo: dict):
-        """``slo``: the cluster's ``slo`` section (``ttft_ms``, ``tpot_ms``)."""
+        """``slo``: the cluster's ``slo`` section (``ttft_ms``, ``tpot_ms``). Turns off
+        prometheus_client's ``_created`` series, for the whole process (vLLM's do not
+        have them either)."""
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.slo_ttft_s = slo["ttft_ms"] / 1000.0
         self.slo_tpot_s = slo["tpot_ms"] / 1000.0
