@@ -45,7 +45,6 @@ from router import tls as router_tls
 from router.auth import ApiKeys, refusal
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
-from router.metrics import CONTENT_TYPE
 from router.openai_logprobs import LogprobsShape
 from router.openai_request import (
     BadRequest,
@@ -157,8 +156,9 @@ class HttpApi:
         return web.Response(status=200 if ok else 503, text="ok" if ok else "not serving")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = self.core.metrics.exposition(await self.core.stats())
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        accept = request.headers.get("Accept", "")
+        body, content_type = self.core.metrics.exposition(await self.core.stats(), accept)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         """Every refusal is counted (``core.metrics.refused``) as its response is made."""

@@ -14,7 +14,9 @@ Where each observation happens (all on the router's event loop):
   it go (``RouterCore.finish``). ``request_success_total`` counts every outcome but a
   refusal; the latency histograms, the token counters' output side and SLO attainment
   count only requests served to their end (``stop`` or ``length``);
-- ``exposition(stats)``: a scrape; the gauges of the queue and the per-instance view
+- ``exposition(stats, accept)``: a scrape, in the format its ``Accept`` header asks
+  for (prometheus_client's negotiation: the Prometheus text format unless the scraper
+  asks for OpenMetrics); the gauges of the queue and the per-instance view
   (router/metrics_instances.py) come from that moment's ``RouterCore.stats()``.
 """
 
@@ -26,14 +28,12 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    generate_latest,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import choose_encoder
 
 from router.metrics_instances import InstanceCollector
 from router.stream import RequestStream
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 SERVED = ("stop", "length")  # the finish reasons of a request served to its end
 
 # vLLM's buckets for the same quantities (its time_to_first_token_seconds,
@@ -177,16 +177,18 @@ class RouterMetrics:
             self.kv_bytes.labels(*stream.pair).observe(t.kv_bytes)
             self.kv_seconds.labels(*stream.pair).observe(t.transfer_ms / 1000.0)
 
-    def exposition(self, stats: dict) -> bytes:
-        """The registry in the text format (``CONTENT_TYPE``), with the gauges of
-        ``stats`` (``RouterCore.stats()``: the queue, every instance's load)."""
+    def exposition(self, stats: dict, accept: str = "") -> tuple[bytes, str]:
+        """(the registry, its content type) in the format ``accept`` (the scraper's
+        ``Accept`` header) asks for, with the gauges of ``stats``
+        (``RouterCore.stats()``: the queue, every instance's load)."""
         m = self.model_name
         self.waiting.labels(m).set(stats["queued"])
         self.in_flight.labels(m).set(stats["in_flight"])
         self.max_queue.labels(m).set(stats["max_queue"])
         self.draining.labels(m).set(int(stats["draining"]))
         self.instances.instances = stats["instances"]
-        return generate_latest(self.registry)
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
 
 
 def token_gaps(walls: list[float]) -> list[float]:

@@ -40,7 +40,7 @@ def scrape(cluster) -> dict[tuple, float]:
     """Every sample of ``/metrics``: (name, sorted labels) -> value."""
     resp = httpx.get(f"http://{cluster.http_address}/metrics")
     assert resp.status_code == 200
-    assert resp.headers["content-type"].startswith("text/plain; version=")
+    assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
     samples = {}
     for family in text_string_to_metric_families(resp.text):
         for s in family.samples:
@@ -131,6 +131,17 @@ def test_per_instance_gauges(cluster):
         assert value(s, "instance_requests_running", **labels) == 0
         assert ("pdserve:num_preemptions_total", (("instance", name),)) in s
     assert value(s, "num_requests_waiting", **m) == 0
+
+
+def test_openmetrics_when_the_scraper_asks_for_it(cluster):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse
+
+    accept = "application/openmetrics-text; version=1.0.0"
+    resp = httpx.get(f"http://{cluster.http_address}/metrics", headers={"Accept": accept})
+    assert resp.headers["content-type"].startswith("application/openmetrics-text")
+    families = {f.name: f.type for f in parse(resp.text)}
+    assert families["pdserve:time_to_first_token_seconds"] == "histogram"
+    assert families["pdserve:request_success"] == "counter"
 
 
 def test_refusals_are_counted_by_reason(cluster, chat_model):

@@ -27,7 +27,8 @@ def exported_names() -> set[str]:
     suffixes of its type."""
     metrics = RouterMetrics("tiny", {"ttft_ms": 1000.0, "tpot_ms": 150.0})
     stats = {"queued": 0, "in_flight": 0, "max_queue": 8, "draining": False, "instances": []}
-    text = metrics.exposition(stats).decode()
+    body, _ = metrics.exposition(stats)
+    text = body.decode()
     names = set()
     for family in text_string_to_metric_families(text):
         names.update(family.name + suffix for suffix in SUFFIXES[family.type])
