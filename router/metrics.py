@@ -65,10 +65,14 @@ REFUSAL_REASONS = (
 
 
 class RouterMetrics:
+    """One router's metrics, in ``registry``. Invariants: every series of a counter with
+    a fixed label set (refusal reasons, finish reasons) exists from the start, at 0; a
+    request is observed once (``finished``), a refusal once (``refused``)."""
+
     def __init__(self, model_name: str, slo: dict):
         """``slo``: the cluster's ``slo`` section (``ttft_ms``, ``tpot_ms``). Turns off
-        prometheus_client's ``_created`` series, for the whole process (vLLM's do not
-        have them either)."""
+        prometheus_client's ``_created`` series, for the whole process (they double the
+        series and nothing here reads them)."""
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.slo_ttft_s = slo["ttft_ms"] / 1000.0
