@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from cluster.config import PoolConfig
+from cluster.instance_metrics import metered
 from cluster.ray_env import NAMESPACE
 
 
@@ -58,7 +59,7 @@ def start_instance(
     threads = max(1, math.floor(cpus))
     options = dict(namespace=NAMESPACE, num_cpus=cpus, num_gpus=gpus, max_restarts=0)
     setup = () if role == "colocated" else (kv,)  # kv["bind"], ["advertise"]: every role
-    worker_cls = ray.remote(classes[role])
+    worker_cls = ray.remote(metered(classes[role]))  # rank 0 records the instance's metrics
     if size == 1:
         handle = worker_cls.options(name=name, max_concurrency=8, **options).remote(
             name, model, engine, threads, *setup

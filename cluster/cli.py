@@ -83,6 +83,9 @@ def _up(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"pdserve up: {args.config}: {e}", file=sys.stderr)
         return 2
+    from router.request_log import configure
+
+    configure(config.logging.format, config.logging.level)
     pools = ", ".join(f"{p.instances} {role}" for role, p in config.pools().items())
     print(f"pdserve: starting {pools} instances of {config.model} on Ray ...", flush=True)
     started = time.monotonic()

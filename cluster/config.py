@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from engine.attention import BACKENDS
 from engine.config import DTYPES
 from router.policies import POLICIES
+from router.request_log import FORMATS as LOG_FORMATS
+from router.request_log import LEVELS as LOG_LEVELS
 
 MODES = ("colocated", "disaggregated")
 KV_BACKENDS = ("gloo", "nccl", "grpc")
@@ -227,6 +229,14 @@ class SLOConfig:
     attainment: float = spec(0.9, in_unit, "share of requests that must meet both")
 
 
+@dataclass
+class LoggingConfig:
+    """The log lines of the router and the CLI (docs/serving.md, "Metrics and logs")."""
+
+    format: str = spec("text", one_of(*LOG_FORMATS), "text, or json: one JSON object a line")
+    level: str = spec("INFO", one_of(*LOG_LEVELS), "the least severe level logged")
+
+
 def _model_check(v: str) -> str | None:
     return None if v.strip() else "must name a model: an alias, a HF folder or a .gguf file"
 
@@ -247,6 +257,7 @@ class ClusterConfig:
     kv_transfer: KVTransferConfig = spec(factory=KVTransferConfig)
     supervisor: SupervisorConfig = spec(factory=SupervisorConfig)
     slo: SLOConfig = spec(factory=SLOConfig)
+    logging: LoggingConfig = spec(factory=LoggingConfig)
 
     REQUIRED = ("model",)
 

@@ -183,10 +183,19 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
         .remote(config.to_dict(), kv_secret(config.kv_transfer.secret_file))
     )
     specs = ray.get(cluster.supervisor.start.remote(), timeout=ready_timeout_s)
+    sections = config.to_dict()
     cluster.router = (
         ray.remote(RouterServer)
         .options(name="router", max_concurrency=10_000, **options)
-        .remote(config.model, config.to_dict()["router"], specs, config.mode, cluster.supervisor)
+        .remote(
+            config.model,
+            sections["router"],
+            specs,
+            config.mode,
+            cluster.supervisor,
+            slo=sections["slo"],
+            logging_config=sections["logging"],
+        )
     )
     cluster.address = ray.get(cluster.router.start.remote(), timeout=ready_timeout_s)
     cluster.http_address = ray.get(cluster.router.get_http_address.remote())

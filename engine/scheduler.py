@@ -71,6 +71,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.suspects: set[str] = set()  # ids of a failed step's requests, run alone
+        self.num_preemptions = 0  # running requests preempted so far
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -176,6 +177,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         batch.preempted.append(request)
         batch.items = [(r, n) for r, n in batch.items if r is not request]

@@ -25,6 +25,7 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -33,6 +34,7 @@ from engine import EngineConfig, LLMEngine
 from engine.llm_engine import StepFailed
 from engine.messages import Attempt, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
+from engine.scheduler import StepShape
 from engine.step_log import StepLog
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,9 @@ class EngineWorker:
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
         self._steps = StepLog()
+        # called on the step loop after each step, with its shape, its seconds (as
+        # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
+        self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
         # the inbox's op kinds and their handlers (a role's ``_setup`` adds its own)
         self._ops = {"call": self._op_call, "abort": self._op_abort, "add": self._op_add}
         self._setup(*setup)
@@ -184,10 +189,12 @@ class EngineWorker:
             self._busy_since = time.monotonic()
             started = time.perf_counter()
             produced = [u for op in ops for u in self._apply(op)]
+            step = None
             if self.engine.has_unfinished_requests():
                 produced += self._step()
                 if self.engine.last_shape is not None:  # recorded before its updates go out
-                    self._steps.record(self.engine.last_shape, time.perf_counter() - started)
+                    step = (self.engine.last_shape, time.perf_counter() - started)
+                    self._steps.record(*step)
             with self._lock:
                 for update in produced:
                     consumer = self._consumer.get(update.request_id)
@@ -195,9 +202,11 @@ class EngineWorker:
                         self._outboxes[consumer].append(update)
                     if update.final:
                         self._consumer.pop(update.request_id, None)
-                self._snapshot = self._stats()
+                self._snapshot = snapshot = self._stats()
                 self._produced.notify_all()
             self._busy_since = None
+            for observe in self.step_observers if step is not None else ():
+                observe(*step, snapshot)
 
     def _setup(self) -> None:
         """A role's own state (the KV transfer endpoints), before the step loop starts."""
@@ -287,5 +296,6 @@ class EngineWorker:
             "running": len(s.running),
             "free_blocks": self.engine.blocks.num_free_blocks,
             "total_blocks": self.engine.blocks.num_blocks,
+            "preemptions_total": s.num_preemptions,
             **self._totals,
         }

@@ -130,6 +130,7 @@ class CallLimit:
                 Refusal.BUSY,
                 f"{self.active} requests in progress, the most the router serves at once "
                 f"(router.max_concurrent_requests={self.max_calls}); retry later",
+                reason="concurrency",
             )
         mine = self.by_owner.get(owner, 0)
         if self.per_owner is not None and mine >= self.per_owner:
@@ -137,6 +138,7 @@ class CallLimit:
                 Refusal.BUSY,
                 f"{mine} requests in progress with this API key, the most one key may have "
                 f"(router.max_concurrent_requests_per_key={self.per_owner}); retry later",
+                reason="concurrency_per_key",
             )
         self.active += 1
         self.by_owner[owner] = mine + 1

@@ -23,9 +23,11 @@ from router.admission import AdmissionQueue, CallLimit, FirstTokens
 from router.disagg import Disaggregated
 from router.instances import Instance
 from router.intake import Intake
+from router.metrics import RouterMetrics
 from router.placement import Colocated
 from router.policies import make_policy
 from router.request import GenerateRequest, Refusal, Refused
+from router.request_log import log_request
 from router.stream import Delta, RequestStream
 from router.validation import ModelLimits, RequestValidator
 
@@ -51,12 +53,18 @@ class RouterCore:
         mode: str = "colocated",
         tokenizer: Tokenizer | None = None,
         supervisor=None,
+        *,
+        model_name: str,
+        slo: dict,
     ):
         """``workers``: (name, role, Ray actor handle) of every engine instance;
         ``tokenizer``: the model's, None when it has none (token ids only);
         ``supervisor``: the cluster's supervisor (cluster/supervisor.py), told of every
-        instance this router sees fail; None: a failed instance stays out."""
+        instance this router sees fail; None: a failed instance stays out;
+        ``model_name``: the label ``model_name`` of the request metrics; ``slo``: the
+        cluster's ``slo`` section, for SLO attainment."""
         self.tokenizer = tokenizer
+        self.metrics = RouterMetrics(model_name, slo)
         self.supervisor = supervisor
         self.instances = [Instance(n, r, h, i) for i, (n, r, h) in enumerate(workers)]
         self.by_name = {i.name: i for i in self.instances}
@@ -174,6 +182,7 @@ class RouterCore:
             return False
         stream.failures.append(why)
         stream.attempt += 1
+        self.metrics.migrated()
         stream.avoid.update(stream.pair)
         self.requeue(stream)
         return True
@@ -278,11 +287,17 @@ class RouterCore:
             raise Refused(Refusal.UNAVAILABLE, "every engine instance has failed")
 
     def finish(self, stream: RequestStream) -> None:
-        """The stream ended (finished, failed, given up on, or its client went away)."""
+        """The stream ended (finished, failed, given up on, or its client went away);
+        called once per stream. Its metrics and its log line (router/metrics.py,
+        router/request_log.py): a stream that did not end on its own ended ``abort``."""
         for timer in stream.timers:  # they would keep the stream until they fire
             timer.cancel()
         if not stream.finished or stream.request_id in self.streams:
             self.cancel(stream)
+        outcome = stream.outcome or "abort"
+        if outcome != "refused":  # a refusal is counted where its client is told
+            self.metrics.finished(stream, outcome)
+        log_request(stream, outcome)
 
     def _queue_timeout(self, stream: RequestStream) -> None:
         if stream.num_tokens == 0 and stream in self.admission:
@@ -291,7 +306,7 @@ class RouterCore:
                 f"waited {waited:.3g} s in the admission queue, past router.queue_timeout_s="
                 f"{self.queue_timeout_s:g}; every instance is busy, retry later"
             )
-            self._give_up(stream, Refused(Refusal.BUSY, message))
+            self._give_up(stream, Refused(Refusal.BUSY, message, reason="queue_timeout"))
 
     def _give_up(self, stream: RequestStream, refused: Refused) -> None:
         """Take the request out of the router and its instances; its reader gets ``refused``."""
@@ -323,6 +338,7 @@ class RouterCore:
                 Refusal.BUSY,
                 f"admission queue full: {self.admission.max_size} requests are waiting "
                 "for an instance (router.max_queue); retry later",
+                reason="queue_full",
             )
         self.streams[stream.request_id] = stream
         self._dispatch()
@@ -342,6 +358,7 @@ class RouterCore:
                 f"arriving now would wait {wait:.2g} s, past router.max_expected_ttft_s="
                 f"{bound:g}; retry later",
                 retry_after_s=math.ceil(wait),
+                reason="expected_ttft",
             )
 
     def requeue(self, stream: RequestStream) -> None:

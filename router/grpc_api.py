@@ -88,7 +88,8 @@ class GrpcApi:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-        self._server = grpc.aio.server(interceptors=[GrpcAuth(keys)], options=limits)
+        interceptors = [GrpcAuth(keys, core.metrics.refused)]
+        self._server = grpc.aio.server(interceptors=interceptors, options=limits)
         self._tls = tls if tls and router_tls.enabled(tls) else None
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -170,6 +171,7 @@ class RouterService(pb_grpc.RouterServicer):
     async def Generate(self, request, context):
         arrival = time.monotonic()
         if isinstance(request, Unparsable):
+            self.core.metrics.refused("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         owner = _owner(self.keys, context)  # not None: GrpcAuth let the call in
         try:
@@ -191,6 +193,7 @@ class RouterService(pb_grpc.RouterServicer):
                 finally:
                     self.core.finish(stream)  # ended, refused, failed, or the client left
         except Refused as e:
+            self.core.metrics.refused(e.reason)
             await _abort(context, e)
         except grpc.aio.AbortError:
             raise

@@ -8,6 +8,8 @@ handler runs; other services (``grpc.health.v1``) pass (docs/serving.md,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 from google.protobuf.message import DecodeError
 
@@ -57,11 +59,11 @@ def add_router(service, server) -> None:
 
 
 class GrpcAuth(grpc.aio.ServerInterceptor):
-    """Refuses (UNAUTHENTICATED) a call to ``pdserve.v1.Router`` without a known key;
-    other services (health) pass."""
+    """Refuses (UNAUTHENTICATED) a call to ``pdserve.v1.Router`` without a known key,
+    counted with ``refused("unauthenticated")``; other services (health) pass."""
 
-    def __init__(self, keys: ApiKeys):
-        self.keys = keys
+    def __init__(self, keys: ApiKeys, refused: Callable[[str], None]):
+        self.keys, self.refused = keys, refused
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -70,6 +72,7 @@ class GrpcAuth(grpc.aio.ServerInterceptor):
         metadata = dict(details.invocation_metadata or ())
         if self.keys.owner(metadata.get("authorization")) is not None:
             return handler
+        self.refused("unauthenticated")
         message = refusal("the metadata 'authorization'")
 
         async def refuse(request, context):

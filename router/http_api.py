@@ -5,7 +5,8 @@
     POST /v1/chat/completions   messages, rendered with the model's chat template
     GET  /v1/models             the served model
     GET  /health                200 while serving, 503 while loading or draining
-    GET  /metrics               Prometheus text: the router's queue, each instance's load
+    GET  /metrics               Prometheus text (router/metrics.py): the request view,
+                                the router's queue, each instance's load
 
 docs/openapi.yaml describes this API as served. A request body becomes the core's
 ``GenerateRequest`` (router/openai_request.py), checked for JSON types there, for the
@@ -35,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -43,7 +45,6 @@ from router import tls as router_tls
 from router.auth import ApiKeys, refusal
 from router.core import RouterCore
 from router.incidents import internal_error, one_line
-from router.metrics import prometheus_text
 from router.openai_logprobs import LogprobsShape
 from router.openai_request import (
     BadRequest,
@@ -107,7 +108,8 @@ class HttpApi:
         self._tls = tls if tls and router_tls.enabled(tls) else None
         keys = keys or ApiKeys([])
         app = web.Application(
-            middlewares=[internal_errors, authenticate(keys)], client_max_size=max_body_bytes
+            middlewares=[internal_errors, authenticate(keys, core.metrics.refused)],
+            client_max_size=max_body_bytes,
         )
         app.add_routes(
             [
@@ -154,27 +156,35 @@ class HttpApi:
         return web.Response(status=200 if ok else 503, text="ok" if ok else "not serving")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=prometheus_text(await self.core.stats()))
+        accept = request.headers.get("Accept", "")
+        body, content_type = self.core.metrics.exposition(await self.core.stats(), accept)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """Every refusal is counted (``core.metrics.refused``) as its response is made."""
         arrival = time.monotonic()
+        refused = self.core.metrics.refused
         try:
             with self.core.calls.call(request.get("owner", "")):
                 return await self._serve(request, chat, arrival)
         except web.HTTPRequestEntityTooLarge:
+            refused("body_too_large")
             length = request.content_length  # None: chunked, cut where it passed the bound
             size = "" if length is None else f" {length} bytes,"
             bound = f"router.max_body_bytes={self.max_body_bytes}"
             return error_response(413, f"request body:{size} past {bound}")
         except BadRequest as e:
+            refused("invalid")
             return error_response(400, e.message, e.param)
         except Refused as e:  # before any output: the response is the refusal
+            refused(e.reason)
             return refusal_response(e)
 
     async def _serve(self, request: web.Request, chat: bool, arrival: float):
         body = parse_body(await request.read())
         model = requested_model(body)
         if model is not None and model not in self.names:
+            self.core.metrics.refused("model")
             message = f"model={show(model)}: not served here; GET /v1/models lists {self.model!r}"
             return error_response(404, message, "model")
         read = read_request(body, chat)
@@ -230,6 +240,7 @@ class HttpApi:
                 try:
                     delta = await stream.read()
                 except Refused as e:
+                    self.core.metrics.refused(e.reason)
                     await _send(resp, refusal_event(e))
                     break
             await resp.write(b"data: [DONE]\n\n")
@@ -256,9 +267,10 @@ class HttpApi:
         return True
 
 
-def authenticate(keys: ApiKeys):
+def authenticate(keys: ApiKeys, refused: Callable[[str], None]):
     """A middleware: the caller's owner in ``request["owner"]`` (router/auth.py), or 401
-    in OpenAI's shape; every path but ``OPEN_PATHS`` needs a known key."""
+    in OpenAI's shape (counted with ``refused("unauthenticated")``); every path but
+    ``OPEN_PATHS`` needs a known key."""
 
     @web.middleware
     async def middleware(request: web.Request, handler):
@@ -266,6 +278,7 @@ def authenticate(keys: ApiKeys):
             return await handler(request)
         owner = keys.owner(request.headers.get("Authorization"))
         if owner is None:
+            refused("unauthenticated")
             resp = error_response(401, refusal("the Authorization header"))
             resp.headers["WWW-Authenticate"] = 'Bearer realm="pdserve"'
             return resp

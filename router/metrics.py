@@ -1,48 +1,216 @@
-"""The router's and instances' load in the Prometheus text format (``GET /metrics``)."""
+"""The router's Prometheus metrics (``GET /metrics``), through prometheus_client
+(docs/serving.md, "Metrics and logs" lists every name).
+
+``RouterMetrics`` owns one ``CollectorRegistry`` per router (never the process-wide
+default one, so two routers in one process never mix). Names carry the ``pdserve:``
+prefix as vLLM's carry ``vllm:``, with vLLM's buckets for the same quantity; request
+metrics carry the label ``model_name`` (the config's ``model``).
+
+Where each observation happens (all on the router's event loop):
+- ``refused(reason)``: once per refused call or request, whichever part refused it
+  (``REFUSAL_REASONS``);
+- ``migrated()``: once per request moved to another instance after a failure;
+- ``finished(stream, outcome)``: once per admitted request, when its front end lets
+  it go (``RouterCore.finish``). ``request_success_total`` counts every outcome but a
+  refusal; the latency histograms, the token counters' output side and SLO attainment
+  count only requests served to their end (``stop`` or ``length``);
+- ``exposition(stats, accept)``: a scrape, in the format its ``Accept`` header asks
+  for (prometheus_client's negotiation: the Prometheus text format unless the scraper
+  asks for OpenMetrics); the gauges of the queue and the per-instance view
+  (router/metrics_instances.py) come from that moment's ``RouterCore.stats()``.
+"""
 
 from __future__ import annotations
 
-ROUTER = (
-    ("queued", "gauge", "requests waiting in the router's admission queue"),
-    ("max_queue", "gauge", "bound of the admission queue (router.max_queue)"),
-    ("in_flight", "gauge", "requests queued or placed, not finished"),
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
 )
-INSTANCE = (
-    ("queued", "gauge", "requests waiting inside the instance"),
-    ("running", "gauge", "requests in the instance's running batch"),
-    ("outstanding", "gauge", "requests the router placed there, not finished"),
-    ("free_blocks", "gauge", "free KV cache blocks"),
-    ("total_blocks", "gauge", "KV cache blocks"),
-    ("requests_total", "counter", "requests placed on the instance"),
-    ("tokens_total", "counter", "tokens the instance generated"),
-    ("steps_total", "counter", "engine steps the instance ran"),
-    ("kv_bytes_total", "counter", "KV bytes the instance sent or received"),
+from prometheus_client.exposition import choose_encoder
+
+from router.metrics_instances import InstanceCollector
+from router.stream import RequestStream
+
+SERVED = ("stop", "length")  # the finish reasons of a request served to its end
+
+# vLLM's buckets for the same quantities (its time_to_first_token_seconds,
+# inter_token_latency_seconds, request latency and NIXL transfer histograms)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+KV_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+KV_BYTES_BUCKETS = tuple(2 ** (10 + i) for i in range(1, 25, 2))  # 2 KiB .. 8 GiB
+
+# why a call or a request was refused (the label ``reason`` of requests_refused_total)
+REFUSAL_REASONS = (
+    "invalid",  # a field, a limit (router.max_prompt_tokens, ...), an unparsable body
+    "exists",  # its request_id is in flight
+    "unauthenticated",  # no known API key
+    "model",  # the body names a model not served here
+    "body_too_large",  # past router.max_body_bytes
+    "queue_full",  # router.max_queue
+    "queue_timeout",  # router.queue_timeout_s
+    "expected_ttft",  # router.max_expected_ttft_s
+    "concurrency",  # router.max_concurrent_requests
+    "concurrency_per_key",  # router.max_concurrent_requests_per_key
+    "unavailable",  # loading, draining, or every instance has failed
+    "deadline",  # the request's own deadline passed
 )
 
 
-def prometheus_text(stats: dict) -> str:
-    """``RouterCore.stats()`` as Prometheus exposition text."""
-    lines = []
-    for key, kind, text in ROUTER:
-        lines += [f"# HELP pdserve_router_{key} {text}", f"# TYPE pdserve_router_{key} {kind}"]
-        lines.append(f"pdserve_router_{key} {int(stats[key])}")
-    lines += [
-        "# HELP pdserve_router_draining 1 while draining",
-        "# TYPE pdserve_router_draining gauge",
-    ]
-    lines.append(f"pdserve_router_draining {int(stats['draining'])}")
-    for key, kind, text in INSTANCE:
-        name = f"pdserve_instance_{key}"
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-        for inst in stats["instances"]:
-            if key in inst:
-                labels = f'instance="{inst["name"]}",role="{inst.get("role", "")}"'
-                lines.append(f"{name}{{{labels}}} {int(inst[key])}")
-    lines += [
-        "# HELP pdserve_instance_up 1 while the instance answers",
-        "# TYPE pdserve_instance_up gauge",
-    ]
-    for inst in stats["instances"]:
-        labels = f'instance="{inst["name"]}",role="{inst.get("role", "")}"'
-        lines.append(f"pdserve_instance_up{{{labels}}} {0 if 'dead' in inst else 1}")
-    return "\n".join(lines) + "\n"
+class RouterMetrics:
+    """One router's metrics, in ``registry``. Invariants: every series of a counter with
+    a fixed label set (refusal reasons, finish reasons) exists from the start, at 0; a
+    request is observed once (``finished``), a refusal once (``refused``)."""
+
+    def __init__(self, model_name: str, slo: dict):
+        """``slo``: the cluster's ``slo`` section (``ttft_ms``, ``tpot_ms``). Turns off
+        prometheus_client's ``_created`` series, for the whole process (they double the
+        series and nothing here reads them)."""
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.slo_ttft_s = slo["ttft_ms"] / 1000.0
+        self.slo_tpot_s = slo["tpot_ms"] / 1000.0
+        r, m = self.registry, ("model_name",)
+
+        def histogram(name, text, buckets, labels=m):
+            return Histogram(f"pdserve:{name}", text, labels, registry=r, buckets=buckets)
+
+        def counter(name, text, labels=m):
+            return Counter(f"pdserve:{name}", text, labels, registry=r)
+
+        def gauge(name, text, labels=m):
+            return Gauge(f"pdserve:{name}", text, labels, registry=r)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
+                              TTFT_BUCKETS)  # fmt: skip
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Gap between two streamed tokens of a request.",
+                             TOKEN_GAP_BUCKETS)  # fmt: skip
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Mean gap between the tokens after the first, per request.",
+                              TOKEN_GAP_BUCKETS)  # fmt: skip
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.",
+                             REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.queue = histogram("request_queue_time_seconds",
+                               "Arrival to sent to an instance (the router's queue).",
+                               REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "Sent to an instance to first token.",
+                                 REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.decode = histogram("request_decode_time_seconds", "First token to last token.",
+                                REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        pair = ("prefill", "decode")
+        self.kv_bytes = histogram("kv_transfer_bytes",
+                                  "KV bytes moved for a request, per (prefill, decode) pair.",
+                                  KV_BYTES_BUCKETS, pair)  # fmt: skip
+        self.kv_seconds = histogram("kv_transfer_seconds",
+                                    "KV transfer time of a request, per pair.",
+                                    KV_SECONDS_BUCKETS, pair)  # fmt: skip
+        self.success = counter("request_success", "Requests ended, by finish reason.",
+                               ("model_name", "finished_reason"))  # fmt: skip
+        self.slo_attained = counter(
+            "request_slo_attained", "Requests served meeting both slo.ttft_ms and slo.tpot_ms."
+        )
+        self.refusals = counter("requests_refused", "Calls and requests refused, by reason.",
+                                ("model_name", "reason"))  # fmt: skip
+        self.migrations = counter(
+            "request_migrations", "Requests moved to another instance after a failure."
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens streamed to clients.")
+        self.waiting = gauge("num_requests_waiting", "Requests in the router's queue.")
+        self.in_flight = gauge("num_requests_in_flight", "Requests queued or placed.")
+        self.max_queue = gauge("router_max_queue", "The queue's bound (router.max_queue).")
+        self.draining = gauge("router_draining", "1 while the router drains.")
+        gauge("slo_ttft_seconds", "The TTFT objective (slo.ttft_ms).").labels(model_name).set(
+            self.slo_ttft_s
+        )
+        gauge("slo_tpot_seconds", "The TPOT objective (slo.tpot_ms).").labels(model_name).set(
+            self.slo_tpot_s
+        )
+        self.model_name = model_name
+        self.instances = InstanceCollector()
+        r.register(self.instances)
+        for reason in REFUSAL_REASONS:  # every series present from the start, at 0
+            self.refusals.labels(model_name, reason)
+        for reason in (*SERVED, "abort", "error"):
+            self.success.labels(model_name, reason)
+        for metric in (self.slo_attained, self.migrations, self.prompt_tokens,
+                       self.generation_tokens):  # fmt: skip
+            metric.labels(model_name)
+
+    def refused(self, reason: str) -> None:
+        if reason not in REFUSAL_REASONS:
+            raise ValueError(f"refusal reason={reason!r}: allowed are {REFUSAL_REASONS}")
+        self.refusals.labels(self.model_name, reason).inc()
+
+    def migrated(self) -> None:
+        self.migrations.labels(self.model_name).inc()
+
+    def finished(self, stream: RequestStream, outcome: str) -> None:
+        """An admitted request ended with ``outcome``: a finish reason (stop, length,
+        abort) or ``error``; a refused one is counted by ``refused`` instead."""
+        m = self.model_name
+        self.success.labels(m, outcome).inc()
+        self.prompt_tokens.labels(m).inc(len(stream.prompt_ids))
+        self.generation_tokens.labels(m).inc(stream.num_tokens)
+        if outcome not in SERVED or stream.first_token_at is None:
+            return
+        t = stream.timings()
+        ttft, tpot = t.ttft_ms / 1000.0, t.tpot_ms / 1000.0
+        self.ttft.labels(m).observe(ttft)
+        self.e2e.labels(m).observe(t.e2e_ms / 1000.0)
+        self.queue.labels(m).observe(t.queue_ms / 1000.0)
+        self.prefill.labels(m).observe(max(0.0, stream.first_token_at - stream.dispatched_at))
+        self.decode.labels(m).observe(stream.last_token_at - stream.first_token_at)
+        itl = self.itl.labels(m)
+        for gap in token_gaps(stream.token_walls):
+            itl.observe(gap)
+        if stream.num_tokens > 1:
+            self.tpot.labels(m).observe(tpot)
+        if ttft <= self.slo_ttft_s and tpot <= self.slo_tpot_s:
+            self.slo_attained.labels(m).inc()
+        if t.kv_bytes and len(stream.pair) == 2:
+            self.kv_bytes.labels(*stream.pair).observe(t.kv_bytes)
+            self.kv_seconds.labels(*stream.pair).observe(t.transfer_ms / 1000.0)
+
+    def exposition(self, stats: dict, accept: str = "") -> tuple[bytes, str]:
+        """(the registry, its content type) in the format ``accept`` (the scraper's
+        ``Accept`` header) asks for, with the gauges of ``stats``
+        (``RouterCore.stats()``: the queue, every instance's load)."""
+        m = self.model_name
+        self.waiting.labels(m).set(stats["queued"])
+        self.in_flight.labels(m).set(stats["in_flight"])
+        self.max_queue.labels(m).set(stats["max_queue"])
+        self.draining.labels(m).set(int(stats["draining"]))
+        self.instances.instances = stats["instances"]
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
+
+
+def token_gaps(walls: list[float]) -> list[float]:
+    """The gaps between a request's consecutive tokens, from the time each reached the
+    router (``walls``, ascending). Tokens that arrive in one batch share a time: a batch
+    of k tokens after an earlier one counts as k gaps of equal share of the time since
+    it; tokens of the first batch after the first token count as gaps of 0. The gaps
+    sum to last - first, so their mean is the request's TPOT."""
+    gaps: list[float] = []
+    i, n = 1, len(walls)
+    while i < n and walls[i] == walls[0]:  # the first batch
+        gaps.append(0.0)
+        i += 1
+    while i < n:
+        j = i
+        while j < n and walls[j] == walls[i]:
+            j += 1
+        share = max(0.0, walls[i] - walls[i - 1]) / (j - i)
+        gaps += [share] * (j - i)
+        i = j
+    return gaps

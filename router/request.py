@@ -96,9 +96,18 @@ class Refused(Exception):
 
     ``retry_after_s`` (whole seconds) is set exactly for BUSY (``RETRY_AFTER_S`` unless
     the refusal knows better): the front ends send it as HTTP ``Retry-After`` and gRPC
-    trailing metadata ``retry-after``."""
+    trailing metadata ``retry-after``. ``reason``: which bound or check refused it, as
+    ``pdserve:requests_refused_total`` counts it (router/metrics.py
+    ``REFUSAL_REASONS``); the kind's value unless a BUSY refusal names its bound."""
 
-    def __init__(self, kind: Refusal, message: str, retry_after_s: int = RETRY_AFTER_S):
+    def __init__(
+        self,
+        kind: Refusal,
+        message: str,
+        retry_after_s: int = RETRY_AFTER_S,
+        reason: str | None = None,
+    ):
         super().__init__(message)
         self.kind, self.message = kind, message
         self.retry_after_s = retry_after_s if kind is Refusal.BUSY else None
+        self.reason = reason or kind.value

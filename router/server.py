@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 
+from router import request_log
 from router.auth import ApiKeys
 from router.core import RouterCore
 from router.grpc_api import GrpcApi
@@ -38,15 +39,23 @@ class RouterServer:
         workers: list[tuple[str, str, object]],
         mode: str = "colocated",
         supervisor=None,
+        *,
+        slo: dict,
+        logging_config: dict,
     ):
         """``workers``: (name, role, Ray actor handle) of every engine instance;
-        ``supervisor``: the cluster's (told of every failure this router sees)."""
+        ``supervisor``: the cluster's (told of every failure this router sees);
+        ``slo``, ``logging_config``: the cluster's ``slo`` and ``logging`` sections
+        (the log format and level apply to this actor's process)."""
         from engine.checkpoint import load_checkpoint
 
+        request_log.configure(logging_config["format"], logging_config["level"])
         self.config = router_config
         self.model = model
         tokenizer = load_checkpoint(model).tokenizer
-        self.core = RouterCore(router_config, workers, mode, tokenizer, supervisor)
+        self.core = RouterCore(
+            router_config, workers, mode, tokenizer, supervisor, model_name=model, slo=slo
+        )
         self.keys = ApiKeys.from_config(router_config)
         self.address = ""  # host:port of the gRPC API
         self.http_address = ""  # host:port of the OpenAI-compatible HTTP API

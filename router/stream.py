@@ -105,6 +105,9 @@ class RequestStream:
     last_token_at: float | None = None
     token_walls: list[float] = field(default_factory=list)
     finished: bool = False
+    # how it ended, set with ``finished`` by its last delta: a finish reason (stop,
+    # length, abort), "error" (an instance failed it) or "refused" (the router gave up)
+    outcome: str | None = None
     waiting: Delta | None = None  # delivered, not yet read (every such delivery merged)
     timers: list[asyncio.TimerHandle] = field(default_factory=list)  # the core's deadlines
     on_first_token: Callable[[], None] | None = None  # the core's load estimate
@@ -146,6 +149,13 @@ class RequestStream:
             self.token_walls += [time.time()] * len(delta.token_ids)
         if delta.last:
             self.finished = True
+            self.outcome = (
+                "refused"
+                if delta.refused is not None
+                else "error"
+                if delta.error is not None
+                else delta.finish_reason
+            )
         if self.waiting is None:  # ours: later deliveries extend it in place
             self.waiting = Delta([], "")
         merged = self.waiting

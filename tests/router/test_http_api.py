@@ -10,6 +10,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
 
@@ -79,10 +80,16 @@ def test_invalid_requests_are_400_in_openai_shape(api, chat_model):
 def test_health_and_prometheus_metrics(cluster):
     base = f"http://{cluster.http_address}"
     assert httpx.get(f"{base}/health").status_code == 200
-    text = httpx.get(f"{base}/metrics").text
-    assert "# TYPE pdserve_router_in_flight gauge" in text
-    assert 'pdserve_instance_up{instance="colocated-0",role="colocated"} 1' in text
-    assert 'pdserve_instance_total_blocks{instance="colocated-1",role="colocated"} 512' in text
+    resp = httpx.get(f"{base}/metrics")
+    assert resp.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    assert families["pdserve:num_requests_in_flight"].type == "gauge"
+    samples = {
+        (s.name, s.labels.get("instance")): s.value for f in families.values() for s in f.samples
+    }
+    assert samples[("pdserve:instance_up", "colocated-0")] == 1
+    assert samples[("pdserve:instance_kv_blocks", "colocated-1")] == 512
+    assert families["pdserve:time_to_first_token_seconds"].type == "histogram"
 
 
 def test_bench_endpoint_client_measures_our_server(cluster):

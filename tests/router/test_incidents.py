@@ -19,6 +19,7 @@ from router.client import RouterClient
 from router.grpc_api import GrpcApi
 from router.http_api import HttpApi
 from router.incidents import one_line
+from router.metrics import RouterMetrics
 from router.request import Refusal, Refused
 from router.stream import Delta, RequestStream
 
@@ -30,6 +31,7 @@ class BrokenCore:
 
     def __init__(self):
         self.calls = CallLimit(4)
+        self.metrics = RouterMetrics("m", {"ttft_ms": 1000.0, "tpot_ms": 150.0})
 
     async def open_stream(self, request, arrival, deadline=None, owner=""):
         raise RuntimeError(SECRET)

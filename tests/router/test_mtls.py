@@ -18,6 +18,7 @@ from router.admission import CallLimit
 from router.client import RouterClient
 from router.grpc_api import GrpcApi
 from router.http_api import HttpApi
+from router.metrics import RouterMetrics
 
 
 class ServingCore:
@@ -25,6 +26,7 @@ class ServingCore:
 
     def __init__(self):
         self.calls = CallLimit(4)
+        self.metrics = RouterMetrics("m", {"ttft_ms": 1000.0, "tpot_ms": 150.0})
 
 
 def test_a_client_needs_a_certificate_of_the_client_ca(tmp_path):

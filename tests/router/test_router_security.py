@@ -17,6 +17,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.client import RouterClient
 from tests.router import secured
@@ -50,7 +51,25 @@ def _openai(server, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key=key, http_client=http, max_retries=0)
 
 
+def _refused(server, reason: str) -> float:
+    """``pdserve:requests_refused_total`` of ``reason``, scraped with a key."""
+    r = httpx.get(
+        server.base_url.removesuffix("/v1") + "/metrics",
+        headers={"Authorization": f"Bearer {BETA}"},
+        verify=_ca(server),
+    )
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if (
+                sample.name == "pdserve:requests_refused_total"
+                and sample.labels["reason"] == reason
+            ):
+                return sample.value
+    raise AssertionError(f"no refusals of reason {reason!r}")
+
+
 def test_http_without_a_known_key_is_401_in_openais_shape_and_health_is_open(server):
+    before = _refused(server, "unauthenticated")
     with httpx.Client(base_url=server.base_url.removesuffix("/v1"), verify=_ca(server)) as h:
         body = {"prompt": "hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": ALPHA}):
@@ -64,9 +83,11 @@ def test_http_without_a_known_key_is_401_in_openais_shape_and_health_is_open(ser
         assert h.get("/health").status_code == 200
         key = {"Authorization": f"Bearer {BETA}"}
         assert h.get("/metrics", headers=key).status_code == 200
+    assert _refused(server, "unauthenticated") - before == 7  # counted on /metrics
 
 
 def test_grpc_without_a_known_key_is_unauthenticated_and_health_is_open(server):
+    before = _refused(server, "unauthenticated")
     for key in (None, "wrong-key"):
         with RouterClient(server.address, api_key=key, ca_file=server.ca_file) as c:
             calls = (
@@ -80,6 +101,7 @@ def test_grpc_without_a_known_key_is_unauthenticated_and_health_is_open(server):
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert "API key" in err.value.details()
             assert c.health() == "SERVING"
+    assert _refused(server, "unauthenticated") - before == 6
 
 
 def test_the_openai_client_with_the_key_and_the_ca_works(server, chat_model):
@@ -137,6 +159,8 @@ def test_an_abort_with_another_key_ends_nothing(server, alpha):
 
 
 def test_one_key_holds_at_most_its_share_of_calls(server):
+    before = _refused(server, "concurrency_per_key")
+
     async def run():
         a = RouterClient(server.address, api_key=ALPHA, ca_file=server.ca_file)
         b = RouterClient(server.address, api_key=BETA, ca_file=server.ca_file)
@@ -164,6 +188,7 @@ def test_one_key_holds_at_most_its_share_of_calls(server):
             await b.aclose()
 
     asyncio.run(run())
+    assert _refused(server, "concurrency_per_key") - before == 2
 
 
 def test_the_cli_passes_the_key_and_the_ca(server):
