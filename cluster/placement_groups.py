@@ -124,16 +124,18 @@ def create(name: str, role: str, pool: PoolConfig, timeout_s: float):
 
 
 def _nodes() -> str:
-    """The alive nodes: address, resources and labels (Ray's own keys left out)."""
+    """The alive nodes by address: resources and labels by name (Ray's own left out)."""
     import ray
 
     shown = []
-    for node in [n for n in ray.nodes() if n["Alive"]][:SHOWN_NODES]:
+    alive = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeManagerAddress"])
+    for node in alive[:SHOWN_NODES]:
         resources = {
             k: v
-            for k, v in node["Resources"].items()
+            for k, v in sorted(node["Resources"].items())
             if not k.startswith("node:") and k not in ("memory", "object_store_memory")
         }
-        labels = {k: v for k, v in node.get("Labels", {}).items() if not k.startswith("ray.io/")}
+        labels = {k: v for k, v in sorted(node.get("Labels", {}).items())
+                  if not k.startswith("ray.io/")}  # fmt: skip
         shown.append(f"{node['NodeManagerAddress']} {resources} labels {labels}")
     return "; ".join(shown) or "none"

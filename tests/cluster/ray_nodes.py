@@ -103,7 +103,7 @@ class RayNodes:
                  "runtime-env-agent-port", "metrics-export-port")  # fmt: skip
         args = ["ray", "start", "--block", "--node-ip-address", ip, "--num-cpus", str(cpus),
                 "--temp-dir", f"{self.base}/{name}", "--object-store-memory", str(80 * 2**20),
-                "--disable-usage-stats"]  # fmt: skip
+                "--disable-usage-stats", "--include-log-monitor", "false"]  # fmt: skip
         args += [x for p in ports for x in (f"--{p}", str(_free_port()))]
         if name == "head":
             args += ["--head", "--port", str(self.port), "--include-dashboard", "false",

@@ -38,27 +38,29 @@ SHORT, LONG = 16, 400  # tokens streamed; LONG: still streaming when the node is
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    """The head, node A (prefill) and node B (decode), and a probe of Ray's view of them.
-    Every process started here is killed at the end."""
+def expected(chat_model) -> list[list[int]]:
+    """The offline engine's greedy tokens for each prompt (a shorter run: a prefix)."""
+    params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    return [out.token_ids for out in LLM(chat_model).generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def nodes(request):
+    """The head, node A (prefill) and node B (decode), and a probe of Ray's view of them
+    (``expected`` is computed while they start). Every process started here is killed at
+    the end."""
     cluster = RayNodes(HEAD)
     try:
         cluster.start("head", HEAD, 0)
         cluster.start("a", NODE_A, 1, {"pool_prefill": 1}, {"pool": "prefill"})
         cluster.decode = cluster.start("b", NODE_B, 1, labels={"pool": "decode"})
+        request.getfixturevalue("expected")
         cluster.start_probe()
         assert wait_until(lambda: len(cluster.node_ids()) == 3, 60, 0.5), cluster.logs()
         yield cluster
     finally:
         cluster.stop()
         assert wait_until(lambda: not [p for n in cluster.nodes.values() for p in n.alive()], 30)
-
-
-@pytest.fixture(scope="module")
-def expected(chat_model) -> list[list[int]]:
-    """The offline engine's greedy tokens for each prompt (a shorter run: a prefix)."""
-    params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
-    return [out.token_ids for out in LLM(chat_model).generate(PROMPTS, params)]
 
 
 def multinode_config(model: str, address: str, backend: str) -> dict:
@@ -95,11 +97,14 @@ def check_placement(cluster: RayNodes, decode: RayNode) -> dict[str, list[int]]:
             "rank1": decode.actor_pids("DecodeRank")}  # fmt: skip
     assert all(len(p) == 1 for p in pids.values()), pids
     assert head.actor_pids("RouterServer") and head.actor_pids("Supervisor")
-    (pid,) = pids["decode"]  # its KV receiver listens on the node's address
-    listening = {c.laddr.ip for c in psutil.Process(pid).net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN}  # fmt: skip
-    assert decode.ip in listening, listening
+    assert decode.ip in listening(pids["decode"][0])  # its KV receiver, on its node's address
     return pids
+
+
+def listening(pid: int) -> set[str]:
+    """The addresses a process listens on (TCP)."""
+    connections = psutil.Process(pid).net_connections("tcp")
+    return {c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN}
 
 
 async def _streams(client: RouterClient, max_tokens: int, on_first=None) -> list[list]:
@@ -148,7 +153,7 @@ def stopped_cleanly(served, pids: list[int]) -> None:
 
 def test_a_pool_no_node_can_hold_fails_the_start_naming_it(nodes, chat_model, tmp_path):
     config = multinode_config(chat_model, nodes.address, "grpc")
-    config["decode"]["node_labels"] = {"pool": "nowhere"}
+    config["prefill"]["node_labels"] = {"pool": "nowhere"}  # the first pool started
     config["supervisor"]["placement_timeout_s"] = 2
     path = tmp_path / "nowhere.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -158,12 +163,13 @@ def test_a_pool_no_node_can_hold_fails_the_start_naming_it(nodes, chat_model, tm
     )  # fmt: skip
     assert up.returncode == 1, up.stdout + up.stderr
     assert (
-        "pdserve up: could not start the cluster: instance decode-0: no node could hold pool "
-        "decode: 2 bundle(s) of {'CPU': 0.5} on one node labelled {'pool': 'nowhere'} "
-        "(STRICT_PACK) within 2 s (supervisor.placement_timeout_s); alive nodes: "
+        "pdserve up: could not start the cluster: instance prefill-0: no node could hold pool "
+        "prefill: 1 bundle(s) of {'CPU': 1.0, 'pool_prefill': 1.0} on one node labelled "
+        "{'pool': 'nowhere'} (STRICT_PACK) within 2 s (supervisor.placement_timeout_s); "
+        "alive nodes: "
     ) in up.stderr, up.stderr
     assert f"{NODE_A} {{'CPU': 1.0, 'pool_prefill': 1.0}} labels {{'pool': 'prefill'}}" in up.stderr
-    assert not [g for g in nodes.probe.groups() if g["state"] == "CREATED"]  # prefill's removed
+    assert not [g for g in nodes.probe.groups() if g["state"] == "CREATED"]
 
 
 def test_grpc_pools_on_their_nodes_stream_greedy(nodes, expected, chat_model, tmp_path):
@@ -182,6 +188,7 @@ def test_gloo_decode_node_lost_then_replaced(nodes, expected, chat_model, tmp_pa
         client = RouterClient(served.address)
         got = asyncio.run(_streams(client, SHORT))
         assert [tokens(c) for c in got] == [e[:SHORT] for e in expected]
+        assert NODE_A in listening(pids["prefill"][0])  # gloo pairs, on the prefill node
 
         (raylet,) = [p.pid for p in lost.processes() if p.name() == "raylet"]
         killed = {}
