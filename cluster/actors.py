@@ -1,5 +1,6 @@
 """Starting one engine instance on Ray: its actor, and for tensor parallelism its other
-ranks, all in one STRICT_PACK placement group (one bundle per rank, on one node).
+ranks, all in one STRICT_PACK placement group (one bundle per rank, on one node, with
+the pool's resources and node labels: cluster/placement_groups.py), made first.
 
 Rank 0 is the role's worker (``EngineWorker``, ``PrefillWorker``, ``DecodeWorker``),
 named ``<role>-<index>``; ranks 1..N-1 are the role's rank actors (``RankActor``,
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import PoolConfig
 from cluster.instance_metrics import metered
+from cluster.placement_groups import create
 from cluster.ray_env import NAMESPACE
 
 
@@ -25,7 +27,7 @@ class InstanceHandles:
     role: str
     worker: object  # rank 0's actor handle
     ranks: list = field(default_factory=list)  # ranks 1..N-1
-    group: object = None  # the placement group (tensor-parallel instances)
+    group: object = None  # the placement group, one bundle per rank
 
 
 def _free_port(bind: str | None, advertise: str | None) -> tuple[str, str, int]:
@@ -41,10 +43,17 @@ def _free_port(bind: str | None, advertise: str | None) -> tuple[str, str, int]:
 
 
 def start_instance(
-    role: str, index: int, pool: PoolConfig, model: str, engine: dict, kv: dict
+    role: str,
+    index: int,
+    pool: PoolConfig,
+    model: str,
+    engine: dict,
+    kv: dict,
+    placement_timeout_s: float,
 ) -> InstanceHandles:
+    """Start the instance's actors in a new placement group (``PlacementError`` when no
+    node holds it within ``placement_timeout_s``); rank 0's readiness is not awaited."""
     import ray
-    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from decode_worker import DecodeRank, DecodeWorker
@@ -57,21 +66,26 @@ def start_instance(
     name, size = f"{role}-{index}", pool.tensor_parallel
     cpus, gpus = pool.resources.num_cpus, pool.resources.num_gpus
     threads = max(1, math.floor(cpus))
-    options = dict(namespace=NAMESPACE, num_cpus=cpus, num_gpus=gpus, max_restarts=0)
+    options = dict(
+        namespace=NAMESPACE,
+        num_cpus=cpus,
+        num_gpus=gpus,
+        resources=dict(pool.resources.custom),
+        max_restarts=0,
+        max_concurrency=8,
+    )
     setup = () if role == "colocated" else (kv,)  # kv["bind"], ["advertise"]: every role
     worker_cls = ray.remote(metered(classes[role]))  # rank 0 records the instance's metrics
-    if size == 1:
-        handle = worker_cls.options(name=name, max_concurrency=8, **options).remote(
-            name, model, engine, threads, *setup
-        )
-        return InstanceHandles(name, role, handle)
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    group = placement_group([bundle] * size, strategy="STRICT_PACK", name=f"pdserve-{name}")
-    ray.get(group.ready())
+    group = create(name, role, pool, placement_timeout_s)
 
     def in_bundle(r: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
 
+    if size == 1:
+        handle = worker_cls.options(name=name, scheduling_strategy=in_bundle(0), **options).remote(
+            name, model, engine, threads, *setup
+        )
+        return InstanceHandles(name, role, handle, group=group)
     bind, host, port = ray.get(
         ray.remote(_free_port)
         .options(num_cpus=0, scheduling_strategy=in_bundle(0))
@@ -80,13 +94,11 @@ def start_instance(
     parallel = {"size": size, "address": f"{host}:{port}", "bind": bind}
     ranks = [
         ray.remote(rank_classes[role])
-        .options(
-            name=f"{name}-rank{r}", max_concurrency=8, scheduling_strategy=in_bundle(r), **options
-        )
+        .options(name=f"{name}-rank{r}", scheduling_strategy=in_bundle(r), **options)
         .remote(f"{name}-rank{r}", model, engine, threads, {**parallel, "rank": r}, *setup)
         for r in range(1, size)
     ]
-    handle = worker_cls.options(
-        name=name, max_concurrency=8, scheduling_strategy=in_bundle(0), **options
-    ).remote(name, model, engine, threads, *setup, parallel={**parallel, "ranks": ranks})
+    handle = worker_cls.options(name=name, scheduling_strategy=in_bundle(0), **options).remote(
+        name, model, engine, threads, *setup, parallel={**parallel, "ranks": ranks}
+    )
     return InstanceHandles(name, role, handle, ranks, group)

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from cluster.placement_groups import ray_labels, ray_resources
 from engine.attention import BACKENDS
 from engine.config import DTYPES
 from router.policies import POLICIES
@@ -69,6 +70,12 @@ def spec(default=None, check: Check | None = None, help: str = "", factory=None)
 class Resources:
     num_cpus: float = spec(1.0, at_least(0), "CPUs per instance (torch threads follow it)")
     num_gpus: float = spec(0.0, at_least(0), "GPUs per instance (> 0 runs it on CUDA)")
+    custom: dict[str, float] = spec(
+        None,
+        ray_resources,
+        "Ray custom resources each rank takes, {name: amount} (ray start --resources)",
+        factory=dict,
+    )
 
 
 @dataclass
@@ -82,6 +89,12 @@ class PoolConfig:
     kv_blocks: int = spec(2048, at_least(1), "paged KV cache blocks per instance")
     block_size: int = spec(16, at_least(1), "tokens per KV block")
     resources: Resources = spec(factory=Resources)
+    node_labels: dict[str, str] = spec(
+        None,
+        ray_labels,
+        "Ray node labels every rank's node must carry, {key: value} (ray start --labels)",
+        factory=dict,
+    )
     bind: str | None = spec(
         None,
         None,
@@ -205,6 +218,12 @@ class SupervisorConfig:
     )
     max_restarts: int = spec(
         10, at_least(0), "restarts of one instance before it is left failed (0: never restarted)"
+    )
+    placement_timeout_s: float = spec(
+        60.0,
+        seconds,
+        "an instance's placement group not placed this long fails its start (no node offers "
+        "its pool's resources and labels)",
     )
 
 

@@ -17,6 +17,7 @@ from types import NoneType, UnionType
 import yaml
 
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.placement_groups import check_placement
 from cluster.security_checks import check_ray, check_router
 
 
@@ -103,6 +104,29 @@ def _convert(hint, value, where: str, f: dataclasses.Field):
         base = f.default_factory() if f.default_factory is not dataclasses.MISSING else hint()
         merged = {**dataclasses.asdict(base), **value} if isinstance(value, dict) else value
         return build(hint, merged, where)
+    convert = _mapping if typing.get_origin(hint) is dict else _scalar
+    value = convert(hint, value, where)
+    check = f.metadata.get("check")
+    problem = check(value) if check and value is not None else None
+    if problem:
+        raise ConfigError(where, f"{_show(value)} is not allowed; {problem}")
+    return value
+
+
+def _mapping(hint, value, where: str) -> dict:
+    """A ``dict[str, V]`` key: a mapping of string keys, each value checked as a ``V``."""
+    key_kind, kind = typing.get_args(hint)
+    if not isinstance(value, dict):
+        expected = f"expected a mapping of {_allowed((key_kind,))} to {_allowed((kind,))}"
+        raise ConfigError(where, f"{_show(value)} is a {_kind(value)}; {expected}")
+    for key in value:
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}.{key}", f"the key is a {_kind(key)}; expected a string")
+    return {key: _scalar(kind, item, f"{where}.{key}") for key, item in value.items()}
+
+
+def _scalar(hint, value, where: str):
+    """``value`` as the type ``hint`` (``X`` or ``X | None``) names; an int is a fine float."""
     options = typing.get_args(hint) if isinstance(hint, UnionType) else (hint,)
     if value is None:
         if NoneType in options:
@@ -117,13 +141,7 @@ def _convert(hint, value, where: str, f: dataclasses.Field):
     )
     if not ok:
         raise ConfigError(where, f"{_show(value)} is a {_kind(value)}; {_expect(options)}")
-    if kind is float:
-        value = float(value)
-    check = f.metadata.get("check")
-    problem = check(value) if check else None
-    if problem:
-        raise ConfigError(where, f"{_show(value)} is not allowed; {problem}")
-    return value
+    return float(value) if kind is float else value
 
 
 def check_config(config: ClusterConfig) -> None:
@@ -138,7 +156,7 @@ def check_config(config: ClusterConfig) -> None:
             )
     if config.mode == "disaggregated":
         check_kv_transfer(config)
-    for key, problem in check_router(config) + check_ray(config.ray):
+    for key, problem in check_router(config) + check_ray(config.ray) + check_placement(config):
         raise ConfigError(key, problem)
     folder = model_folder_if_cheap(config.model)
     if folder is not None:
@@ -261,11 +279,15 @@ def _keys(cls) -> str:
 
 
 def _expect(options) -> str:
+    return "expected " + _allowed(options)
+
+
+def _allowed(options) -> str:
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     allowed = [names.get(t, getattr(t, "__name__", str(t))) for t in options if t is not NoneType]
     if NoneType in options:
         allowed.append("null")
-    return "expected " + " or ".join(allowed)
+    return " or ".join(allowed)
 
 
 def _kind(value) -> str:

@@ -6,8 +6,10 @@ the namespace ``pdserve``, holding its pool's resources; it loads the model once
 and limits torch to its CPU share. The supervisor (cluster/supervisor.py) starts
 them, watches them and restarts one that fails; the router is an async actor
 (``router``) serving gRPC and HTTP. Both run on the driver's node with no CPU
-reserved. Everything is checked before Ray starts; a failure while starting stops
-whatever had started.
+reserved: on an existing Ray, the head when ``pdserve up`` runs on the head's host (a
+driver joins the head of its host; docs/serving.md, "Running across nodes").
+Everything is checked before Ray starts; a failure while starting stops whatever had
+started.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def kv_secret(secret_file: str | None) -> bytes:
 def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
+    from cluster.placement_groups import PlacementError
     from cluster.supervisor import Supervisor
     from router.server import RouterServer
 
@@ -182,7 +185,12 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
         .options(name="supervisor", max_concurrency=16, **options)
         .remote(config.to_dict(), kv_secret(config.kv_transfer.secret_file))
     )
-    specs = ray.get(cluster.supervisor.start.remote(), timeout=ready_timeout_s)
+    try:
+        specs = ray.get(cluster.supervisor.start.remote(), timeout=ready_timeout_s)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, PlacementError):  # its message, without the actor's traceback
+            raise e.cause from None
+        raise
     sections = config.to_dict()
     cluster.router = (
         ray.remote(RouterServer)

@@ -88,7 +88,15 @@ class Supervisor:
             device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
             engine = pool.engine_config(config.dtype, config.attention_backend, device)
             for index in range(pool.instances):
-                handles = start_instance(role, index, pool, config.model, engine, self._kv(pool))
+                handles = start_instance(
+                    role,
+                    index,
+                    pool,
+                    config.model,
+                    engine,
+                    self._kv(pool),
+                    self.limits.placement_timeout_s,
+                )
                 self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
         return [(s.name, s.role, s.handles.worker) for s in self.instances.values()]
 
@@ -185,7 +193,13 @@ class Supervisor:
             try:
                 _wait_names_free([s.name, *(f"{s.name}-rank{r}" for r in range(1, _size(s)))])
                 handles = start_instance(
-                    s.role, s.index, s.pool, self.config.model, s.engine, self._kv(s.pool)
+                    s.role,
+                    s.index,
+                    s.pool,
+                    self.config.model,
+                    s.engine,
+                    self._kv(s.pool),
+                    self.limits.placement_timeout_s,
                 )
                 info = self._wait_ready(handles)
             except Exception as e:  # a start that failed (no resources yet, a crash)

@@ -72,6 +72,21 @@ BROKEN = [
         "model: MODEL\ncolocated: {resources: {num_gpus: 64}}\n",
         "colocated.resources.num_gpus",
     ),
+    (
+        "node labels on the embedded Ray",
+        "model: MODEL\ncolocated: {node_labels: {pool: colocated}}\n",
+        "colocated.node_labels",
+    ),
+    (
+        "custom resources on the embedded Ray",
+        "model: MODEL\ncolocated: {resources: {custom: {pool_a: 1}}}\n",
+        "colocated.resources.custom",
+    ),
+    (
+        "a rank that reserves nothing",
+        "model: MODEL\ncolocated: {resources: {num_cpus: 0}}\n",
+        "colocated.resources.num_cpus",
+    ),
 ]
 
 
@@ -113,6 +128,43 @@ def test_messages_name_value_and_what_is_allowed(chat_model):
     assert message({"router": {"max_concurrent_requests": 0}}) == (
         "router.max_concurrent_requests: 0 is not allowed; must be >= 1"
     )
+
+
+def test_placement_keys_are_checked_naming_the_key(chat_model):
+    """``<pool>.resources.custom`` and ``<pool>.node_labels``: mappings of names to
+    amounts / label values, for an existing Ray (docs/serving.md, "Running across nodes")."""
+    on_ray = {"model": chat_model, "mode": "disaggregated", "ray": {"address": "127.0.0.2:6379"}}
+
+    def message(**pools):
+        with pytest.raises(ConfigError) as err:
+            load_config({**on_ray, **pools})
+        return str(err.value)
+
+    config = load_config({**on_ray, "prefill": {
+        "resources": {"num_cpus": 0, "custom": {"pool_prefill": 1}},
+        "node_labels": {"pool": "prefill", "example.com/zone": "a-1"}}})  # fmt: skip
+    assert config.prefill.resources.custom == {"pool_prefill": 1.0}
+    assert config.prefill.node_labels == {"pool": "prefill", "example.com/zone": "a-1"}
+    assert config.decode.resources.custom == {} and config.decode.node_labels == {}
+    assert load_config(config).prefill.node_labels == config.prefill.node_labels  # round trip
+
+    assert message(decode={"node_labels": {"zone": 1}}) == (
+        "decode.node_labels.zone: 1 is a integer; expected a string"
+    )
+    assert message(decode={"node_labels": ["pool=decode"]}) == (
+        'decode.node_labels: ["pool=decode"] is a list; expected a mapping of a string to a string'
+    )
+    assert message(decode={"resources": {"custom": {"pool_decode": "one"}}}) == (
+        "decode.resources.custom.pool_decode: 'one' is a string; expected a number"
+    )
+    for name in ("CPU", "GPU", "memory", "node:127.0.0.1"):
+        text = message(decode={"resources": {"custom": {name: 1}}})
+        assert text.startswith("decode.resources.custom: ") and f"{name!r} is not a custom" in text
+    assert "pool_decode: 0 must be > 0" in message(
+        decode={"resources": {"custom": {"pool_decode": 0}}}
+    )
+    assert "'bad key' is not a label key" in message(decode={"node_labels": {"bad key": "x"}})
+    assert "pool: '-x' is not a label value" in message(decode={"node_labels": {"pool": "-x"}})
 
 
 def test_invalid_yaml_syntax(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import grpc
 import pytest
@@ -55,6 +56,37 @@ def test_instances_hold_their_resources_and_limit_torch_threads(cluster):
     assert all(i["threads"] == 1 for i in cluster.instances)  # num_cpus 1
     assert len({i["pid"] for i in cluster.instances}) == 2
     assert all(i["max_context"] == 1024 and i["num_blocks"] == 512 for i in cluster.instances)
+
+
+def test_every_instance_has_a_placement_group_of_its_pool(cluster):
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert sorted((g["name"], g["strategy"]) for g in groups) == [
+        ("pdserve-colocated-0", "STRICT_PACK"),
+        ("pdserve-colocated-1", "STRICT_PACK"),
+    ]
+    assert all(g["bundles"] == {0: {"CPU": 1.0}} for g in groups)
+
+
+def test_a_group_no_node_can_hold_fails_in_bound_naming_the_pool(cluster):
+    from cluster.config import PoolConfig, Resources
+    from cluster.placement_groups import PlacementError, create
+
+    pool = PoolConfig(resources=Resources(num_cpus=0.5, custom={"pool_x": 1}),
+                      node_labels={"pool": "nowhere"})  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(PlacementError) as err:
+        create("decode-7", "decode", pool, timeout_s=1.0)
+    assert time.monotonic() - started < 10
+    assert str(err.value).startswith(
+        "instance decode-7: no node could hold pool decode: 1 bundle(s) of "
+        "{'CPU': 0.5, 'pool_x': 1} on one node labelled {'pool': 'nowhere'} (STRICT_PACK) "
+        "within 1 s (supervisor.placement_timeout_s); alive nodes: "
+    ), err.value
+    cpus = ray.cluster_resources()["CPU"]
+    assert f"{{'CPU': {cpus}" in str(err.value) and str(err.value).endswith("labels {}")
+    (group,) = [g for g in ray.util.placement_group_table().values()
+                if g["name"] == "pdserve-decode-7"]  # fmt: skip
+    assert group["state"] == "REMOVED"
 
 
 def test_health_reports_serving_after_start(cluster):
