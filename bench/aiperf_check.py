@@ -1,0 +1,242 @@
+"""A client nobody here wrote, on the same load: ``pdserve bench``'s measurement and
+NVIDIA AIPerf against one cluster, and the server's own histograms from ``/metrics``
+(docs/benchmarks.md, "Cross-check with AIPerf"; a run is in docs/performance.md).
+
+    python -m bench.aiperf_check [configs/local-disagg.yaml] \\
+        --aiperf /work/aiperf-venv/bin/aiperf [--rate 1 --duration 30 --rounds 2 \\
+        --max-prompt-tokens 128 --max-output-tokens 32] [--out aiperf-check/]
+
+One cluster (loopback, any free ports), two clients taking turns on it, each replaying
+the same ``round(rate x duration)`` requests at the same arrival times:
+``bench.runner.measure`` (``pdserve bench``'s measurement: the router's gRPC client,
+its warm-up first, times from the router's final message) and AIPerf over the HTTP API
+(``bench/aiperf_run.py``), which scrapes ``/metrics`` itself. The order alternates by
+round (bench then AIPerf, AIPerf then bench, ...) so that neither always runs second
+on a shared machine; each client's rounds are pooled. This script scrapes
+``/metrics`` too, just before and after each AIPerf run, so the difference is that
+run's histograms (``bench/prom_histograms.py``). Two comparisons, each row passing or
+failing:
+
+- AIPerf against ``pdserve bench``: TTFT and ITL (per request; bench's TPOT) p50 /
+  p90 / p99, the ratio within ``--tolerance`` (10%).
+- For each AIPerf run, the server's histograms over it against its client figures:
+  ``pdserve:time_to_first_token_seconds`` with TTFT,
+  ``pdserve:request_time_per_output_token_seconds`` with ITL,
+  ``pdserve:inter_token_latency_seconds`` with every gap (AIPerf's
+  ``inter_chunk_latency``); quantiles interpolated in the buckets (here, and AIPerf's
+  own estimates), each within one bucket width (the bucket the client figure is in)
+  of the client figure; and the TTFT histogram's count equal to AIPerf's requests.
+
+Exit status 0 when every row passes, 1 when one fails, 2 when it cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench import aiperf_run
+from bench.aiperf_report import (
+    HISTOGRAM_ROWS,
+    agreement_rows,
+    agreement_table,
+    histogram_rows,
+    histogram_table,
+)
+from bench.metrics import SLO, Record, percentile, summarize
+from bench.prom_histograms import delta, histograms, scrape
+from bench.runner import measure
+from bench.workloads import WorkloadSpec, make_workload, model_info
+
+PERCENTILES = aiperf_run.PERCENTILES
+LOOPBACK = ("router.host=127.0.0.1", "router.port=0", "router.http_port=0")
+
+
+def cpu_path() -> str:
+    """The CPU and which of the engine's paths it allows (C kernels, AMX)."""
+    from engine import native
+    from engine.amx_gemm import amx_gemm
+
+    model = "unknown CPU"
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    kernels = "C kernels" if native.library() is not None else "plain torch (no C kernels)"
+    amx = "AMX" if amx_gemm() is not None else "no AMX"
+    return f"{model}, {os.cpu_count()} CPUs, {kernels}, {amx}"
+
+
+def measure_both(config, spec: WorkloadSpec, n: int, slo: SLO, aiperf: str, args, log):
+    """On one cluster, ``args.rounds`` turns of both clients (module docstring);
+    (bench's records, AIPerf's run folders, the server's histograms over each)."""
+    from cluster.launcher import launch
+    from engine.checkpoint import resolve
+
+    out = Path(args.out)
+    records: list[Record] = []
+    runs: list[Path] = []
+    windows: list[dict] = []
+    started = time.monotonic()
+    with launch(config) as cluster:
+        url = f"http://{cluster.http_address}"
+        log(f"aiperf_check: cluster up in {time.monotonic() - started:.1f} s, HTTP at {url}")
+        client = cluster.client()
+        try:
+            for i in range(args.rounds):
+                for who in ("bench", "aiperf") if i % 2 == 0 else ("aiperf", "bench"):
+                    log(
+                        f"aiperf_check: round {i + 1}/{args.rounds}, {who}: {n} requests "
+                        f"at {args.rate:g}/s"
+                    )
+                    if who == "bench":
+                        measure(
+                            client,
+                            config.model,
+                            spec,
+                            [args.rate],
+                            args.duration,
+                            slo,
+                            warmup=args.warmup if i == 0 else 0,
+                            on_run=lambda rate, s, rs: records.extend(rs),
+                        )
+                        continue
+                    run_dir = out / f"aiperf-{i + 1}"
+                    cmd = aiperf_run.command(
+                        aiperf,
+                        url,
+                        config.model,
+                        resolve(config.model),
+                        out / "aiperf-inputs.jsonl",
+                        run_dir,
+                        slo,
+                    )
+                    before = histograms(scrape(f"{url}/metrics"))
+                    code = aiperf_run.run(cmd, run_dir.with_suffix(".log"), log)
+                    if code != 0:
+                        raise RuntimeError(f"aiperf exited with {code}; see {run_dir}.log")
+                    windows.append(delta(histograms(scrape(f"{url}/metrics")), before))
+                    runs.append(run_dir)
+        finally:
+            client.close()
+    return records, runs, windows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.aiperf_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", default="configs/local-disagg.yaml")
+    p.add_argument("--aiperf", default="aiperf", help="the aiperf executable (default: on PATH)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--workload", default="sharegpt", choices=("sharegpt", "humaneval"))
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    p.add_argument("--rounds", type=int, default=2, help="turns of both clients")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prompt-tokens", type=int, default=128)
+    p.add_argument("--max-output-tokens", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2, help="requests before measuring")
+    p.add_argument("--slo-ttft-ms", type=float, help="default: the config's slo.ttft_ms")
+    p.add_argument("--slo-tpot-ms", type=float, help="default: the config's slo.tpot_ms")
+    p.add_argument("--tolerance", type=float, default=0.1, help="AIPerf vs bench, relative")
+    p.add_argument("--out", default="aiperf-check", help="folder of AIPerf's files and results")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.rate <= 0 or args.duration <= 0:
+        p.error(
+            f"--rounds {args.rounds}, --rate {args.rate}, --duration {args.duration}: "
+            "each must be positive"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cluster.config_loader import ConfigError, load_config
+
+    args = parse_args(argv)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    try:
+        aiperf = aiperf_run.find(args.aiperf)
+        config = load_config(args.config, [*LOOPBACK, *args.set])
+    except (FileNotFoundError, ConfigError) as e:
+        print(f"aiperf_check: {e}", file=sys.stderr)
+        return 2
+    slo = SLO(args.slo_ttft_ms or config.slo.ttft_ms, args.slo_tpot_ms or config.slo.tpot_ms)
+    spec = WorkloadSpec(
+        args.workload,
+        seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cpu = cpu_path()
+    log(f"aiperf_check: {cpu}")
+    tokenizer, max_len = model_info(config.model)
+    n = max(1, round(args.rate * args.duration))
+    aiperf_run.write_inputs(
+        out / "aiperf-inputs.jsonl",
+        make_workload(spec, tokenizer, n, args.rate, max_len),
+        tokenizer,
+    )
+    try:
+        records, run_dirs, windows = measure_both(config, spec, n, slo, aiperf, args, log)
+    except RuntimeError as e:
+        print(f"aiperf_check: {e}", file=sys.stderr)
+        return 2
+    names = tuple(name for _, name, _ in HISTOGRAM_ROWS)
+    runs = [aiperf_run.read_results(d, names) for d in run_dirs]
+    bench = summarize(records, slo)
+    pooled = {
+        tag: {q: percentile(sum((r.values[tag] for r in runs), []), q) for q in PERCENTILES}
+        for tag in aiperf_run.CLIENT_METRICS
+    }
+    agree = agreement_rows(bench, pooled, args.tolerance)
+    hist = [histogram_rows(w, r) for w, r in zip(windows, runs, strict=True)]
+    log(
+        f"\npdserve bench: {bench['completed']}/{bench['requests']} requests in {args.rounds} "
+        f"rounds, attainment {bench['attainment']:.2f}; AIPerf {runs[0].version}: "
+        f"{sum(r.requests for r in runs)} requests ({sum(r.errors for r in runs)} failed), "
+        f"{sum(r.good for r in runs)} met TTFT {slo.ttft_ms:g} ms and ITL {slo.tpot_ms:g} ms\n"
+    )
+    log(agreement_table(agree, args.tolerance))
+    for i, rows in enumerate(hist):
+        if not rows:
+            log("\n/metrics has no pdserve: histograms: that comparison was not made")
+            break
+        log(
+            f"\n/metrics over AIPerf's run {i + 1} against its client figures\n"
+            f"{histogram_table(rows)}"
+        )
+    results = {
+        "cpu": cpu,
+        "config": args.config,
+        "overrides": args.set,
+        "workload": asdict(spec),
+        "rate": args.rate,
+        "duration_s": args.duration,
+        "rounds": args.rounds,
+        "slo": asdict(slo),
+        "bench": bench,
+        "aiperf": [asdict(r) for r in runs],
+        "aiperf_pooled": pooled,
+        "agreement": agree,
+        "histograms": hist,
+        "bench_records": [r.to_dict() for r in records],
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    ok = all(r["ok"] for r in agree + sum(hist, []))
+    log(f"\naiperf_check: {'pass' if ok else 'FAIL'}; results in {out}/results.json")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The rows ``bench.aiperf_check`` compares and their tables: AIPerf against
+``pdserve bench`` on the same requests, and the server's histograms against AIPerf's
+client figures over the same run.
+
+A row is a dict: ``what`` (its label), the figures compared (ms, None when a side has
+none) and ``ok``. Agreement rows: ``bench``, ``aiperf``, ``ratio`` (aiperf / bench),
+``ok`` when the ratio is within the tolerance. Histogram rows: ``aiperf`` (the
+client figure), ``server`` (the histogram's quantile, interpolated here),
+``aiperf_estimate`` (AIPerf's own estimate from its scrapes), ``width`` (of the
+bucket the client figure falls in), ``ok`` when every server figure present is
+within that width of the client figure; the ``TTFT count`` row is ``ok`` when the
+histogram counted exactly AIPerf's requests.
+"""
+
+from __future__ import annotations
+
+import math
+
+from bench.aiperf_run import PERCENTILES, AiperfResult
+from bench.prom_histograms import bucket_width, quantile
+
+# (row label, server histogram, AIPerf's client metric)
+HISTOGRAM_ROWS = (
+    ("TTFT", "pdserve:time_to_first_token_seconds", "time_to_first_token"),
+    ("ITL", "pdserve:request_time_per_output_token_seconds", "inter_token_latency"),
+    ("token gap", "pdserve:inter_token_latency_seconds", "inter_chunk_latency"),
+)
+
+
+def agreement_rows(bench: dict, pooled: dict, tolerance: float) -> list[dict]:
+    """AIPerf (``pooled``: tag -> q -> ms) against ``pdserve bench`` (``bench``:
+    ``summarize``'s dict), the same requests."""
+    rows = []
+    for label, key, tag in (
+        ("TTFT", "ttft", "time_to_first_token"),
+        ("ITL", "tpot", "inter_token_latency"),
+    ):
+        for q in PERCENTILES:
+            ref, got = bench[f"p{q}_{key}_ms"], pooled.get(tag, {}).get(q)
+            ratio = got / ref if ref and got is not None else None
+            ok = ratio is not None and abs(ratio - 1) <= tolerance
+            rows.append(
+                {"what": f"{label} p{q} ms", "bench": ref, "aiperf": got, "ratio": ratio, "ok": ok}
+            )
+    return rows
+
+
+def histogram_rows(window: dict, ai: AiperfResult) -> list[dict]:
+    """The server's histograms over one AIPerf run (``window``: name -> Histogram)
+    against that run's client figures; none when the server has no such histograms."""
+    rows = []
+    for label, name, tag in HISTOGRAM_ROWS:
+        h = window.get(name)
+        if h is None:
+            continue
+        if label == "TTFT":
+            rows.append(
+                {
+                    "what": "TTFT count",
+                    "aiperf": ai.requests,
+                    "server": h.count,
+                    "aiperf_estimate": None,
+                    "width": 0.0,
+                    "ok": h.count == ai.requests,
+                }
+            )
+        for q in PERCENTILES:
+            client = ai.client.get(tag, {}).get(q)
+            ours = quantile(h, q / 100)
+            theirs = ai.server.get(name, {}).get(q)
+            width = bucket_width(h, client / 1e3) * 1e3 if client is not None else math.inf
+            near = [v * 1e3 for v in (ours, theirs) if v is not None]
+            ok = client is not None and bool(near) and all(abs(v - client) <= width for v in near)
+            rows.append(
+                {
+                    "what": f"{label} p{q} ms",
+                    "aiperf": client,
+                    "server": None if ours is None else ours * 1e3,
+                    "aiperf_estimate": None if theirs is None else theirs * 1e3,
+                    "width": width,
+                    "ok": ok,
+                }
+            )
+    return rows
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if float(v).is_integer() or abs(v) >= 10:
+        return f"{v:.0f}"
+    return f"{v:.3g}"
+
+
+def table(header: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in [header, *lines]
+    )
+
+
+VERDICT = {True: "pass", False: "FAIL"}
+
+
+def agreement_table(rows: list[dict], tolerance: float) -> str:
+    return table(
+        ["", "pdserve bench", "aiperf", "ratio", f"within {tolerance:.0%}"],
+        [
+            [
+                r["what"],
+                fmt(r["bench"]),
+                fmt(r["aiperf"]),
+                "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                VERDICT[r["ok"]],
+            ]
+            for r in rows
+        ],
+    )
+
+
+def histogram_table(rows: list[dict]) -> str:
+    return table(
+        ["", "aiperf (client)", "/metrics", "aiperf's estimate", "bucket", "within a bucket"],
+        [
+            [
+                r["what"],
+                fmt(r["aiperf"]),
+                fmt(r["server"]),
+                fmt(r["aiperf_estimate"]),
+                fmt(r["width"]),
+                VERDICT[r["ok"]],
+            ]
+            for r in rows
+        ],
+    )
