@@ -37,7 +37,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import aiperf_run
@@ -76,59 +76,73 @@ def cpu_path() -> str:
     return f"{model}, {os.cpu_count()} CPUs, {kernels}, {amx}"
 
 
-def measure_both(config, spec: WorkloadSpec, n: int, slo: SLO, aiperf: str, args, log):
-    """On one cluster, ``args.rounds`` turns of both clients (module docstring);
-    (bench's records, AIPerf's run folders, the server's histograms over each)."""
+@dataclass
+class Turns:
+    """What the rounds of both clients left (``measure_both``)."""
+
+    records: list[Record] = field(default_factory=list)  # bench's, every round in turn
+    runs: list[Path] = field(default_factory=list)  # AIPerf's artifact folders
+    windows: list[dict] = field(default_factory=list)  # /metrics histograms over each run
+    loads: list[dict] = field(default_factory=list)  # the machine's load average per turn
+
+
+def measure_both(config, spec: WorkloadSpec, n: int, slo: SLO, aiperf: str, args, log) -> Turns:
+    """On one cluster, ``args.rounds`` turns of both clients (module docstring)."""
     from cluster.launcher import launch
     from engine.checkpoint import resolve
 
-    out = Path(args.out)
-    records: list[Record] = []
-    runs: list[Path] = []
-    windows: list[dict] = []
+    out, turns = Path(args.out), Turns()
     started = time.monotonic()
     with launch(config) as cluster:
         url = f"http://{cluster.http_address}"
         log(f"aiperf_check: cluster up in {time.monotonic() - started:.1f} s, HTTP at {url}")
         client = cluster.client()
+
+        def bench(i: int) -> None:
+            measure(
+                client,
+                config.model,
+                spec,
+                [args.rate],
+                args.duration,
+                slo,
+                warmup=args.warmup if i == 0 else 0,
+                on_run=lambda rate, s, records: turns.records.extend(records),
+            )
+
+        def aiperf_turn(i: int) -> None:
+            run_dir = out / f"aiperf-{i + 1}"
+            cmd = aiperf_run.command(
+                aiperf,
+                url,
+                config.model,
+                resolve(config.model),
+                out / "aiperf-inputs.jsonl",
+                run_dir,
+                slo,
+            )
+            before = histograms(scrape(f"{url}/metrics"))
+            code = aiperf_run.run(cmd, run_dir.with_suffix(".log"), log)
+            if code != 0:
+                raise RuntimeError(f"aiperf exited with {code}; see {run_dir}.log")
+            turns.windows.append(delta(histograms(scrape(f"{url}/metrics")), before))
+            turns.runs.append(run_dir)
+
         try:
             for i in range(args.rounds):
                 for who in ("bench", "aiperf") if i % 2 == 0 else ("aiperf", "bench"):
+                    load = os.getloadavg()[0]
                     log(
-                        f"aiperf_check: round {i + 1}/{args.rounds}, {who}: {n} requests "
-                        f"at {args.rate:g}/s"
+                        f"aiperf_check: round {i + 1}/{args.rounds}, {who}: {n} requests at "
+                        f"{args.rate:g}/s (load average {load:.1f})"
                     )
-                    if who == "bench":
-                        measure(
-                            client,
-                            config.model,
-                            spec,
-                            [args.rate],
-                            args.duration,
-                            slo,
-                            warmup=args.warmup if i == 0 else 0,
-                            on_run=lambda rate, s, rs: records.extend(rs),
-                        )
-                        continue
-                    run_dir = out / f"aiperf-{i + 1}"
-                    cmd = aiperf_run.command(
-                        aiperf,
-                        url,
-                        config.model,
-                        resolve(config.model),
-                        out / "aiperf-inputs.jsonl",
-                        run_dir,
-                        slo,
+                    (bench if who == "bench" else aiperf_turn)(i)
+                    turns.loads.append(
+                        {"round": i + 1, "client": who, "start": load, "end": os.getloadavg()[0]}
                     )
-                    before = histograms(scrape(f"{url}/metrics"))
-                    code = aiperf_run.run(cmd, run_dir.with_suffix(".log"), log)
-                    if code != 0:
-                        raise RuntimeError(f"aiperf exited with {code}; see {run_dir}.log")
-                    windows.append(delta(histograms(scrape(f"{url}/metrics")), before))
-                    runs.append(run_dir)
         finally:
             client.close()
-    return records, runs, windows
+    return turns
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -193,19 +207,19 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer,
     )
     try:
-        records, run_dirs, windows = measure_both(config, spec, n, slo, aiperf, args, log)
+        turns = measure_both(config, spec, n, slo, aiperf, args, log)
     except RuntimeError as e:
         print(f"aiperf_check: {e}", file=sys.stderr)
         return 2
     names = tuple(name for _, name, _ in HISTOGRAM_ROWS)
-    runs = [aiperf_run.read_results(d, names) for d in run_dirs]
-    bench = summarize(records, slo)
+    runs = [aiperf_run.read_results(d, names) for d in turns.runs]
+    bench = summarize(turns.records, slo)
     pooled = {
         tag: {q: percentile(sum((r.values[tag] for r in runs), []), q) for q in PERCENTILES}
         for tag in aiperf_run.CLIENT_METRICS
     }
     agree = agreement_rows(bench, pooled, args.tolerance)
-    hist = [histogram_rows(w, r) for w, r in zip(windows, runs, strict=True)]
+    hist = [histogram_rows(w, r) for w, r in zip(turns.windows, runs, strict=True)]
     log(
         f"\npdserve bench: {bench['completed']}/{bench['requests']} requests in {args.rounds} "
         f"rounds, attainment {bench['attainment']:.2f}; AIPerf {runs[0].version}: "
@@ -213,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(r.good for r in runs)} met TTFT {slo.ttft_ms:g} ms and ITL {slo.tpot_ms:g} ms\n"
     )
     log(agreement_table(agree, args.tolerance))
+    loads = ", ".join(f"{t['client']} {t['start']:.1f}-{t['end']:.1f}" for t in turns.loads)
+    log(f"(load average over each turn, {os.cpu_count()} CPUs: {loads})")
     for i, rows in enumerate(hist):
         if not rows:
             log("\n/metrics has no pdserve: histograms: that comparison was not made")
@@ -235,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         "aiperf_pooled": pooled,
         "agreement": agree,
         "histograms": hist,
-        "bench_records": [r.to_dict() for r in records],
+        "loads": turns.loads,
+        "bench_records": [r.to_dict() for r in turns.records],
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
     ok = all(r["ok"] for r in agree + sum(hist, []))
