@@ -47,6 +47,7 @@ from bench.aiperf_report import (
     agreement_table,
     histogram_rows,
     histogram_table,
+    paired_ratios,
 )
 from bench.metrics import SLO, Record, percentile, summarize
 from bench.prom_histograms import delta, histograms, scrape
@@ -215,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = [aiperf_run.read_results(d, names) for d in turns.runs]
     bench = summarize(turns.records, slo)
     pooled = {
-        tag: {q: percentile(sum((r.values[tag] for r in runs), []), q) for q in PERCENTILES}
+        tag: {q: percentile(aiperf_run.pooled(runs, tag), q) for q in PERCENTILES}
         for tag in aiperf_run.CLIENT_METRICS
     }
     agree = agreement_rows(bench, pooled, args.tolerance)
+    paired = paired_ratios(turns.records, runs)
     hist = [histogram_rows(w, r) for w, r in zip(turns.windows, runs, strict=True)]
     log(
         f"\npdserve bench: {bench['completed']}/{bench['requests']} requests in {args.rounds} "
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(r.good for r in runs)} met TTFT {slo.ttft_ms:g} ms and ITL {slo.tpot_ms:g} ms\n"
     )
     log(agreement_table(agree, args.tolerance))
+    same = ", ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in paired.items())
+    log(f"(the same request, AIPerf / bench, median over requests: {same})")
     loads = ", ".join(f"{t['client']} {t['start']:.1f}-{t['end']:.1f}" for t in turns.loads)
     log(f"(load average over each turn, {os.cpu_count()} CPUs: {loads})")
     for i, rows in enumerate(hist):
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "aiperf": [asdict(r) for r in runs],
         "aiperf_pooled": pooled,
         "agreement": agree,
+        "paired_median_ratio": paired,
         "histograms": hist,
         "loads": turns.loads,
         "bench_records": [r.to_dict() for r in turns.records],

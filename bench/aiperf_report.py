@@ -15,8 +15,10 @@ histogram counted exactly AIPerf's requests.
 from __future__ import annotations
 
 import math
+import statistics
 
 from bench.aiperf_run import PERCENTILES, AiperfResult
+from bench.metrics import Record
 from bench.prom_histograms import bucket_width, quantile
 
 # (row label, server histogram, AIPerf's client metric)
@@ -43,6 +45,25 @@ def agreement_rows(bench: dict, pooled: dict, tolerance: float) -> list[dict]:
                 {"what": f"{label} p{q} ms", "bench": ref, "aiperf": got, "ratio": ratio, "ok": ok}
             )
     return rows
+
+
+def paired_ratios(records: list[Record], runs: list[AiperfResult]) -> dict[str, float | None]:
+    """The same request seen by both clients: the median over requests of AIPerf's
+    figure / bench's, for TTFT and ITL (bench's TPOT). ``records``: bench's, round by
+    round in request order; ``runs``: AIPerf's, one a round. Robust to the few slow
+    requests that move a p99: a ratio far from 1 here is a difference in what is
+    measured, not in when."""
+    n = len(records) // len(runs) if runs else 0
+    ratios: dict[str, list[float]] = {"TTFT": [], "ITL": []}
+    for i, run in enumerate(runs):
+        for rec, got in zip(records[i * n : (i + 1) * n], run.per_request, strict=True):
+            for label, ref, tag in (
+                ("TTFT", rec.ttft_ms, "time_to_first_token"),
+                ("ITL", rec.tpot_ms, "inter_token_latency"),
+            ):
+                if rec.ok and ref and got[tag] is not None:
+                    ratios[label].append(got[tag] / ref)
+    return {k: statistics.median(v) if v else None for k, v in ratios.items()}
 
 
 def histogram_rows(window: dict, ai: AiperfResult) -> list[dict]:

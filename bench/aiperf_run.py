@@ -50,7 +50,9 @@ class AiperfResult:
     good: int  # of them, those that met both objectives (its --goodput)
     errors: int
     client: dict[str, dict[int, float]]  # metric tag -> percentile -> ms
-    values: dict[str, list[float]]  # metric tag -> every request's values, ms (to pool runs)
+    # every request in the order AIPerf sent them: metric tag -> ms (inter_chunk_latency:
+    # a list of gaps; None where AIPerf has no value, e.g. ITL of a one-token answer)
+    per_request: list[dict]
     server: dict[str, dict[int, float]] = field(default_factory=dict)  # histogram -> q -> s
 
 
@@ -126,9 +128,10 @@ def run(cmd: list[str], log_path: Path, log: Callable[[str], None]) -> int:
 
 def read_results(out_dir: Path, histograms: tuple[str, ...]) -> AiperfResult:
     """AIPerf's figures from ``out_dir``: its summary (``profile_export_aiperf.json``),
-    every request's values (``profile_export.jsonl``) and, when it scraped any, its
-    estimates of the server's ``histograms`` (``server_metrics_export.json``; a
-    histogram with more than one series is left out)."""
+    every request's values (``profile_export.jsonl``, in the order sent) and, when it
+    scraped any, its estimates of the server's ``histograms``
+    (``server_metrics_export.json``; a histogram with more than one series is left
+    out)."""
     summary = json.loads((out_dir / "profile_export_aiperf.json").read_text())
 
     def count(tag: str) -> int:
@@ -139,20 +142,20 @@ def read_results(out_dir: Path, histograms: tuple[str, ...]) -> AiperfResult:
         for tag in CLIENT_METRICS
         if tag in summary
     }
-    values: dict[str, list[float]] = {tag: [] for tag in CLIENT_METRICS}
     with open(out_dir / "profile_export.jsonl") as f:
-        for line in f:
-            metrics = json.loads(line).get("metrics") or {}
-            for tag in CLIENT_METRICS:
-                v = (metrics.get(tag) or {}).get("value")
-                values[tag] += [] if v is None else v if isinstance(v, list) else [v]
+        lines = [json.loads(line) for line in f if line.strip()]
+    lines.sort(key=lambda r: r["metadata"]["credit_issued_ns"])
+    per_request = [
+        {tag: ((r.get("metrics") or {}).get(tag) or {}).get("value") for tag in CLIENT_METRICS}
+        for r in lines
+    ]
     result = AiperfResult(
         summary.get("aiperf_version", "?"),
         count("request_count"),
         count("good_request_count"),
         count("error_request_count"),
         client,
-        values,
+        per_request,
     )
     server_path = out_dir / "server_metrics_export.json"
     if server_path.exists():
@@ -163,3 +166,13 @@ def read_results(out_dir: Path, histograms: tuple[str, ...]) -> AiperfResult:
                 stats = series[0]["stats"]
                 result.server[name] = {q: stats[f"p{q}_estimate"] for q in PERCENTILES}
     return result
+
+
+def pooled(runs: list[AiperfResult], tag: str) -> list[float]:
+    """Every value of ``tag`` over ``runs`` (a request's gaps one by one)."""
+    out: list[float] = []
+    for run in runs:
+        for request in run.per_request:
+            v = request[tag]
+            out += [] if v is None else v if isinstance(v, list) else [v]
+    return out

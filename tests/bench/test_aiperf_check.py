@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from bench import aiperf_check, aiperf_run
-from bench.aiperf_report import agreement_rows, histogram_rows
-from bench.metrics import SLO, percentile
+from bench.aiperf_report import agreement_rows, histogram_rows, paired_ratios
+from bench.metrics import SLO, Record, percentile
 from bench.prom_histograms import Histogram as PromHistogram
 from bench.prom_histograms import bucket_width, delta, histograms, quantile
 from bench.workloads import Request
@@ -116,11 +116,13 @@ def write_exports(folder, with_server: bool = True) -> None:
         "inter_chunk_latency": stat(19.0, 35.0, 60.0),
     }
     (folder / "profile_export_aiperf.json").write_text(json.dumps(summary))
-    records = [
-        {"metrics": {"time_to_first_token": {"value": t, "unit": "ms"},
-                     "inter_token_latency": {"value": i, "unit": "ms"},
-                     "inter_chunk_latency": {"value": gaps, "unit": "ms"}}}
-        for t, i, gaps in ((100.0, 20.0, [19.0, 21.0]), (200.0, 30.0, [35.0]), (50.0, 10.0, []))
+    records = [  # in the order they finished; sent in the order of credit_issued_ns
+        {"metadata": {"credit_issued_ns": sent},
+         "metrics": {"time_to_first_token": {"value": t, "unit": "ms"},
+                     "inter_chunk_latency": {"value": gaps, "unit": "ms"}}
+                    | ({"inter_token_latency": {"value": i, "unit": "ms"}} if i else {})}
+        for sent, t, i, gaps in ((2, 200.0, 30.0, [35.0]), (1, 100.0, 20.0, [19.0, 21.0]),
+                                 (3, 50.0, None, []))
     ]  # fmt: skip
     (folder / "profile_export.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if with_server:
@@ -134,11 +136,29 @@ def test_read_results_takes_the_summary_every_request_and_the_server_estimates(t
     r = aiperf_run.read_results(tmp_path / "run", (TTFT, "pdserve:absent_seconds"))
     assert (r.version, r.requests, r.good, r.errors) == ("0.13.0", 3, 2, 0)
     assert r.client["time_to_first_token"] == {50: 100.0, 90: 180.0, 99: 199.0}
-    assert r.values["time_to_first_token"] == [100.0, 200.0, 50.0]
-    assert r.values["inter_chunk_latency"] == [19.0, 21.0, 35.0]
+    assert [q["time_to_first_token"] for q in r.per_request] == [100.0, 200.0, 50.0]
+    assert [q["inter_token_latency"] for q in r.per_request] == [20.0, 30.0, None]
+    assert aiperf_run.pooled([r, r], "inter_chunk_latency") == [19.0, 21.0, 35.0] * 2
+    assert aiperf_run.pooled([r], "inter_token_latency") == [20.0, 30.0]
     assert r.server == {TTFT: {50: 0.11, 90: 0.2, 99: 0.24}}
     write_exports(tmp_path / "bare", with_server=False)
     assert aiperf_run.read_results(tmp_path / "bare", (TTFT,)).server == {}
+
+
+def test_paired_ratios_match_each_request_with_itself(tmp_path):
+    write_exports(tmp_path / "run")
+    ai = aiperf_run.read_results(tmp_path / "run", ())
+
+    def record(i: int, ttft: float, tpot: float) -> Record:
+        return Record(i, 0.0, 8, 4, 4, ttft, tpot, 1.0, finish_reason="length")
+
+    # two rounds of the same three requests; AIPerf saw 100/200/50 ms, ITL 20/30/-
+    rounds = [record(0, 100.0, 10.0), record(1, 100.0, 30.0), record(2, 25.0, 5.0)]
+    rounds += [record(0, 50.0, 20.0), record(1, 400.0, 30.0), record(2, 50.0, 5.0)]
+    paired = paired_ratios(rounds, [ai, ai])
+    assert paired["TTFT"] == pytest.approx(1.5)  # of 1, 2, 2, 2, 0.5, 1
+    assert paired["ITL"] == pytest.approx(1.0)  # of 2, 1, 1, 1 (no ITL for request 2)
+    assert paired_ratios([], []) == {"TTFT": None, "ITL": None}
 
 
 def test_rows_pass_within_the_tolerance_and_within_a_bucket(tmp_path):
