@@ -34,8 +34,11 @@ from bench.workloads import Request
 
 PERCENTILES = (50, 90, 99)
 CLIENT_METRICS = ("time_to_first_token", "inter_token_latency", "inter_chunk_latency")
-# an AIPerf log line worth showing while it runs (the rest goes to its log file)
-SHOWN = re.compile(r"\b(NOTICE|WARNING|ERROR|CRITICAL)\b|Benchmark Duration|Goodput")
+# an AIPerf log line worth showing while it runs (the rest goes to its log file): its
+# phases, its troubles, but not its advice to turn on prompt-cache reporting (pdserve
+# has no prefix cache to report)
+SHOWN = re.compile(r"\b(NOTICE|WARNING|ERROR|CRITICAL)\b|Benchmark Duration")
+HIDDEN = re.compile(r"prompt-cache")
 INSTALL = (
     "install it in its own virtual environment: python3 -m venv /work/aiperf-venv && "
     "/work/aiperf-venv/bin/pip install aiperf==0.13.0; then pass "
@@ -104,7 +107,6 @@ def command(
         "--artifact-dir", str(out_dir),
         "--ui", "none",
         "--no-gpu-telemetry",
-        "--stats-interval", "10",
         "--workers-max", "1",
         "--record-processors", "1",
     ]  # fmt: skip
@@ -121,7 +123,7 @@ def run(cmd: list[str], log_path: Path, log: Callable[[str], None]) -> int:
         )
         for line in proc.stdout:
             out.write(line)
-            if SHOWN.search(line):
+            if SHOWN.search(line) and not HIDDEN.search(line):
                 log(f"aiperf: {line.rstrip()[:200]}")
         return proc.wait()
 
