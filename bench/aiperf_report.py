@@ -7,9 +7,14 @@ none) and ``ok``. Agreement rows: ``bench``, ``aiperf``, ``ratio`` (aiperf / ben
 ``ok`` when the ratio is within the tolerance. Histogram rows: ``aiperf`` (the
 client figure), ``server`` (the histogram's quantile, interpolated here),
 ``aiperf_estimate`` (AIPerf's own estimate from its scrapes), ``width`` (of the
-bucket the client figure falls in), ``ok`` when every server figure present is
-within that width of the client figure; the ``TTFT count`` row is ``ok`` when the
-histogram counted exactly AIPerf's requests.
+widest bucket among those the client figure and the estimates fall in), ``ok`` when
+every server figure present is within that width of the client figure; the ``TTFT
+count`` row is ``ok`` when the histogram counted exactly AIPerf's requests.
+
+Why the widest: an interpolated quantile is only known to lie in the bucket its rank
+falls in, and the client's percentile (linear between two requests, measured at the
+client) can sit just across that bucket's edge, e.g. a client p99 of 0.98 s whose
+slowest request, at 1.01 s, puts the server's p99 rank in (1.0, 2.5].
 """
 
 from __future__ import annotations
@@ -89,9 +94,12 @@ def histogram_rows(window: dict, ai: AiperfResult) -> list[dict]:
             client = ai.client.get(tag, {}).get(q)
             ours = quantile(h, q / 100)
             theirs = ai.server.get(name, {}).get(q)
-            width = bucket_width(h, client / 1e3) * 1e3 if client is not None else math.inf
             near = [v * 1e3 for v in (ours, theirs) if v is not None]
-            ok = client is not None and bool(near) and all(abs(v - client) <= width for v in near)
+            if client is None or not near:
+                width, ok = math.inf, False
+            else:
+                width = max(bucket_width(h, v / 1e3) * 1e3 for v in (client, *near))
+                ok = all(abs(v - client) <= width for v in near)
             rows.append(
                 {
                     "what": f"{label} p{q} ms",

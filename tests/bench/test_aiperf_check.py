@@ -174,10 +174,14 @@ def test_rows_pass_within_the_tolerance_and_within_a_bucket(tmp_path):
     rows = {r["what"]: r for r in histogram_rows(window, ai)}
     assert set(rows) == {"TTFT count", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"}
     assert rows["TTFT count"]["ok"] and rows["TTFT count"]["server"] == 3
-    assert rows["TTFT p50 ms"]["width"] == pytest.approx(100.0)  # 100 ms in (0, 100]
-    assert rows["TTFT p50 ms"]["ok"]  # /metrics 175, AIPerf's estimate 110: within 100 of 100
-    assert rows["TTFT p90 ms"]["server"] == pytest.approx(250 + 250 * 0.7 / 1)
-    assert not rows["TTFT p90 ms"]["ok"]  # /metrics 425 is 245 from 180; the bucket is 150
+    # p50: client 100 in (0, 100], /metrics 175 and AIPerf's 110 in (100, 250]: width 150
+    assert rows["TTFT p50 ms"]["width"] == pytest.approx(150.0) and rows["TTFT p50 ms"]["ok"]
+    # p90: /metrics 425 (rank 2.7 in (250, 500]) is 245 from the client's 180: within 250
+    assert rows["TTFT p90 ms"]["server"] == pytest.approx(250 + 250 * 0.7)
+    assert rows["TTFT p90 ms"]["width"] == pytest.approx(250.0) and rows["TTFT p90 ms"]["ok"]
+    # p99: /metrics 492.5 is 293.5 from the client's 199: past 250
+    assert rows["TTFT p99 ms"]["server"] == pytest.approx(250 + 250 * 0.97)
+    assert not rows["TTFT p99 ms"]["ok"]
     assert histogram_rows({}, ai) == []  # a server without the histograms: nothing compared
 
 
