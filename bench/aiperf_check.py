@@ -1,31 +1,34 @@
 """A client nobody here wrote, on the same load: ``pdserve bench``'s measurement and
-NVIDIA AIPerf against one cluster, and the server's own histograms from ``/metrics``
-(docs/benchmarks.md, "Cross-check with AIPerf"; a run is in docs/performance.md).
+NVIDIA AIPerf against one cluster at once, and the server's own histograms from
+``/metrics`` (docs/benchmarks.md, "Cross-check with AIPerf"; a run is in
+docs/performance.md).
 
     python -m bench.aiperf_check [configs/local-disagg.yaml] \\
-        --aiperf /work/aiperf-venv/bin/aiperf [--rate 1 --duration 30 --rounds 2 \\
+        --aiperf /work/aiperf-venv/bin/aiperf [--rate 1 --duration 60 --rounds 2 \\
         --max-prompt-tokens 128 --max-output-tokens 32] [--out aiperf-check/]
 
-One cluster (loopback, any free ports), two clients taking turns on it, each replaying
-the same ``round(rate x duration)`` requests at the same arrival times:
-``bench.runner.measure`` (``pdserve bench``'s measurement: the router's gRPC client,
-its warm-up first, times from the router's final message) and AIPerf over the HTTP API
-(``bench/aiperf_run.py``), which scrapes ``/metrics`` itself. The order alternates by
-round (bench then AIPerf, AIPerf then bench, ...) so that neither always runs second
-on a shared machine; each client's rounds are pooled. This script scrapes
-``/metrics`` too, just before and after each AIPerf run, so the difference is that
-run's histograms (``bench/prom_histograms.py``). Two comparisons, each row passing or
-failing:
+One cluster (loopback, any free ports) and one workload, ``round(rate x duration)``
+requests with their arrival times. In each round both clients send it together, each
+its half, every other request: ``pdserve bench``'s replay (``bench.replay``, the
+router's gRPC client, times from the router's final message) and AIPerf over the HTTP
+API (``bench/aiperf_run.py``), its schedule and bench's starting at the same moment
+(when AIPerf logs that it measures). The next round swaps the halves, so that over two
+rounds each client measured every request once, and always alongside the other: a
+busy machine slows both alike, where one client after the other would each meet
+different neighbours. The cluster serves exactly the workload. Each client's rounds
+are pooled. This script scrapes ``/metrics`` just before and after each round, so the
+difference is that round's histograms (``bench/prom_histograms.py``); AIPerf scrapes
+it too. Two comparisons, each row passing or failing (``bench/aiperf_report.py``):
 
 - AIPerf against ``pdserve bench``: TTFT and ITL (per request; bench's TPOT) p50 /
   p90 / p99, the ratio within ``--tolerance`` (10%).
-- For each AIPerf run, the server's histograms over it against its client figures:
+- For each round, the server's histograms against AIPerf's client figures:
   ``pdserve:time_to_first_token_seconds`` with TTFT,
   ``pdserve:request_time_per_output_token_seconds`` with ITL,
   ``pdserve:inter_token_latency_seconds`` with every gap (AIPerf's
   ``inter_chunk_latency``); quantiles interpolated in the buckets (here, and AIPerf's
-  own estimates), each within one bucket width (the bucket the client figure is in)
-  of the client figure; and the TTFT histogram's count equal to AIPerf's requests.
+  own estimates) within one bucket width of the client figure; and the TTFT
+  histogram's count equal to the round's requests.
 
 Exit status 0 when every row passes, 1 when one fails, 2 when it cannot run.
 """
@@ -33,6 +36,7 @@ Exit status 0 when every row passes, 1 when one fails, 2 when it cannot run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -51,8 +55,8 @@ from bench.aiperf_report import (
 )
 from bench.metrics import SLO, Record, percentile, summarize
 from bench.prom_histograms import delta, histograms, scrape
-from bench.runner import measure
-from bench.workloads import WorkloadSpec, make_workload, model_info
+from bench.replay import replay
+from bench.workloads import Request, WorkloadSpec, make_workload, model_info
 
 PERCENTILES = aiperf_run.PERCENTILES
 LOOPBACK = ("router.host=127.0.0.1", "router.port=0", "router.http_port=0")
@@ -77,73 +81,94 @@ def cpu_path() -> str:
     return f"{model}, {os.cpu_count()} CPUs, {kernels}, {amx}"
 
 
+STARTUP_S = 300.0  # AIPerf's start (its services, the tokenizer, the dataset) at most
+
+
+def halves(n: int, i: int) -> tuple[list[int], list[int]]:
+    """Round ``i``'s requests: (bench's, AIPerf's), every other one, swapped each round."""
+    return [k for k in range(n) if k % 2 == i % 2], [k for k in range(n) if k % 2 != i % 2]
+
+
 @dataclass
-class Turns:
-    """What the rounds of both clients left (``measure_both``)."""
+class Rounds:
+    """What the rounds left (``measure_together``)."""
 
-    records: list[Record] = field(default_factory=list)  # bench's, every round in turn
-    runs: list[Path] = field(default_factory=list)  # AIPerf's artifact folders
-    windows: list[dict] = field(default_factory=list)  # /metrics histograms over each run
-    loads: list[dict] = field(default_factory=list)  # the machine's load average per turn
+    bench: dict[int, Record] = field(default_factory=dict)  # request index -> bench's record
+    records: list[Record] = field(default_factory=list)  # bench's, every round
+    runs: list[Path] = field(default_factory=list)  # AIPerf's artifact folders, one a round
+    sent: list[list[int]] = field(default_factory=list)  # the requests of each AIPerf run
+    bench_sent: list[int] = field(default_factory=list)  # bench's requests per round
+    windows: list[dict] = field(default_factory=list)  # /metrics histograms over each round
+    loads: list[tuple[float, float]] = field(default_factory=list)  # load average, each round
 
 
-def measure_both(config, spec: WorkloadSpec, n: int, slo: SLO, aiperf: str, args, log) -> Turns:
-    """On one cluster, ``args.rounds`` turns of both clients (module docstring)."""
+def measure_together(
+    config, requests: list[Request], tokenizer, slo: SLO, aiperf: str, args, log
+) -> Rounds:
+    """On one cluster, ``args.warmup`` requests, then ``args.rounds`` rounds of both
+    clients at once (module docstring)."""
     from cluster.launcher import launch
     from engine.checkpoint import resolve
 
-    out, turns = Path(args.out), Turns()
+    out, rounds = Path(args.out), Rounds()
     started = time.monotonic()
     with launch(config) as cluster:
         url = f"http://{cluster.http_address}"
         log(f"aiperf_check: cluster up in {time.monotonic() - started:.1f} s, HTTP at {url}")
         client = cluster.client()
-
-        def bench(i: int) -> None:
-            measure(
-                client,
-                config.model,
-                spec,
-                [args.rate],
-                args.duration,
-                slo,
-                warmup=args.warmup if i == 0 else 0,
-                on_run=lambda rate, s, records: turns.records.extend(records),
-            )
-
-        def aiperf_turn(i: int) -> None:
-            run_dir = out / f"aiperf-{i + 1}"
-            cmd = aiperf_run.command(
-                aiperf,
-                url,
-                config.model,
-                resolve(config.model),
-                out / "aiperf-inputs.jsonl",
-                run_dir,
-                slo,
-            )
-            before = histograms(scrape(f"{url}/metrics"))
-            code = aiperf_run.run(cmd, run_dir.with_suffix(".log"), log)
-            if code != 0:
-                raise RuntimeError(f"aiperf exited with {code}; see {run_dir}.log")
-            turns.windows.append(delta(histograms(scrape(f"{url}/metrics")), before))
-            turns.runs.append(run_dir)
-
         try:
+            warmup = [Request(0.0, r.prompt_token_ids, r.output_len) for r in requests]
+            asyncio.run(replay(client, warmup[: args.warmup]))
             for i in range(args.rounds):
-                for who in ("bench", "aiperf") if i % 2 == 0 else ("aiperf", "bench"):
-                    load = os.getloadavg()[0]
-                    log(
-                        f"aiperf_check: round {i + 1}/{args.rounds}, {who}: {n} requests at "
-                        f"{args.rate:g}/s (load average {load:.1f})"
-                    )
-                    (bench if who == "bench" else aiperf_turn)(i)
-                    turns.loads.append(
-                        {"round": i + 1, "client": who, "start": load, "end": os.getloadavg()[0]}
-                    )
+                mine, theirs = halves(len(requests), i)
+                inputs = out / f"aiperf-inputs-{i + 1}.jsonl"
+                aiperf_run.write_inputs(inputs, [requests[k] for k in theirs], tokenizer)
+                run_dir = out / f"aiperf-{i + 1}"
+                cmd = aiperf_run.command(
+                    aiperf, url, config.model, resolve(config.model), inputs, run_dir, slo
+                )
+                load = os.getloadavg()[0]
+                log(
+                    f"aiperf_check: round {i + 1}/{args.rounds}: AIPerf {len(theirs)} and "
+                    f"bench {len(mine)} requests together, {args.rate:g}/s in all "
+                    f"(load average {load:.1f})"
+                )
+                before = histograms(scrape(f"{url}/metrics"))
+                records = both(
+                    aiperf_run.Running(cmd, run_dir.with_suffix(".log"), log),
+                    client,
+                    [requests[k] for k in mine],
+                    f"round {i + 1}, bench",
+                )
+                rounds.windows.append(delta(histograms(scrape(f"{url}/metrics")), before))
+                for k, rec in zip(mine, records, strict=True):
+                    rec.index = k
+                    rounds.bench[k] = rec
+                rounds.records += records
+                rounds.runs.append(run_dir)
+                rounds.sent.append(theirs)
+                rounds.bench_sent.append(len(mine))
+                rounds.loads.append((load, os.getloadavg()[0]))
         finally:
             client.close()
-    return turns
+    return rounds
+
+
+def both(running: aiperf_run.Running, client, mine: list[Request], label: str) -> list[Record]:
+    """Bench's replay of ``mine`` from the moment AIPerf starts measuring, then AIPerf's
+    end; RuntimeError when AIPerf fails (it is killed when bench's side fails)."""
+    try:
+        while not running.profiling.wait(1.0):
+            if running.exited() or time.monotonic() - running.started > STARTUP_S:
+                raise RuntimeError(f"AIPerf did not start measuring; see {running.log_path}")
+        records = asyncio.run(replay(client, mine, label))
+    except BaseException:
+        running.kill()
+        raise
+    code = running.wait()
+    if code != 0:
+        raise RuntimeError(f"aiperf exited with {code}; see {running.log_path}")
+    return records
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -157,8 +182,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--workload", default="sharegpt", choices=("sharegpt", "humaneval"))
     p.add_argument("--rate", type=float, default=1.0, help="requests per second")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
-    p.add_argument("--rounds", type=int, default=2, help="turns of both clients")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; the halves swap each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompt-tokens", type=int, default=128)
     p.add_argument("--max-output-tokens", type=int, default=32)
@@ -202,43 +227,48 @@ def main(argv: list[str] | None = None) -> int:
     log(f"aiperf_check: {cpu}")
     tokenizer, max_len = model_info(config.model)
     n = max(1, round(args.rate * args.duration))
-    aiperf_run.write_inputs(
-        out / "aiperf-inputs.jsonl",
-        make_workload(spec, tokenizer, n, args.rate, max_len),
-        tokenizer,
-    )
+    requests = make_workload(spec, tokenizer, n, args.rate, max_len)
     try:
-        turns = measure_both(config, spec, n, slo, aiperf, args, log)
+        rounds = measure_together(config, requests, tokenizer, slo, aiperf, args, log)
     except RuntimeError as e:
         print(f"aiperf_check: {e}", file=sys.stderr)
         return 2
     names = tuple(name for _, name, _ in HISTOGRAM_ROWS)
-    runs = [aiperf_run.read_results(d, names) for d in turns.runs]
-    bench = summarize(turns.records, slo)
+    runs = [aiperf_run.read_results(d, names) for d in rounds.runs]
+    bench = summarize(rounds.records, slo)
     pooled = {
         tag: {q: percentile(aiperf_run.pooled(runs, tag), q) for q in PERCENTILES}
         for tag in aiperf_run.CLIENT_METRICS
     }
     agree = agreement_rows(bench, pooled, args.tolerance)
-    paired = paired_ratios(turns.records, runs)
-    hist = [histogram_rows(w, r) for w, r in zip(turns.windows, runs, strict=True)]
+    by_index = {
+        k: r
+        for run, sent in zip(runs, rounds.sent, strict=True)
+        for k, r in zip(sent, run.per_request, strict=False)
+    }
+    paired = paired_ratios(rounds.bench, by_index)
+    hist = [
+        histogram_rows(w, r, others)
+        for w, r, others in zip(rounds.windows, runs, rounds.bench_sent, strict=True)
+    ]
     log(
-        f"\npdserve bench: {bench['completed']}/{bench['requests']} requests in {args.rounds} "
-        f"rounds, attainment {bench['attainment']:.2f}; AIPerf {runs[0].version}: "
+        f"\npdserve bench: {bench['completed']}/{bench['requests']} requests, attainment "
+        f"{bench['attainment']:.2f}; AIPerf {runs[0].version}: "
         f"{sum(r.requests for r in runs)} requests ({sum(r.errors for r in runs)} failed), "
-        f"{sum(r.good for r in runs)} met TTFT {slo.ttft_ms:g} ms and ITL {slo.tpot_ms:g} ms\n"
+        f"{sum(r.good for r in runs)} met TTFT {slo.ttft_ms:g} ms and ITL {slo.tpot_ms:g} ms "
+        f"({args.rounds} rounds)\n"
     )
     log(agreement_table(agree, args.tolerance))
     same = ", ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in paired.items())
     log(f"(the same request, AIPerf / bench, median over requests: {same})")
-    loads = ", ".join(f"{t['client']} {t['start']:.1f}-{t['end']:.1f}" for t in turns.loads)
-    log(f"(load average over each turn, {os.cpu_count()} CPUs: {loads})")
+    loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in rounds.loads)
+    log(f"(load average over each round, {os.cpu_count()} CPUs: {loads})")
     for i, rows in enumerate(hist):
         if not rows:
             log("\n/metrics has no pdserve: histograms: that comparison was not made")
             break
         log(
-            f"\n/metrics over AIPerf's run {i + 1} against its client figures\n"
+            f"\n/metrics over round {i + 1} against AIPerf's client figures\n"
             f"{histogram_table(rows)}"
         )
     results = {
@@ -256,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         "agreement": agree,
         "paired_median_ratio": paired,
         "histograms": hist,
-        "loads": turns.loads,
-        "bench_records": [r.to_dict() for r in turns.records],
+        "loads": rounds.loads,
+        "bench_records": [r.to_dict() for r in rounds.records],
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
     ok = all(r["ok"] for r in agree + sum(hist, []))

@@ -9,7 +9,8 @@ client figure), ``server`` (the histogram's quantile, interpolated here),
 ``aiperf_estimate`` (AIPerf's own estimate from its scrapes), ``width`` (of the
 widest bucket among those the client figure and the estimates fall in), ``ok`` when
 every server figure present is within that width of the client figure; the ``TTFT
-count`` row is ``ok`` when the histogram counted exactly AIPerf's requests.
+count`` row is ``ok`` when the histogram counted exactly the window's requests
+(AIPerf's and those another client sent alongside).
 
 Why the widest: an interpolated quantile is only known to lie in the bucket its rank
 falls in, and the client's percentile (linear between two requests, measured at the
@@ -52,28 +53,30 @@ def agreement_rows(bench: dict, pooled: dict, tolerance: float) -> list[dict]:
     return rows
 
 
-def paired_ratios(records: list[Record], runs: list[AiperfResult]) -> dict[str, float | None]:
+def paired_ratios(bench: dict[int, Record], aiperf: dict[int, dict]) -> dict[str, float | None]:
     """The same request seen by both clients: the median over requests of AIPerf's
-    figure / bench's, for TTFT and ITL (bench's TPOT). ``records``: bench's, round by
-    round in request order; ``runs``: AIPerf's, one a round. Robust to the few slow
-    requests that move a p99: a ratio far from 1 here is a difference in what is
-    measured, not in when."""
-    n = len(records) // len(runs) if runs else 0
+    figure / bench's, for TTFT and ITL (bench's TPOT). ``bench``: request index ->
+    bench's record; ``aiperf``: request index -> AIPerf's values
+    (``AiperfResult.per_request``). Robust to the few slow requests that move a p99: a
+    ratio far from 1 here is a difference in what is measured, not in when."""
     ratios: dict[str, list[float]] = {"TTFT": [], "ITL": []}
-    for i, run in enumerate(runs):
-        for rec, got in zip(records[i * n : (i + 1) * n], run.per_request, strict=True):
-            for label, ref, tag in (
-                ("TTFT", rec.ttft_ms, "time_to_first_token"),
-                ("ITL", rec.tpot_ms, "inter_token_latency"),
-            ):
-                if rec.ok and ref and got[tag] is not None:
-                    ratios[label].append(got[tag] / ref)
+    for k, rec in bench.items():
+        got = aiperf.get(k)
+        if got is None or not rec.ok:
+            continue
+        for label, ref, tag in (
+            ("TTFT", rec.ttft_ms, "time_to_first_token"),
+            ("ITL", rec.tpot_ms, "inter_token_latency"),
+        ):
+            if ref and got[tag] is not None:
+                ratios[label].append(got[tag] / ref)
     return {k: statistics.median(v) if v else None for k, v in ratios.items()}
 
 
-def histogram_rows(window: dict, ai: AiperfResult) -> list[dict]:
+def histogram_rows(window: dict, ai: AiperfResult, others: int = 0) -> list[dict]:
     """The server's histograms over one AIPerf run (``window``: name -> Histogram)
-    against that run's client figures; none when the server has no such histograms."""
+    against that run's client figures; none when the server has no such histograms.
+    ``others``: the requests another client sent in the same window (counted too)."""
     rows = []
     for label, name, tag in HISTOGRAM_ROWS:
         h = window.get(name)
@@ -83,11 +86,11 @@ def histogram_rows(window: dict, ai: AiperfResult) -> list[dict]:
             rows.append(
                 {
                     "what": "TTFT count",
-                    "aiperf": ai.requests,
+                    "aiperf": ai.requests + others,
                     "server": h.count,
                     "aiperf_estimate": None,
                     "width": 0.0,
-                    "ok": h.count == ai.requests,
+                    "ok": h.count == ai.requests + others,
                 }
             )
         for q in PERCENTILES:

@@ -1,14 +1,18 @@
 """NVIDIA AIPerf (``pip install aiperf``, its own virtual environment) driven on a
 ``pdserve bench`` workload, and its results read back.
 
-AIPerf replays the very requests ``bench.workloads.make_workload`` draws: a
-``single_turn`` JSONL file (``write_inputs``), one line a request, whose
-``timestamp`` (ms) is the request's arrival time (replayed with ``--fixed-schedule``)
-and whose ``extra`` fields replace the body's: ``prompt`` = the token ids,
+AIPerf replays requests ``bench.workloads.make_workload`` drew: a ``single_turn``
+JSONL file (``write_inputs``), one line a request, whose ``timestamp`` (ms) is the
+request's arrival time (replayed with ``--fixed-schedule`` from 0, not from the first
+timestamp: ``--fixed-schedule-start-offset 0``, so that a part of a workload keeps its
+place in time) and whose ``extra`` fields replace the body's: ``prompt`` = the token ids,
 ``max_tokens`` = the output length, ``temperature`` 0 and ``ignore_eos``, as
 ``bench/endpoint.py`` sends them. ``text`` (the ids decoded) is only there because
 the format asks for one modality; ``--use-server-token-count`` makes AIPerf count
 tokens from the server's ``usage`` instead of tokenizing it.
+
+``Running`` is one ``aiperf profile`` in progress: its ``profiling`` event is set when
+AIPerf logs that its measured phase started, the zero of its schedule.
 
 What is read back (``read_results``): AIPerf's client-side percentiles (ms) of
 ``time_to_first_token``, ``inter_token_latency`` (per request: (latency - TTFT) /
@@ -25,6 +29,8 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +45,7 @@ CLIENT_METRICS = ("time_to_first_token", "inter_token_latency", "inter_chunk_lat
 # has no prefix cache to report)
 SHOWN = re.compile(r"\b(NOTICE|WARNING|ERROR|CRITICAL)\b|Benchmark Duration")
 HIDDEN = re.compile(r"prompt-cache")
+PROFILING = re.compile(r"Phase profiling \(profiling\) started")
 INSTALL = (
     "install it in its own virtual environment: python3 -m venv /work/aiperf-venv && "
     "/work/aiperf-venv/bin/pip install aiperf==0.13.0; then pass "
@@ -102,6 +109,7 @@ def command(
         "--input-file", str(inputs),
         "--custom-dataset-type", "single-turn",
         "--fixed-schedule",
+        "--fixed-schedule-start-offset", "0",
         "--use-server-token-count",
         "--goodput", goodput,
         "--artifact-dir", str(out_dir),
@@ -112,20 +120,43 @@ def command(
     ]  # fmt: skip
 
 
-def run(cmd: list[str], log_path: Path, log: Callable[[str], None]) -> int:
-    """Run AIPerf, its output into ``log_path``, the lines that tell progress or
-    trouble passed to ``log``; its exit status."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    with open(log_path, "w") as out:
-        out.write(" ".join(cmd) + "\n")
-        proc = subprocess.Popen(
+class Running:
+    """AIPerf started on ``cmd``: its output into ``log_path``, the lines that tell
+    progress or trouble passed to ``log`` (from a reader thread), ``profiling`` set
+    once its measured phase started; ``wait()`` is its exit status."""
+
+    def __init__(self, cmd: list[str], log_path: Path, log: Callable[[str], None]):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        self.log_path, self.started = log_path, time.monotonic()
+        self.profiling = threading.Event()
+        self._out = open(log_path, "w")  # noqa: SIM115 (closed by wait)
+        self._out.write(" ".join(cmd) + "\n")
+        self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
-        for line in proc.stdout:
-            out.write(line)
+        self._reader = threading.Thread(target=self._read, args=(log,), daemon=True)
+        self._reader.start()
+
+    def _read(self, log: Callable[[str], None]) -> None:
+        for line in self._proc.stdout:
+            self._out.write(line)
+            if PROFILING.search(line):
+                self.profiling.set()
             if SHOWN.search(line) and not HIDDEN.search(line):
                 log(f"aiperf: {line.rstrip()[:200]}")
-        return proc.wait()
+
+    def exited(self) -> bool:
+        return self._proc.poll() is not None
+
+    def wait(self) -> int:
+        code = self._proc.wait()
+        self._reader.join()
+        self._out.close()
+        return code
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self.wait()
 
 
 def read_results(out_dir: Path, histograms: tuple[str, ...]) -> AiperfResult:

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from bench import aiperf_check, aiperf_run
+from bench.aiperf_check import halves
 from bench.aiperf_report import agreement_rows, histogram_rows, paired_ratios
 from bench.metrics import SLO, Record, percentile
 from bench.prom_histograms import Histogram as PromHistogram
@@ -145,20 +146,45 @@ def test_read_results_takes_the_summary_every_request_and_the_server_estimates(t
     assert aiperf_run.read_results(tmp_path / "bare", (TTFT,)).server == {}
 
 
-def test_paired_ratios_match_each_request_with_itself(tmp_path):
-    write_exports(tmp_path / "run")
-    ai = aiperf_run.read_results(tmp_path / "run", ())
+def test_paired_ratios_match_each_request_with_itself():
+    def record(ttft: float, tpot: float, reason: str = "length") -> Record:
+        return Record(0, 0.0, 8, 4, 4, ttft, tpot, 1.0, finish_reason=reason)
 
-    def record(i: int, ttft: float, tpot: float) -> Record:
-        return Record(i, 0.0, 8, 4, 4, ttft, tpot, 1.0, finish_reason="length")
+    bench = {0: record(100.0, 10.0), 1: record(100.0, 30.0), 2: record(25.0, 5.0),
+             3: record(50.0, 20.0), 4: record(1.0, 1.0, reason="abort")}  # fmt: skip
+    aiperf = {
+        0: {"time_to_first_token": 100.0, "inter_token_latency": 20.0},
+        1: {"time_to_first_token": 200.0, "inter_token_latency": 30.0},
+        2: {"time_to_first_token": 50.0, "inter_token_latency": None},  # a one-token answer
+        4: {"time_to_first_token": 9.0, "inter_token_latency": 9.0},  # bench's failed
+    }
+    paired = paired_ratios(bench, aiperf)
+    assert paired["TTFT"] == pytest.approx(2.0)  # of 1, 2, 2 (request 3: AIPerf has none)
+    assert paired["ITL"] == pytest.approx(1.5)  # of 2, 1
+    assert paired_ratios({}, {}) == {"TTFT": None, "ITL": None}
 
-    # two rounds of the same three requests; AIPerf saw 100/200/50 ms, ITL 20/30/-
-    rounds = [record(0, 100.0, 10.0), record(1, 100.0, 30.0), record(2, 25.0, 5.0)]
-    rounds += [record(0, 50.0, 20.0), record(1, 400.0, 30.0), record(2, 50.0, 5.0)]
-    paired = paired_ratios(rounds, [ai, ai])
-    assert paired["TTFT"] == pytest.approx(1.5)  # of 1, 2, 2, 2, 0.5, 1
-    assert paired["ITL"] == pytest.approx(1.0)  # of 2, 1, 1, 1 (no ITL for request 2)
-    assert paired_ratios([], []) == {"TTFT": None, "ITL": None}
+
+def test_halves_alternate_and_swap_so_two_rounds_send_every_request_once_each():
+    assert halves(5, 0) == ([0, 2, 4], [1, 3])
+    assert halves(5, 1) == ([1, 3], [0, 2, 4])
+
+
+def test_running_sees_the_measured_phase_start_and_the_exit_status(tmp_path):
+    script = (
+        "import sys, time\n"
+        "print('10:00:00 INFO     Starting AIPerf System', flush=True)\n"
+        "print('10:00:01 NOTICE   Phase profiling (profiling) started | target: 2', flush=True)\n"
+        "print('10:00:01 WARNING  Token usage ... no prompt-cache read tokens', flush=True)\n"
+        "time.sleep(0.2)\n"
+        "print('10:00:02 ERROR    it broke', flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    shown: list[str] = []
+    running = aiperf_run.Running([sys.executable, "-c", script], tmp_path / "a.log", shown.append)
+    assert running.profiling.wait(30.0)
+    assert running.wait() == 3 and running.exited()
+    assert [line.split()[2] for line in shown] == ["NOTICE", "ERROR"]  # not INFO, not the advice
+    assert "Starting AIPerf System" in (tmp_path / "a.log").read_text()
 
 
 def test_rows_pass_within_the_tolerance_and_within_a_bucket(tmp_path):
@@ -174,6 +200,7 @@ def test_rows_pass_within_the_tolerance_and_within_a_bucket(tmp_path):
     rows = {r["what"]: r for r in histogram_rows(window, ai)}
     assert set(rows) == {"TTFT count", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"}
     assert rows["TTFT count"]["ok"] and rows["TTFT count"]["server"] == 3
+    assert not histogram_rows(window, ai, others=2)[0]["ok"]  # 3 counted, 5 sent
     # p50: client 100 in (0, 100], /metrics 175 and AIPerf's 110 in (100, 250]: width 150
     assert rows["TTFT p50 ms"]["width"] == pytest.approx(150.0) and rows["TTFT p50 ms"]["ok"]
     # p90: /metrics 425 (rank 2.7 in (250, 500]) is 245 from the client's 180: within 250
