@@ -7,28 +7,20 @@ docs/performance.md).
         --aiperf /work/aiperf-venv/bin/aiperf [--rate 1 --duration 60 --rounds 2 \\
         --max-prompt-tokens 128 --max-output-tokens 32] [--out aiperf-check/]
 
-One cluster (loopback, any free ports) and one workload, ``round(rate x duration)``
-requests with their arrival times. In each round both clients send it together, each
-its half, every other request: ``pdserve bench``'s replay (``bench.replay``, the
-router's gRPC client, times from the router's final message) and AIPerf over the HTTP
-API (``bench/aiperf_run.py``), its schedule and bench's starting at the same moment
-(when AIPerf logs that it measures). The next round swaps the halves, so that over two
-rounds each client measured every request once, and always alongside the other: a
-busy machine slows both alike, where one client after the other would each meet
-different neighbours. The cluster serves exactly the workload. Each client's rounds
-are pooled. This script scrapes ``/metrics`` just before and after each round, so the
-difference is that round's histograms (``bench/prom_histograms.py``); AIPerf scrapes
-it too. Two comparisons, each row passing or failing (``bench/aiperf_report.py``):
-
-- AIPerf against ``pdserve bench``: TTFT and ITL (per request; bench's TPOT) p50 /
-  p90 / p99, the ratio within ``--tolerance`` (10%).
-- For each round, the server's histograms against AIPerf's client figures:
-  ``pdserve:time_to_first_token_seconds`` with TTFT,
-  ``pdserve:request_time_per_output_token_seconds`` with ITL,
-  ``pdserve:inter_token_latency_seconds`` with every gap (AIPerf's
-  ``inter_chunk_latency``); quantiles interpolated in the buckets (here, and AIPerf's
-  own estimates) within one bucket width of the client figure; and the TTFT
-  histogram's count equal to the round's requests.
+One cluster (loopback, any free ports), one workload (``round(rate x duration)``
+requests and their arrival times). Each round, both clients send it together, each
+every other request, from the same moment (when AIPerf logs that it measures):
+``pdserve bench``'s replay (``bench.replay``: gRPC, the router's times) and AIPerf
+over HTTP (``bench/aiperf_run.py``); the next round swaps the halves. So each client
+measures every request, always alongside the other: a busy machine slows both alike.
+Last, AIPerf alone sends the whole workload, and ``/metrics`` scraped just before and
+after (``bench/prom_histograms.py``) holds exactly its requests. Compared, each row
+passing or failing (``bench/aiperf_report.py``): AIPerf's pooled TTFT and ITL (bench's
+TPOT) p50/p90/p99 against bench's, within ``--tolerance`` (10%); and over AIPerf's
+run alone ``pdserve:time_to_first_token_seconds``,
+``pdserve:request_time_per_output_token_seconds`` and
+``pdserve:inter_token_latency_seconds`` (every gap: AIPerf's ``inter_chunk_latency``)
+against its client figures, within a bucket, the TTFT count equal to its requests.
 
 Exit status 0 when every row passes, 1 when one fails, 2 when it cannot run.
 """
@@ -97,9 +89,9 @@ class Rounds:
     records: list[Record] = field(default_factory=list)  # bench's, every round
     runs: list[Path] = field(default_factory=list)  # AIPerf's artifact folders, one a round
     sent: list[list[int]] = field(default_factory=list)  # the requests of each AIPerf run
-    bench_sent: list[int] = field(default_factory=list)  # bench's requests per round
-    windows: list[dict] = field(default_factory=list)  # /metrics histograms over each round
     loads: list[tuple[float, float]] = field(default_factory=list)  # load average, each round
+    alone: Path | None = None  # AIPerf's run of the whole workload alone
+    window: dict = field(default_factory=dict)  # /metrics histograms over that run
 
 
 def measure_together(
@@ -133,22 +125,31 @@ def measure_together(
                     f"bench {len(mine)} requests together, {args.rate:g}/s in all "
                     f"(load average {load:.1f})"
                 )
-                before = histograms(scrape(f"{url}/metrics"))
                 records = both(
                     aiperf_run.Running(cmd, run_dir.with_suffix(".log"), log),
                     client,
                     [requests[k] for k in mine],
                     f"round {i + 1}, bench",
                 )
-                rounds.windows.append(delta(histograms(scrape(f"{url}/metrics")), before))
                 for k, rec in zip(mine, records, strict=True):
                     rec.index = k
                     rounds.bench[k] = rec
                 rounds.records += records
                 rounds.runs.append(run_dir)
                 rounds.sent.append(theirs)
-                rounds.bench_sent.append(len(mine))
                 rounds.loads.append((load, os.getloadavg()[0]))
+            log(
+                f"aiperf_check: AIPerf alone, the whole workload ({len(requests)} requests at "
+                f"{args.rate:g}/s), for /metrics against its client figures"
+            )
+            inputs, rounds.alone = out / "aiperf-inputs-alone.jsonl", out / "aiperf-alone"
+            aiperf_run.write_inputs(inputs, requests, tokenizer)
+            cmd = aiperf_run.command(
+                aiperf, url, config.model, resolve(config.model), inputs, rounds.alone, slo
+            )
+            before = histograms(scrape(f"{url}/metrics"))
+            both(aiperf_run.Running(cmd, rounds.alone.with_suffix(".log"), log), client, [], "")
+            rounds.window = delta(histograms(scrape(f"{url}/metrics")), before)
         finally:
             client.close()
     return rounds
@@ -247,10 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, r in zip(sent, run.per_request, strict=False)
     }
     paired = paired_ratios(rounds.bench, by_index)
-    hist = [
-        histogram_rows(w, r, others)
-        for w, r, others in zip(rounds.windows, runs, rounds.bench_sent, strict=True)
-    ]
+    alone = aiperf_run.read_results(rounds.alone, names)
+    hist = histogram_rows(rounds.window, alone)
     log(
         f"\npdserve bench: {bench['completed']}/{bench['requests']} requests, attainment "
         f"{bench['attainment']:.2f}; AIPerf {runs[0].version}: "
@@ -263,14 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     log(f"(the same request, AIPerf / bench, median over requests: {same})")
     loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in rounds.loads)
     log(f"(load average over each round, {os.cpu_count()} CPUs: {loads})")
-    for i, rows in enumerate(hist):
-        if not rows:
-            log("\n/metrics has no pdserve: histograms: that comparison was not made")
-            break
+    if hist:
         log(
-            f"\n/metrics over round {i + 1} against AIPerf's client figures\n"
-            f"{histogram_table(rows)}"
+            f"\n/metrics over AIPerf's run alone against its client figures\n"
+            f"{histogram_table(hist)}"
         )
+    else:
+        log("\n/metrics has no pdserve: histograms: that comparison was not made")
     results = {
         "cpu": cpu,
         "config": args.config,
@@ -282,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "slo": asdict(slo),
         "bench": bench,
         "aiperf": [asdict(r) for r in runs],
+        "aiperf_alone": asdict(alone),
         "aiperf_pooled": pooled,
         "agreement": agree,
         "paired_median_ratio": paired,
@@ -290,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench_records": [r.to_dict() for r in rounds.records],
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    ok = all(r["ok"] for r in agree + sum(hist, []))
+    ok = all(r["ok"] for r in agree + hist)
     log(f"\naiperf_check: {'pass' if ok else 'FAIL'}; results in {out}/results.json")
     return 0 if ok else 1
 

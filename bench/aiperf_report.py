@@ -9,8 +9,8 @@ client figure), ``server`` (the histogram's quantile, interpolated here),
 ``aiperf_estimate`` (AIPerf's own estimate from its scrapes), ``width`` (of the
 widest bucket among those the client figure and the estimates fall in), ``ok`` when
 every server figure present is within that width of the client figure; the ``TTFT
-count`` row is ``ok`` when the histogram counted exactly the window's requests
-(AIPerf's and those another client sent alongside).
+count`` row is ``ok`` when the histogram counted exactly AIPerf's requests (the
+window holds its run and nothing else).
 
 Why the widest: an interpolated quantile is only known to lie in the bucket its rank
 falls in, and the client's percentile (linear between two requests, measured at the
@@ -73,10 +73,9 @@ def paired_ratios(bench: dict[int, Record], aiperf: dict[int, dict]) -> dict[str
     return {k: statistics.median(v) if v else None for k, v in ratios.items()}
 
 
-def histogram_rows(window: dict, ai: AiperfResult, others: int = 0) -> list[dict]:
+def histogram_rows(window: dict, ai: AiperfResult) -> list[dict]:
     """The server's histograms over one AIPerf run (``window``: name -> Histogram)
-    against that run's client figures; none when the server has no such histograms.
-    ``others``: the requests another client sent in the same window (counted too)."""
+    against that run's client figures; none when the server has no such histograms."""
     rows = []
     for label, name, tag in HISTOGRAM_ROWS:
         h = window.get(name)
@@ -86,11 +85,11 @@ def histogram_rows(window: dict, ai: AiperfResult, others: int = 0) -> list[dict
             rows.append(
                 {
                     "what": "TTFT count",
-                    "aiperf": ai.requests + others,
+                    "aiperf": ai.requests,
                     "server": h.count,
                     "aiperf_estimate": None,
                     "width": 0.0,
-                    "ok": h.count == ai.requests + others,
+                    "ok": h.count == ai.requests,
                 }
             )
         for q in PERCENTILES:
