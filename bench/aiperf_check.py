@@ -52,8 +52,8 @@ from bench.workloads import Request, WorkloadSpec, make_workload, model_info
 
 PERCENTILES = aiperf_run.PERCENTILES
 LOOPBACK = ("router.host=127.0.0.1", "router.port=0", "router.http_port=0")
-# the router's line per finished request (the config's ``logging`` section, where the
-# schema has one) would bury the progress and the tables
+# the router's line per finished request (the config's ``logging`` section) would bury
+# the progress and the tables
 QUIET = "logging.level=WARNING"
 
 
@@ -205,15 +205,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.config import ClusterConfig
     from cluster.config_loader import ConfigError, load_config
 
     args = parse_args(argv)
-    quiet = [QUIET] if "logging" in ClusterConfig.__dataclass_fields__ else []
     log = lambda line: print(line, flush=True)  # noqa: E731
     try:
         aiperf = aiperf_run.find(args.aiperf)
-        config = load_config(args.config, [*LOOPBACK, *quiet, *args.set])
+        config = load_config(args.config, [*LOOPBACK, QUIET, *args.set])
     except (FileNotFoundError, ConfigError) as e:
         print(f"aiperf_check: {e}", file=sys.stderr)
         return 2

@@ -5,21 +5,17 @@ the files Kubernetes or the launcher would mount. docs/deploy.md."""
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 
 import pytest
 import yaml
 
-from cluster.config import ClusterConfig, PoolConfig, Resources
 from cluster.config_loader import ConfigError, load_config
 from cluster.security_checks import is_loopback
 from tests.deploy.manifests import DEPLOY, VARIANTS, embedded_config
 
 COVERS = (*(f"kuberay/configmap-{v}.yaml" for v in VARIANTS), "configs/vm.yaml")
 CONFIGS = [f"configmap-{v}" for v in VARIANTS] + ["vm"]
-# The contract keys of issue 20 these configs use, by the class that carries each.
-CONTRACT_KEYS = {Resources: "custom", PoolConfig: "node_labels", ClusterConfig: "logging"}
 
 
 def raw_config(name: str) -> dict:
@@ -43,19 +39,8 @@ def with_stand_ins(raw: dict, tmp_path) -> dict:
     return raw
 
 
-def require_contract_keys() -> None:
-    missing = [
-        f"{cls.__name__}.{name}"
-        for cls, name in CONTRACT_KEYS.items()
-        if name not in {f.name for f in dataclasses.fields(cls)}
-    ]
-    if missing:
-        pytest.xfail(f"this branch's config has no {', '.join(missing)} (issue 20 contract keys)")
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_loads_with_its_secret_files(name, tmp_path):
-    require_contract_keys()
     config = load_config(with_stand_ins(raw_config(name), tmp_path))
     assert config.mode == "disaggregated"
     assert config.ray.address == "auto"
@@ -66,16 +51,18 @@ def test_config_loads_with_its_secret_files(name, tmp_path):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_router_off_loopback_is_closed(name):
-    """A router every pod or VM can reach requires an API key (or TLS) on both ports."""
-    router = raw_config(name)["router"]
-    assert not is_loopback(router["host"])
-    assert router.get("api_key_file") or router.get("tls", {}).get("cert_file")
+    """A router every pod or VM can reach authenticates its clients: without its key
+    file the config is refused (cluster/security_checks.py)."""
+    raw = raw_config(name)
+    assert not is_loopback(raw["router"]["host"])
+    del raw["router"]["api_key_file"]
+    with pytest.raises(ConfigError, match="router.host: .*not loopback"):
+        load_config(raw)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_an_empty_key_file_is_refused(name, tmp_path):
     """The security checks run on these configs: a key file with no key fails the load."""
-    require_contract_keys()
     raw = with_stand_ins(raw_config(name), tmp_path)
     (tmp_path / "api_keys").write_text("# no key\n")
     with pytest.raises(ConfigError, match="router.api_key_file"):
