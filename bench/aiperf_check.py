@@ -48,13 +48,11 @@ from bench.aiperf_report import (
 from bench.metrics import SLO, Record, percentile, summarize
 from bench.prom_histograms import delta, histograms, scrape
 from bench.replay import replay
+from bench.runner import QUIET
 from bench.workloads import Request, WorkloadSpec, make_workload, model_info
 
 PERCENTILES = aiperf_run.PERCENTILES
 LOOPBACK = ("router.host=127.0.0.1", "router.port=0", "router.http_port=0")
-# the router's line per finished request (the config's ``logging`` section) would bury
-# the progress and the tables
-QUIET = "logging.level=WARNING"
 
 
 def cpu_path() -> str:

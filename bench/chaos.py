@@ -36,6 +36,7 @@ from bench.chaos_killer import ROLES, SIGNALS, Killer, KillEvent, check_choice, 
 from bench.chaos_load import StreamRecord, run_load
 from bench.chaos_report import format_report, summarize, write
 from bench.chaos_timeline import Sampler, one_line
+from bench.runner import QUIET
 from bench.workloads import WorkloadSpec, arrival_times, model_info, sample_requests
 
 INTEGRITY_TIMEOUT_S = 10.0
@@ -187,7 +188,7 @@ def run(
     expected = expected_outputs(config, prompts, args.max_tokens)
     log(f"chaos: expected outputs of {len(prompts)} prompts, offline, in "
         f"{time.monotonic() - started:.1f} s")  # fmt: skip
-    cluster = launch(config)
+    cluster = launch(config, [QUIET])
     log(f"chaos: cluster up at {cluster.address}")
     all_targets = targets(config)
     start = time.monotonic()

@@ -28,6 +28,10 @@ from bench.metrics import SLO, GoodputResult, Record, search_goodput, summarize
 from bench.replay import replay
 from bench.workloads import WORKLOADS, WorkloadSpec, make_workload, model_info
 
+# The clusters a benchmark launches log at WARNING: the router's line per request
+# (docs/serving.md, "Metrics and logs") would bury the progress; the report has the figures.
+QUIET = "logging.level=WARNING"
+
 
 def devices(config) -> int:
     """Devices the cluster's pools use: GPUs when they have any, else one per rank."""
@@ -67,7 +71,7 @@ def serving(config, endpoint: str | None, log=print):
     from cluster.launcher import launch
 
     started = time.monotonic()
-    cluster = launch(config)
+    cluster = launch(config, [QUIET])
     log(f"bench: cluster up at {cluster.address} in {time.monotonic() - started:.1f} s")
     client = cluster.client()
     try:
