@@ -2,9 +2,10 @@
 
 The embedded cluster is made deterministic for tests and CI: its own temporary
 folder (``pdserve-ray-*`` under ``$PDSERVE_RAY_TMPDIR`` or /tmp, removed at the
-end), no dashboard, bound to loopback, and token
-authentication with a token made for this process and passed to Ray's processes
-through the environment (``RAY_AUTH_TOKEN``), so nothing is read from or written to
+end), no dashboard, asked for node address 127.0.0.1 (Ray's own daemons still listen
+on every interface: docs/serving.md, "The embedded Ray"), and token authentication
+with a token made for this process and passed to Ray's processes through the
+environment (``RAY_AUTH_TOKEN``), so nothing is read from or written to
 ``~/.ray``. A ``RAY_AUTH_MODE`` or ``RAY_AUTH_TOKEN`` set by the user wins.
 """
 

@@ -71,8 +71,8 @@ def check_ray(ray: RayConfig, environ=os.environ) -> list[tuple[str, str]]:
         return [
             (
                 f"ray.tls.{given[0]}",
-                "set with ray.address null; the embedded Ray is loopback-only with token "
-                "auth, ray.tls is for an existing Ray",
+                "set with ray.address null; the embedded Ray runs with token auth, "
+                "ray.tls is for an existing Ray",
             )
         ]
     if given and len(given) < len(files):
