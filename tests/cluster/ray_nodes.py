@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ from pathlib import Path
 import psutil
 
 from tests.cluster.ray_probe import RayProbe
+
+RAY = str(Path(sys.executable).parent / "ray")  # this venv's, whether or not it is on PATH
 
 TOKEN = secrets.token_hex(32)
 AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
@@ -101,7 +104,7 @@ class RayNodes:
     def start(self, name: str, ip: str, cpus: int, resources=None, labels=None) -> RayNode:
         ports = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                  "runtime-env-agent-port", "metrics-export-port")  # fmt: skip
-        args = ["ray", "start", "--block", "--node-ip-address", ip, "--num-cpus", str(cpus),
+        args = [RAY, "start", "--block", "--node-ip-address", ip, "--num-cpus", str(cpus),
                 "--temp-dir", f"{self.base}/{name}", "--object-store-memory", str(80 * 2**20),
                 "--disable-usage-stats", "--include-log-monitor", "false"]  # fmt: skip
         args += [x for p in ports for x in (f"--{p}", str(_free_port()))]
@@ -125,6 +128,11 @@ class RayNodes:
         return f"{self.head}:{self.port}"
 
     def start_probe(self) -> None:
+        """A new probe (an old one is killed): a Ray driver that was connected while a
+        node's raylet died can stall for a minute on its next call, so a test starts a
+        new one after losing a node."""
+        if self.probe is not None:
+            self.probe.kill()
         self.probe = RayProbe(self.address, {**os.environ, **AUTH})
 
     def node_ids(self) -> dict[str, str]:

@@ -57,13 +57,16 @@ class RayProbe:
         """Placement groups: ``name``, ``state`` and the node id of each bundle."""
         return self.ask("groups")
 
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
     def close(self) -> None:
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
 
 
 def _answer(question: str):
