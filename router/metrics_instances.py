@@ -51,18 +51,13 @@ class InstanceCollector(Collector):
         for inst in insts:
             up.add_metric(labels(inst), 0 if "dead" in inst else 1)
         yield up
-        for name, key, text in GAUGES:
-            family = GaugeMetricFamily(f"pdserve:{name}", text, labels=LABELS)
-            for inst in insts:
-                if key in inst:
-                    family.add_metric(labels(inst), inst[key])
-            yield family
-        for name, key, text in COUNTERS:
-            family = CounterMetricFamily(f"pdserve:{name}", text, labels=LABELS)
-            for inst in insts:
-                if key in inst:
-                    family.add_metric(labels(inst), inst[key])
-            yield family
+        for kind, table in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
+            for name, key, text in table:
+                family = kind(f"pdserve:{name}", text, labels=LABELS)
+                for inst in insts:
+                    if key in inst:
+                        family.add_metric(labels(inst), inst[key])
+                yield family
         preemptions = CounterMetricFamily(
             "pdserve:num_preemptions", "Running requests preempted (their KV recomputed).",
             labels=("instance",),
