@@ -1,31 +1,63 @@
-"""Paged KV cache bookkeeping: which physical blocks each request owns.
+"""Paged KV cache bookkeeping: which physical blocks each request owns, and the prefix
+cache (docs/serving.md, "Prefix caching").
 
-Blocks carry reference counts; a block becomes free again when its count drops to
-zero. Running out of blocks is reported through ``can_allocate``, never raised from
-the scheduler's normal path.
+Blocks carry reference counts. Every block is in one of three states:
+
+    USED    held by at least one table (count >= 1)
+    CACHED  held by none, but registered in the prefix cache: its KV is that of a full
+            block whose content hash (engine/block_hash.py) maps to it; a table may
+            take it back (``allocate(prefix=...)``), or it is evicted, least recently
+            freed first, when EMPTY blocks run out
+    EMPTY   held by none, holding nothing anybody can find
+
+``num_free_blocks`` counts CACHED and EMPTY blocks: both can be handed out, so a cache
+never makes a request wait. Running out of blocks is reported through ``can_allocate``,
+never raised from the scheduler's normal path. A USED block may be registered too, and
+shared by several tables (a common prefix); only full blocks are ever registered or
+shared, and a table's shared blocks all come first, so no request writes a block that
+another one reads (the hits are capped below a sequence's last token, ``match``).
 
 Allocation keeps a request's blocks physically consecutive where it can: a table grows
-into the block right after its last one when that is free, and new blocks come from
-the first run of free blocks long enough to hold them (lowest ids when none is). The
-attention kernels do not care, but the KV transfer does: a run of consecutive blocks
-moves as one slice per layer, with no gather at the sender and no scatter at the
-receiver (docs/kv_transfer.md). A FIFO free list instead interleaves the blocks that
-running requests add one at a time, so that after some churn a new request's blocks
-are scattered over the cache.
+into the block right after its last one when that is EMPTY, and new blocks come from the
+first run of EMPTY blocks long enough to hold them (lowest ids when none is), evicting
+CACHED blocks only when EMPTY ones run out. The attention kernels do not care, but the
+KV transfer does: a run of consecutive blocks moves as one slice per layer, with no
+gather at the sender and no scatter at the receiver (docs/kv_transfer.md).
 """
 
 from __future__ import annotations
 
-FREE, USED = 1, 0
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.block_hash import block_hashes
+
+EMPTY, CACHED, USED = 1, 2, 0
+
+
+@dataclass
+class CacheEvents:
+    """What changed in the prefix cache since the last ``take_events``: hashes newly
+    registered, and hashes evicted (in that order of events: a hash may be in both)."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self.free_map = bytearray([FREE]) * num_blocks  # FREE or USED per block id
+        self.state = bytearray([EMPTY]) * num_blocks  # EMPTY, CACHED or USED per block id
         self.num_free_blocks = num_blocks
         self.tables: dict[str, list[int]] = {}
+        # the prefix cache: content hash <-> block, and CACHED blocks by when they were freed
+        self.cached: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.hashes: dict[str, list[int]] = {}  # owner -> hashes of its leading full blocks
+        self._events = CacheEvents()
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -33,63 +65,150 @@ class BlockManager:
     def block_table(self, owner: str) -> list[int]:
         return self.tables.get(owner, [])
 
-    def num_new_blocks(self, owner: str, num_tokens: int) -> int:
-        """Blocks ``owner`` lacks to hold ``num_tokens`` tokens in all."""
-        return max(0, self.blocks_for(num_tokens) - len(self.block_table(owner)))
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (held or not)."""
+        return len(self.cached)
 
-    def can_allocate(self, owner: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(owner, num_tokens) <= self.num_free_blocks
+    def match(self, token_ids: list[int], max_blocks: int | None = None) -> list[int]:
+        """The blocks holding the longest cached run of ``token_ids``' leading full blocks,
+        at most ``max_blocks`` and never the block of the last token, so that a sequence
+        computes at least that token (its logits) and never writes a shared block:
+        ``(len(token_ids) - 1) // block_size`` blocks at most. Takes no reference."""
+        if not self.enable_caching:
+            return []
+        limit = (len(token_ids) - 1) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
+        out = []
+        for h in block_hashes(token_ids[: limit * self.block_size], self.block_size):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
 
-    def allocate(self, owner: str, num_tokens: int) -> list[int]:
-        """Grow ``owner``'s table to hold ``num_tokens`` tokens; returns the new block ids."""
-        need = self.num_new_blocks(owner, num_tokens)
+    def num_new_blocks(self, owner: str, num_tokens: int, prefix: list[int] = ()) -> int:
+        """Free blocks ``owner`` would take to hold ``num_tokens`` tokens in all, starting
+        an empty table with the cached ``prefix`` (those that are CACHED count: they
+        leave the free pool)."""
+        have = len(self.block_table(owner)) or len(prefix)
+        revived = sum(1 for b in prefix if self.state[b] == CACHED) if prefix else 0
+        return max(0, self.blocks_for(num_tokens) - have) + revived
+
+    def can_allocate(self, owner: str, num_tokens: int, prefix: list[int] = ()) -> bool:
+        return self.num_new_blocks(owner, num_tokens, prefix) <= self.num_free_blocks
+
+    def allocate(self, owner: str, num_tokens: int, prefix: list[int] = ()) -> list[int]:
+        """Grow ``owner``'s table to hold ``num_tokens`` tokens; returns the new block ids.
+        ``prefix`` (from ``match``) starts an empty table with those shared blocks."""
+        need = self.num_new_blocks(owner, num_tokens, prefix)
         if need > self.num_free_blocks:
             raise RuntimeError(
                 f"allocate({owner!r}): {need} blocks needed, {self.num_free_blocks} free"
             )
         table = self.tables.setdefault(owner, [])
-        new = self._take(need, table[-1] + 1 if table else None)
+        if prefix:
+            if table:
+                raise ValueError(f"allocate({owner!r}, prefix=...): the table is not empty")
+            for b in prefix:
+                if self.state[b] == CACHED:
+                    del self.lru[b]
+                    self.state[b] = USED
+                    self.num_free_blocks -= 1
+                self.ref_counts[b] += 1
+            table.extend(prefix)
+            self.hashes[owner] = [self.hash_of[b] for b in prefix]
+        count = max(0, self.blocks_for(num_tokens) - len(table))
+        new = self._take(count, table[-1] + 1 if table else None)
         for b in new:
             self.ref_counts[b] = 1
-        self.num_free_blocks -= need
+        self.num_free_blocks -= count
         table.extend(new)
         return new
 
+    def commit(self, owner: str, token_ids: list[int], num_tokens: int) -> None:
+        """``owner``'s first ``num_tokens`` tokens (``token_ids[:num_tokens]``) have their
+        KV in its blocks: register its full blocks among them in the prefix cache. A
+        block whose content another block already holds stays unregistered."""
+        if not self.enable_caching or owner not in self.tables:
+            return
+        done = self.hashes.setdefault(owner, [])
+        full = min(num_tokens // self.block_size, len(self.tables[owner]))
+        if full <= len(done):
+            return
+        bs = self.block_size
+        parent = done[-1] if done else None
+        new = block_hashes(token_ids[len(done) * bs : full * bs], bs, parent)
+        table = self.tables[owner]
+        for i, h in enumerate(new, start=len(done)):
+            block = table[i]
+            if h not in self.cached and block not in self.hash_of:
+                self.cached[h], self.hash_of[block] = block, h
+                self._events.stored.append(h)
+        done.extend(new)
+
+    def take_events(self) -> CacheEvents:
+        """The cache's changes since the last call (for the router's view of it)."""
+        events, self._events = self._events, CacheEvents()
+        return events
+
     def _take(self, need: int, after: int | None) -> list[int]:
-        """``need`` free block ids, marked used: from ``after`` on while they are free,
-        then the first free run that holds the rest, else the lowest free ids."""
-        free, out = self.free_map, []
-        while need and after is not None and after < self.num_blocks and free[after] == FREE:
-            free[after] = USED
+        """``need`` free block ids, marked used: from ``after`` on while they are EMPTY,
+        then the first EMPTY run that holds the rest, else the lowest EMPTY ids; CACHED
+        blocks are evicted first (least recently freed first) when EMPTY ones are short."""
+        state, out = self.state, []
+        while need and after is not None and after < self.num_blocks and state[after] == EMPTY:
+            state[after] = USED
             out.append(after)
             after += 1
             need -= 1
         if need:
-            start = free.find(bytes([FREE]) * need)
+            empty = self.num_free_blocks - len(self.lru) - len(out)
+            for _ in range(need - empty):
+                self._evict(next(iter(self.lru)))
+            start = state.find(bytes([EMPTY]) * need)
             if start >= 0:
                 rest = list(range(start, start + need))
             else:
                 rest, start = [], 0
                 for _ in range(need):
-                    start = free.find(FREE, start)
+                    start = state.find(EMPTY, start)
                     rest.append(start)
                     start += 1
             for b in rest:
-                free[b] = USED
+                state[b] = USED
             out += rest
         return out
 
+    def _evict(self, block: int) -> None:
+        """A CACHED block becomes EMPTY: its content can no longer be found."""
+        del self.lru[block]
+        h = self.hash_of.pop(block)
+        del self.cached[h]
+        self.state[block] = EMPTY
+        self._events.removed.append(h)
+
     def free(self, owner: str) -> None:
-        """Drop ``owner``'s references; a no-op for an owner without blocks."""
-        for b in self.tables.pop(owner, []):
+        """Drop ``owner``'s references; a no-op for an owner without blocks. Blocks nobody
+        holds become CACHED when registered (the table's last block most recently, so a
+        prefix's tail is evicted before its head), else EMPTY."""
+        self.hashes.pop(owner, None)
+        for b in reversed(self.tables.pop(owner, [])):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_map[b] = FREE
                 self.num_free_blocks += 1
+                if b in self.hash_of:
+                    self.state[b] = CACHED
+                    self.lru[b] = None
+                else:
+                    self.state[b] = EMPTY
 
     def check_integrity(self) -> None:
-        """Each block is free (count 0, marked free, counted in ``num_free_blocks``) or
-        counted once per table holding it."""
+        """Each block is counted once per table holding it; a block nobody holds is CACHED
+        exactly when registered (and then in the LRU), else EMPTY; ``num_free_blocks``
+        counts both; the cache's two maps agree, and each owner's hashes are those of
+        its table's leading blocks."""
         counts = [0] * self.num_blocks
         for owner, table in self.tables.items():
             if len(set(table)) != len(table):
@@ -99,8 +218,21 @@ class BlockManager:
         if counts != self.ref_counts:
             bad = [b for b in range(self.num_blocks) if counts[b] != self.ref_counts[b]]
             raise AssertionError(f"reference counts disagree with the tables for blocks {bad[:10]}")
-        free = [b for b in range(self.num_blocks) if self.free_map[b] == FREE]
-        if free != [b for b in range(self.num_blocks) if counts[b] == 0]:
-            raise AssertionError("the free map differs from the blocks nobody holds")
-        if len(free) != self.num_free_blocks:
-            raise AssertionError(f"{self.num_free_blocks} blocks counted free, {len(free)} are")
+        for b in range(self.num_blocks):
+            want = USED if counts[b] else CACHED if b in self.hash_of else EMPTY
+            if self.state[b] != want:
+                raise AssertionError(f"block {b}: state {self.state[b]}, expected {want}")
+        if set(self.lru) != {b for b in range(self.num_blocks) if self.state[b] == CACHED}:
+            raise AssertionError("the LRU differs from the CACHED blocks")
+        free = sum(1 for s in self.state if s != USED)
+        if free != self.num_free_blocks:
+            raise AssertionError(f"{self.num_free_blocks} blocks counted free, {free} are")
+        if {b: h for h, b in self.cached.items()} != self.hash_of:
+            raise AssertionError("the hash -> block and block -> hash maps disagree")
+        for owner, hashes in self.hashes.items():
+            table = self.tables.get(owner, [])
+            if len(hashes) > len(table):
+                raise AssertionError(f"{owner!r}: {len(hashes)} hashes, {len(table)} blocks")
+            for h, b in zip(hashes, table, strict=False):
+                if self.hash_of.get(b, h) != h:
+                    raise AssertionError(f"{owner!r}: block {b} is registered as other content")

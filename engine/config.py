@@ -70,6 +70,9 @@ class EngineConfig:
     attention_backend: str | None = None
     device: str = "cpu"
     seed: int = 0
+    # reuse the KV of full blocks whose token prefix an earlier request computed
+    # (engine/block_manager.py); the output is the same with it off
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -78,6 +81,10 @@ class EngineConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r}: must be a positive integer")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching={self.enable_prefix_caching!r}: must be true or false"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -31,6 +31,7 @@ class LLM:
         device: str = "cpu",
         seed: int = 0,
         tensor_parallel: int = 1,
+        enable_prefix_caching: bool = True,
     ):
         """``tensor_parallel=N`` runs ranks 1..N-1 as local processes (gloo on CPU): each
         process, this one included, holds 1/N of the heads, the MLP and the KV cache and
@@ -45,6 +46,7 @@ class LLM:
             attention_backend=attention_backend,
             device=device,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self._ranks = None
         tp = SINGLE

@@ -59,7 +59,9 @@ class LLMEngine:
         self.config = config
         ckpt, self.model = load_model(model, config, tp)
         self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.blocks = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_size)
         self.runner = ModelRunner(self.model, self.blocks, config.seed)
         self.requests: dict[str, Request] = {}
@@ -127,6 +129,7 @@ class LLMEngine:
             )
         request = self._admit(request_id, prompt_ids, params, delivered, delivered_chars)
         request.num_computed_tokens = cached
+        self.blocks.commit(request_id, request.token_ids, cached)
         self.scheduler.add_running(request)
         return self._append(Sample(request, first_token, first_logprobs))
 
@@ -230,6 +233,7 @@ class LLMEngine:
             return []
         try:
             sampled = self.runner.run(batch, on_layer, extra)
+            self.scheduler.commit(batch)
         except Exception as e:
             requests = [r for r, _ in batch.items]
             if len(requests) == 1 or self.model.tp.size > 1:
@@ -294,4 +298,5 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             logprobs=None if lps is None else list(lps),
             new_logprobs=None if lps is None else lps[len(lps) - len(new_ids) :],
+            num_cached_tokens=max(0, request.num_cached_tokens),
         )

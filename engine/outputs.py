@@ -26,7 +26,9 @@ class Logprobs:
 @dataclass
 class RequestOutput:
     """``logprobs`` (set when the request asked, ``SamplingParams.logprobs``) is of every
-    output token this engine sampled, in order; ``new_logprobs`` of ``new_token_ids``."""
+    output token this engine sampled, in order; ``new_logprobs`` of ``new_token_ids``.
+    ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache (not
+    computed for this request)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -37,6 +39,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[Logprobs] | None = None
     new_logprobs: list[Logprobs] | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

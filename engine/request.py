@@ -36,6 +36,9 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # prompt tokens whose KV came from the prefix cache at the first admission (-1: not
+    # admitted yet); the rest were computed for this request
+    num_cached_tokens: int = -1
     logprobs: list[Logprobs] | None = field(init=False)
     delivered: InitVar[tuple[int, ...]] = ()
 

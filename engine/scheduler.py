@@ -3,10 +3,15 @@
 Each step spends a token budget (``max_batch_tokens``):
   1. running requests that decode (one pending token each), oldest first;
   2. running requests part-way through their prompt, a chunk each;
-  3. waiting requests, FCFS, while the batch has room (``max_batch_size``).
+  3. waiting requests, FCFS, while the batch has room (``max_batch_size``); one with
+     no KV yet starts from its longest cached prefix when prefix caching is on
+     (engine/block_manager.py), and only the rest of its prompt is computed.
 When a running request needs a block and none is free, the most recently
 admitted running request is preempted: its blocks are freed and it goes back to
-the front of the queue to be recomputed (its generated tokens are kept).
+the front of the queue to be recomputed (its generated tokens are kept; the full blocks
+it had computed stay cached, so with prefix caching on the recomputation starts from
+them unless they were evicted meanwhile). After each step, ``commit`` registers the
+blocks that step filled.
 
 A step that failed (``isolate``): each of its requests is recomputed the same way,
 but alone: while suspects remain, a step holds one suspect and nothing else, and a
@@ -72,6 +77,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.suspects: set[str] = set()  # ids of a failed step's requests, run alone
         self.num_preemptions = 0  # running requests preempted so far
+        # prompt tokens of first admissions, and those of them the prefix cache held
+        self.num_queried_tokens = self.num_hit_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -131,16 +138,34 @@ class Scheduler:
             if batch.preempted:
                 break  # the cache is full: admitting now would only preempt again
             request = self.waiting[0]
-            n = min(request.num_pending_tokens, budget)
-            if not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
+            prefix = self._cached_prefix(request)
+            done = request.num_computed_tokens + len(prefix) * self.blocks.block_size
+            n = min(request.num_tokens - done, budget)
+            if not self.blocks.can_allocate(request.request_id, done + n, prefix):
                 break
-            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
+            self.blocks.allocate(request.request_id, done + n, prefix)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = min(done, request.num_prompt_tokens)
+                self.num_queried_tokens += request.num_prompt_tokens
+                self.num_hit_tokens += request.num_cached_tokens
+            request.num_computed_tokens = done
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.items.append((request, n))
             budget -= n
         return batch
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks a request without KV starts from (none when it has KV)."""
+        if request.num_computed_tokens:
+            return []
+        return self.blocks.match(request.token_ids)
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The step of ``batch`` ran: register the blocks it filled in the prefix cache."""
+        for request, _ in batch.items:
+            self.blocks.commit(request.request_id, request.token_ids, request.num_computed_tokens)
 
     def _schedule_suspect(self) -> ScheduledBatch:
         """A batch of one suspect (the oldest): a chunk of its recomputation, or its next

@@ -51,6 +51,7 @@ class PrefillEngine(LLMEngine):
         last = [r for r, n in batch.items if r.num_computed_tokens + n == r.num_tokens]
         on_layer, extra = on_last_chunk(last) if on_last_chunk is not None and last else (None, b"")
         sampled = self.runner.run(batch, on_layer, extra) if batch else []
+        self.scheduler.commit(batch)
         return self._handoffs(batch, sampled)
 
     def release(self, request_id: str) -> None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.block_manager import EMPTY, USED, BlockManager
 
 
 def test_allocate_grows_tables_and_free_returns_blocks():
@@ -41,10 +41,10 @@ def test_integrity_catches_corruption():
     with pytest.raises(AssertionError, match="reference counts"):
         bm.check_integrity()
     bm.ref_counts[bm.tables["a"][0]] = 1
-    bm.free_map[bm.tables["a"][1]] = 1
-    with pytest.raises(AssertionError, match="free map"):
+    bm.state[bm.tables["a"][1]] = EMPTY
+    with pytest.raises(AssertionError, match="state"):
         bm.check_integrity()
-    bm.free_map[bm.tables["a"][1]] = 0
+    bm.state[bm.tables["a"][1]] = USED
     bm.num_free_blocks += 1
     with pytest.raises(AssertionError, match="3 blocks counted free, 2 are"):
         bm.check_integrity()
@@ -107,3 +107,36 @@ def test_churn_keeps_new_tables_in_one_run_and_the_books_right():
         bm.free(rid)
     bm.check_integrity()
     assert bm.num_free_blocks == 256
+
+
+def test_prefix_cache_shares_full_blocks_and_evicts_least_recently_freed():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=True)
+    a = list(range(10))  # two full blocks and a partial one
+    bm.allocate("a", len(a))
+    bm.commit("a", a, len(a))
+    assert bm.num_cached_blocks == 2 and bm.take_events().stored
+    hit = bm.match(a + [99])
+    assert hit == bm.tables["a"][:2]
+    bm.allocate("b", 11, hit)  # shares two blocks, takes one more
+    assert bm.ref_counts[hit[0]] == 2 and bm.num_free_blocks == 8 - 4
+    bm.check_integrity()
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 2
+    bm.check_integrity()
+    # the whole sequence cached: the last token's block is never a hit
+    assert len(bm.match(a[:8])) == 1
+    bm.allocate("c", 8 * 4)  # every block: the cached ones are evicted
+    assert bm.num_cached_blocks == 0 and len(bm.take_events().removed) == 2
+    bm.check_integrity()
+    bm.free("c")
+    assert bm.match(a) == []
+
+
+def test_caching_off_matches_nothing():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate("a", 8)
+    bm.commit("a", list(range(8)), 8)
+    bm.free("a")
+    assert bm.match(list(range(9))) == [] and bm.num_cached_blocks == 0
+    bm.check_integrity()
