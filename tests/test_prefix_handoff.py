@@ -170,3 +170,25 @@ def test_failed_handoffs_with_shared_blocks_free_everything(workers, turns, faul
     assert dst.cached_blocks == out[0].info["kv_cached_blocks"] > 0
     assert [t for u in out for t in u.token_ids] == want
     assert_all_free(p, d)
+
+
+def test_a_resumed_attempt_starts_from_the_cached_prompt_and_output(workers, turns):
+    """A migrated request (``delivered`` tokens) reaching the decode instance that holds
+    its prompt and output: only the blocks past them move, the continuation is exact."""
+    p, d, _ = workers
+    prompt, want = turns[2]
+    tag = d.transport.name
+    serve(p, d, f"resume-{tag}#0", prompt)  # prompt + output (but the last) now cached
+    k = 9
+    a = Attempt(f"resume-{tag}#1", tuple(prompt), PARAMS, "test", decode=d.name,
+                delivered=tuple(want[:k]))  # fmt: skip
+    raw = d.reserve(a)
+    dst = KVDestination.from_bytes(raw)
+    bs = d.engine.blocks.block_size
+    assert dst.cached_blocks == (len(prompt) + k - 1) // bs
+    p.prefill(replace(a, destination=raw))
+    out = updates_until_final(d, a.id)
+    assert [t for u in out for t in u.token_ids] == want[k:]
+    assert out[0].info["kv_bytes"] == len(dst.block_ids) * block_bytes(d)
+    updates_until_final(p, a.id)
+    assert_all_free(p, d)
