@@ -46,6 +46,7 @@ class Record:
     error: str | None = None  # grpc status code name and details
     instances: list[str] = field(default_factory=list)
     kv_bytes: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was not computed for it (a cache hit)
     transfer_ms: float = 0.0
     phases: dict = field(default_factory=dict)  # ms since arrival (per-token times dropped)
     lag_ms: float = 0.0  # sent after its scheduled arrival (the client fell behind)

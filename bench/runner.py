@@ -6,7 +6,9 @@ request to a JSON file.
         --duration 60 --slo-ttft-ms 1000 --slo-tpot-ms 150 --out results.json
 
 Each rate sends ``round(rate * duration)`` requests (the same requests at every rate,
-only the arrival times scale) open-loop (``bench.replay``). Requests ask for
+only the arrival times scale) open-loop (``bench.replay``); ``multiturn`` starts that
+many conversations and replays them closed-loop (``bench.chat_replay``), a record per
+turn. Requests ask for
 ``output_len`` tokens with ``ignore_eos`` and greedy sampling, so their lengths are
 the workload's. ``pdserve compare`` (``bench.compare``) runs this for several configs.
 """
@@ -24,7 +26,9 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.chat_replay import replay_conversations
 from bench.metrics import SLO, GoodputResult, Record, search_goodput, summarize
+from bench.multiturn import first_turns, make_conversations
 from bench.replay import replay
 from bench.workloads import WORKLOADS, WorkloadSpec, make_workload, model_info
 
@@ -99,13 +103,21 @@ def measure(
     summary, records)`` sees each rate."""
     tokenizer, max_len = model_info(model)
     if warmup:
-        reqs = make_workload(spec, tokenizer, warmup, math.inf, max_len)
+        # at an infinite rate: for sharedprefix and multiturn a sample no rate draws
+        if spec.name == "multiturn":
+            reqs = first_turns(make_conversations(spec, tokenizer, warmup, math.inf, max_len))
+        else:
+            reqs = make_workload(spec, tokenizer, warmup, math.inf, max_len)
         asyncio.run(replay(client, reqs, timeout_s=timeout_s))
 
     def run(rate: float) -> list[Record]:
         n = max(1, round(rate * duration_s))
+        label = f"rate {rate:g}/s"
+        if spec.name == "multiturn":
+            convs = make_conversations(spec, tokenizer, n, rate, max_len)
+            return asyncio.run(replay_conversations(client, convs, label, timeout_s))
         reqs = make_workload(spec, tokenizer, n, rate, max_len)
-        return asyncio.run(replay(client, reqs, f"rate {rate:g}/s", timeout_s))
+        return asyncio.run(replay(client, reqs, label, timeout_s))
 
     def on_rate(rate: float, records: list[Record]) -> None:
         if on_run is not None:
@@ -235,6 +247,10 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-tokens", type=int, help="cap output lengths")
     p.add_argument("--long-prompt-mean", type=int, default=1500, help="--workload longprompt")
     p.add_argument("--long-output-mean", type=int, default=90, help="--workload longprompt")
+    p.add_argument("--system-prompts", type=int, default=8, help="--workload sharedprefix")
+    p.add_argument("--system-prompt-tokens", type=int, default=750, help="their mean length")
+    p.add_argument("--max-turns", type=int, default=5, help="--workload multiturn")
+    p.add_argument("--think-time-s", type=float, default=5.0, help="mean pause between turns")
     p.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
     p.add_argument("--timeout-s", type=float, help="per-request deadline")
     p.add_argument("--model", help="with --endpoint and no config: tokenizes the requests")
