@@ -9,7 +9,7 @@ Each config is launched, measured as ``pdserve bench`` measures it, and shut dow
 before the next one starts; ``--endpoint URL`` (repeatable) adds an external
 OpenAI-compatible server. The out folder gets results.json (everything, each
 request's record included), attainment-vs-rate.png, attainment-vs-slo-scale.png, tpot-cdf.png and
-report.html (self-contained).
+ttft-vs-rate.png and report.html (self-contained).
 """
 
 from __future__ import annotations
