@@ -7,6 +7,8 @@ import pytest
 from bench.planner.cluster_spec import ClusterSpec, PoolSpec
 from bench.planner.prefix import PrefixLRU, SimInput
 from bench.planner.simulator import simulate
+from bench.planner.workload import sim_inputs
+from bench.workloads import WorkloadSpec
 from tests.planner.costs import LinearCost
 
 POOL = PoolSpec(block_size=4, kv_blocks=64)
@@ -89,3 +91,26 @@ def test_cache_aware_sends_the_turn_to_its_cache_least_loaded_to_the_idle():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy 'nearest': allowed values are least_loaded"):
         ClusterSpec("colocated", policy="nearest")
+
+
+@pytest.mark.timeout(120)
+def test_multiturn_workload_hits_its_own_history():
+    spec = WorkloadSpec("multiturn", dataset_limit=200, max_output_tokens=16, think_time_s=1.0)
+    inputs = sim_inputs(spec, 4, 1.0, 8192)
+    big = ClusterSpec("colocated", colocated=PoolSpec(block_size=4, kv_blocks=8192))
+    records = simulate(big, LinearCost(), inputs)
+    assert len(records) == len(inputs) and all(r.error is None for r in records)
+    firsts = [item.prompt_ids for item in inputs if item.follows is None]
+    head = next(i for i, col in enumerate(zip(*firsts, strict=False)) if len(set(col)) > 1)
+    assert head > 20  # the template's default system prompt
+    for item, rec in zip(inputs, records, strict=True):
+        if item.follows is None:  # a conversation's first turn: at most the shared head
+            assert rec.cached_tokens in (0, head // 4 * 4)
+            continue
+        prev = inputs[item.follows]
+        # one instance, room for everything: the history's full blocks, capped
+        history = len(prev.prompt_ids) + len(prev.output_ids)
+        blocks = min(history // 4, (len(item.prompt_ids) - 1) // 4)
+        assert item.prompt_ids[:history] == prev.prompt_ids + prev.output_ids
+        assert rec.cached_tokens == blocks * 4
+        assert rec.sent_s >= records[item.follows].sent_s + item.think_s
