@@ -163,3 +163,19 @@ def test_closed_loop_replay_through_a_cluster(chat_model):
             # sent no sooner than the previous answer's end + the think time
             assert rec.sent_s >= prev.sent_s + prev.e2e_ms / 1000 + c.turns[k].think_s - 0.05
             assert math.isfinite(rec.ttft_ms) and rec.lag_ms < 500
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_multiturn_against_an_endpoint_and_bad_options(capsys):
+    from cluster.cli import main
+
+    config = "configs/local-colocated.yaml"
+    url = ["--endpoint", "http://127.0.0.1:1"]
+    assert main(["bench", config, "--workload", "multiturn", *url]) == 2
+    assert main(["compare", config, config, "--workload", "multiturn", *url]) == 2
+    assert main(["bench", config, "--workload", "sharedprefix", "--prompt-scale", "2"]) == 2
+    assert main(["bench", config, "--workload", "multiturn", "--max-turns", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("--workload multiturn: not with --endpoint") == 2
+    assert "prompt_scale 2: workload sharedprefix builds its prompts whole" in err
+    assert "max_turns 0: must be >= 1" in err
