@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -169,7 +170,7 @@ def test_closed_loop_replay_through_a_cluster(chat_model):
 def test_cli_refuses_multiturn_against_an_endpoint_and_bad_options(capsys):
     from cluster.cli import main
 
-    config = "configs/local-colocated.yaml"
+    config = str(Path(__file__).parents[2] / "configs" / "local-colocated.yaml")
     url = ["--endpoint", "http://127.0.0.1:1"]
     assert main(["bench", config, "--workload", "multiturn", *url]) == 2
     assert main(["compare", config, config, "--workload", "multiturn", *url]) == 2
