@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bench.planner.prefix import POLICIES
+
 
 @dataclass(frozen=True)
 class PoolSpec:
@@ -14,6 +16,7 @@ class PoolSpec:
     max_batch_size: int = 64
     kv_blocks: int | None = None  # None: as many as the device memory holds (cost model)
     block_size: int = 16
+    prefix_caching: bool = True  # its instances reuse cached prefixes (given tokens)
 
     @property
     def devices(self) -> int:
@@ -31,10 +34,13 @@ class ClusterSpec:
     colocated: PoolSpec = field(default_factory=PoolSpec)
     layerwise: bool = True  # KV sent layer by layer during the last chunk
     exposed_transfer_s: float | None = None  # fixed transfer time past prefill, if known
+    policy: str = "least_loaded"  # the router's: or cache_aware (bench.planner.prefix)
 
     def __post_init__(self):
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode {self.mode!r}: allowed values are colocated, disaggregated")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r}: allowed values are {', '.join(POLICIES)}")
 
     @property
     def devices(self) -> int:
@@ -96,6 +102,7 @@ def from_cluster_config(config) -> ClusterSpec:
             p.max_batch_size,
             p.kv_blocks,
             p.block_size,
+            p.prefix_caching,
         )
 
     return ClusterSpec(
@@ -104,4 +111,5 @@ def from_cluster_config(config) -> ClusterSpec:
         pool(config.decode),
         pool(config.colocated),
         layerwise=config.kv_transfer.layerwise,
+        policy=config.router.policy,
     )
