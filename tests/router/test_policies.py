@@ -114,3 +114,39 @@ def test_every_attempt_has_an_id_of_its_own_even_when_a_request_id_comes_back():
     assert len(ids) == 6 and all(i.startswith("r#") for i in ids)
     again = Colocated(router=None, instances=[], policy=RoundRobin())  # a new router
     assert again.attempt(RequestStream("r", [1, 2], None)).id not in ids
+
+
+def test_disaggregated_placement_scores_prefill_and_decode_by_their_cached_prefix():
+    """The router's views (no Ray): prefill-1 and decode-0 hold the prompt's first 6
+    blocks; cache_aware picks them, least_loaded keeps its own choices."""
+    from engine.block_hash import block_hashes
+    from router.disagg import Disaggregated
+    from router.instances import Instance
+    from router.stream import RequestStream
+
+    prompt = list(range(3, 3 + 8 * 16 + 5))
+    names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    insts = [Instance(n, n.split("-")[0], None, i) for i, n in enumerate(names)]
+    for inst in insts:
+        inst.ready, inst.capacity = True, 8
+        inst.load.total_blocks = inst.load.free_blocks = 100
+    held = block_hashes(prompt, 16)[:6]
+    insts[1].cache.hashes.update(held)
+    insts[2].cache.hashes.update(held)
+    insts[3].cache.hashes.update(held[:2])
+    insts[3].load.outstanding = -1  # least_loaded would prefer decode-1
+    stream = RequestStream("r", prompt, None)
+    cache = Disaggregated(None, insts, CacheAware())
+    assert [c.hit_tokens for c in cache.loads(stream, insts)] == [0, 96, 96, 32]
+    assert (cache._prefill_for(stream).name, cache._decode_for(stream).name) == (
+        "prefill-1", "decode-0",
+    )  # fmt: skip
+    insts[1].load.prefill_tokens = 16 * 16  # a long queue outweighs the 6 blocks
+    assert cache._prefill_for(stream).name == "prefill-0"
+    stream.avoid.add("prefill-0")  # a failed attempt's instance is avoided while others live
+    assert cache._prefill_for(stream).name == "prefill-1"
+    plain = Disaggregated(None, insts, LeastLoaded())
+    fresh = RequestStream("s", prompt, None)
+    assert (plain._prefill_for(fresh).name, plain._decode_for(fresh).name) == (
+        "prefill-0", "decode-1",
+    )  # fmt: skip
