@@ -275,8 +275,10 @@ class EngineWorker:
         out: list[Update] = []
         for o in outputs:
             self._totals["tokens_total"] += len(o.new_token_ids)
-            # the prompt tokens this instance did not compute (RequestOutput), with the end
-            info = {"cached_tokens": o.num_cached_tokens} if o.finish_reason else {}
+            # with the end: prompt tokens served from this instance's prefix cache; none
+            # when 0 (a decode instance's handed-over request leaves the prefill's figure)
+            hit = o.num_cached_tokens if o.finish_reason else 0
+            info = {"cached_tokens": hit} if hit else {}
             out.append(Update(o.request_id, o.new_token_ids, o.new_text, o.finish_reason,
                               info=info, logprobs=o.new_logprobs))  # fmt: skip
         return out

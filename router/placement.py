@@ -50,6 +50,7 @@ class Placement(ABC):
         serial = f"{self._incarnation}{next(self._serial):x}"
         stream.attempt_id = attempt_id(stream.request_id, stream.attempt, serial)
         stream.landed = False
+        stream.info.pop("cached_tokens", None)  # each attempt reports its own hit
         return Attempt(
             stream.attempt_id,
             tuple(stream.prompt_ids),
