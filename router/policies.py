@@ -1,5 +1,5 @@
 """Routing policies: which instance gets the next request, chosen by name
-(docs/serving.md, "Routing policies")."""
+(docs/serving.md, "Admission and routing" and "Cache-aware routing")."""
 
 from __future__ import annotations
 
