@@ -80,6 +80,7 @@ class EngineWorker:
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
         self._steps = StepLog()
+        self._last_step: list[float] = []  # the latest ``step_log`` row, in ``stats()``
         # called on the step loop after each step, with its shape, its seconds (as
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
@@ -107,6 +108,7 @@ class EngineWorker:
             "num_blocks": e.blocks.num_blocks,
             "block_size": e.blocks.block_size,
             "max_batch_size": e.config.max_batch_size,
+            "max_batch_tokens": e.config.max_batch_tokens,
             "tensor_parallel": e.model.tp.size,
         }
 
@@ -194,7 +196,7 @@ class EngineWorker:
                 produced += self._step()
                 if self.engine.last_shape is not None:  # recorded before its updates go out
                     step = (self.engine.last_shape, time.perf_counter() - started)
-                    self._steps.record(*step)
+                    self._last_step = self._steps.record(*step)
             with self._lock:
                 for update in produced:
                     consumer = self._consumer.get(update.request_id)
@@ -297,5 +299,6 @@ class EngineWorker:
             "free_blocks": self.engine.blocks.num_free_blocks,
             "total_blocks": self.engine.blocks.num_blocks,
             "preemptions_total": s.num_preemptions,
+            "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
             **self._totals,
         }

@@ -55,11 +55,19 @@ class Disaggregated(Placement):
         return any(d.has_room() for d in self.decodes) and any(p.alive for p in self.prefills)
 
     def place(self, stream: RequestStream) -> None:
-        decode = self._decode_for(stream)
-        prefill = min(
+        self._place_remote(stream, self._decode_for(stream), self._prefill_for(stream))
+
+    def _prefill_for(self, stream: RequestStream) -> Instance | None:
+        """The alive prefill instance with the fewest queued prompt tokens, preferring
+        those the request's earlier attempts did not use; None when none is alive."""
+        return min(
             (p for p in self.prefills if p.alive),
             key=lambda p: (p.name in stream.avoid, p.load.prefill_tokens, p.load.index),
+            default=None,
         )
+
+    def _place_remote(self, stream: RequestStream, decode: Instance, prefill: Instance) -> None:
+        """Reserve on ``decode``, then prefill on ``prefill`` (the module docstring)."""
         attempt = self.attempt(
             stream,
             prefill_tp=prefill.info.get("kv_tp_size", 1),
