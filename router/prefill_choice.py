@@ -10,9 +10,9 @@ decisions from the same state.
 The rule, in predicted seconds until the first token (queues included):
 
     local  = (decode queue + prompt - decode hit) x local_token_s
-             + steps x decode_step_s          (each of its chunk steps also decodes the
-                                               running batch; steps = ceil(tokens /
-                                               (max_batch_tokens - running)))
+             + steps x decode_step_s          (with a running batch: each of its chunk
+                                               steps also decodes it; steps = ceil(tokens
+                                               / (max_batch_tokens - running)))
     remote = (prefill queue + prompt - prefill hit) x remote_token_s
              + (prompt - decode hit) x transfer_token_s   (the blocks decode lacks)
 
@@ -93,7 +93,9 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
     remote_tokens = max(1, i.prompt_tokens - i.remote_hit_tokens)
     budget = max(1, i.max_batch_tokens - i.running)
     local_work = i.local_queue_tokens + local_tokens
-    local_s = local_work * c.local_token_s + math.ceil(local_work / budget) * c.decode_step_s
+    local_s = local_work * c.local_token_s
+    if i.running:  # each chunk's step also decodes the running batch
+        local_s += math.ceil(local_work / budget) * c.decode_step_s
     remote_s = math.inf
     if i.prefill_alive:
         remote_s = (i.remote_queue_tokens + remote_tokens) * c.remote_token_s

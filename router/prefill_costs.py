@@ -7,8 +7,8 @@ Samples:
   (``last_step``: ``[prefill_tokens, sum_sq, decodes, context, seconds]``, the row of
   ``engine/step_log.py``; taken once per step, by ``steps_total``). A decode
   instance's step without prompt tokens is a decode step (``decode_step_s``); with
-  prompt tokens, what it took beyond a decode step is their cost
-  (``local_token_s``). A prefill instance's step costs ``remote_token_s`` per token;
+  prompt tokens, what it took beyond a decode step (when it decoded too) is their
+  cost (``local_token_s``). A prefill instance's step costs ``remote_token_s`` per token;
 - each finished handoff's ``kv_bytes`` / ``transfer_s`` (the transfer's
   throughput), which with the decode instance's ``kv_bytes_per_token`` (its KV
   layout, ``ready()``) gives ``transfer_token_s``.

@@ -25,16 +25,21 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    mode: str = "disaggregated"  # or "colocated"
+    mode: str = "disaggregated"  # or "colocated", "hybrid"
     prefill: PoolSpec = field(default_factory=PoolSpec)
     decode: PoolSpec = field(default_factory=PoolSpec)
     colocated: PoolSpec = field(default_factory=PoolSpec)
     layerwise: bool = True  # KV sent layer by layer during the last chunk
     exposed_transfer_s: float | None = None  # fixed transfer time past prefill, if known
+    # hybrid: slo.tpot_ms, which bounds local prefill beside a running batch (the router's
+    # prefill choice, router/prefill_choice.py); None: no bound
+    tpot_ms: float | None = None
 
     def __post_init__(self):
-        if self.mode not in ("colocated", "disaggregated"):
-            raise ValueError(f"mode {self.mode!r}: allowed values are colocated, disaggregated")
+        if self.mode not in ("colocated", "disaggregated", "hybrid"):
+            raise ValueError(
+                f"mode {self.mode!r}: allowed values are colocated, disaggregated, hybrid"
+            )
 
     @property
     def devices(self) -> int:
@@ -45,7 +50,8 @@ class ClusterSpec:
     def describe(self) -> str:
         if self.mode == "colocated":
             return f"colocated {self.colocated.describe()}"
-        return f"prefill {self.prefill.describe()} + decode {self.decode.describe()}"
+        pools = f"prefill {self.prefill.describe()} + decode {self.decode.describe()}"
+        return f"hybrid {pools}" if self.mode == "hybrid" else pools
 
     def to_config(
         self,
@@ -104,4 +110,5 @@ def from_cluster_config(config) -> ClusterSpec:
         pool(config.decode),
         pool(config.colocated),
         layerwise=config.kv_transfer.layerwise,
+        tpot_ms=config.slo.tpot_ms,
     )

@@ -1,11 +1,13 @@
-"""A discrete-event simulation of a pdserve cluster, co-located or disaggregated, on a
-cost model's step times (``bench.planner.roofline``, ``bench.planner.profile``).
+"""A discrete-event simulation of a pdserve cluster, co-located, disaggregated or hybrid,
+on a cost model's step times (``bench.planner.roofline``, ``bench.planner.profile``).
 
 What it models, as the engine and router do it:
 - the router's FIFO queue: a request goes out when an instance has room (fewer than
   ``max_batch_size`` outstanding and the KV blocks it needs), least loaded first;
   disaggregated, the decode instance reserves first, then the prefill instance with the
-  fewest queued prompt tokens gets the prompt;
+  fewest queued prompt tokens gets the prompt; hybrid, the router's prefill choice
+  (``bench.planner.sim_hybrid``) sends it there or keeps it on the decode instance,
+  which then runs it as a co-located one does;
 - chunked prefill under the token budget, FCFS, several prompts per step;
 - continuous decode batching (one token per running request per step);
 - co-located mixed steps: decodes first, then prompt chunks, one step costing the cost
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 from bench.metrics import Record
 from bench.planner.cluster_spec import ClusterSpec, PoolSpec
+from bench.planner.sim_hybrid import prefill_choice
+from router.prefill_choice import LOCAL
 
 
 @dataclass
@@ -112,6 +116,10 @@ class Instance:
         self.waiting: deque[SimRequest] = deque()  # co-located: sent, not admitted
         self.batch = DecodeBatch()
         self.joining: list[SimRequest] = []  # disaggregated decode: landed, next step
+        # mixed steps (prompt chunks beside decodes): co-located, and hybrid decode
+        self.mixed = self.role == "colocated" or (
+            self.role == "decode" and sim.cluster.mode == "hybrid"
+        )
 
     def has_room(self, r: SimRequest) -> bool:
         return self.outstanding < self.pool.max_batch_size and self.free_blocks >= r.blocks
@@ -158,12 +166,12 @@ class Instance:
         self.joining = []
         decodes = len(self.batch)
         budget = self.pool.max_batch_tokens - decodes
-        items, sq = self.chunks(budget, admit=self.role == "colocated")
+        items, sq = self.chunks(budget, admit=self.mixed)
         tokens = sum(n for _, n in items)
         if not decodes and not tokens:
             return
         prefill = sim.cost.prefill_s(tokens, sq, tp) if tokens else 0.0
-        if self.role == "colocated":
+        if self.mixed:
             duration = sim.cost.mixed_s(tokens, sq, decodes, self.batch.context, tp)
         else:
             duration = prefill + sim.cost.decode_s(decodes, self.batch.context, tp)
@@ -252,24 +260,36 @@ class Simulator:
             inst = min(room, key=lambda i: (i.outstanding, -i.free_blocks))
             self.queue.popleft()
             r.dispatched_s = self.now
-            inst.outstanding += 1
-            inst.free_blocks -= r.blocks
             if self.cluster.mode == "colocated":
-                r.instances = (inst.name,)
-                inst.waiting.append(r)
-                inst.kick()
+                self._start(inst, r)
                 continue
             pre = min(self.prefill, key=lambda i: i.queued_tokens)
+            hybrid = self.cluster.mode == "hybrid"  # the router's choice, same function
+            if hybrid and prefill_choice(self, r, inst, pre).where == LOCAL:
+                self._start(inst, r)
+                inst.queued_tokens += r.prompt_len
+                continue
+            inst.outstanding += 1
+            inst.free_blocks -= r.blocks
             r.instances = (pre.name, inst.name)
             r.decode_instance = inst
             pre.prompts.append(r)
             pre.queued_tokens += r.prompt_len
             pre.kick()
 
+    def _start(self, inst: Instance, r: SimRequest) -> None:
+        """The whole request on ``inst``: prefill in its mixed steps, then decode there."""
+        inst.outstanding += 1
+        inst.free_blocks -= r.blocks
+        r.instances = (inst.name,)
+        inst.waiting.append(r)
+        inst.kick()
+
     def prefilled(self, inst: Instance, r: SimRequest, step_s: float) -> None:
-        """A prompt's last chunk is done: co-located, it decodes there from now;
-        disaggregated, its KV lands on the reserved decode instance."""
-        if self.cluster.mode == "colocated":
+        """A prompt's last chunk is done: co-located (or prefilled locally in hybrid
+        mode), it decodes there from now; else its KV lands on the reserved decode
+        instance."""
+        if inst.mixed:
             r.first_token_s = self.now
             if not inst.batch.join(r):
                 inst.finish(r, self.now)
