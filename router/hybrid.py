@@ -61,13 +61,14 @@ class Hybrid(Disaggregated):
             remote_hit_tokens=self._expected_hit(prefill, stream),
             remote_queue_tokens=prefill.load.prefill_tokens if prefill else 0,
             local_queue_tokens=decode.load.prefill_tokens,
-            running=decode.load.outstanding,
+            running=decode.load.running,
             max_batch_tokens=decode.info["max_batch_tokens"],
+            remote_max_batch_tokens=prefill.info["max_batch_tokens"] if prefill else 1,
             tpot_s=self.tpot_s,
             prefill_alive=prefill is not None,
             remote_failed=stream.attempt > 0 and last is not None and last.where == REMOTE,
         )
-        choice = choose_prefill(inputs, self.costs.costs())
+        choice = choose_prefill(inputs, self.costs.costs(inputs.running))
         stream.prefill_choices.append(choice)
         self.router.metrics.prefill_placed(choice.where, choice.reason)
         if choice.where == LOCAL:

@@ -9,15 +9,17 @@ decisions from the same state.
 
 The rule, in predicted seconds until the first token (queues included):
 
-    local  = (decode queue + prompt - decode hit) x local_token_s
-             + steps x decode_step_s          (with a running batch: each of its chunk
-                                               steps also decodes it; steps = ceil(tokens
-                                               / (max_batch_tokens - running)))
-    remote = (prefill queue + prompt - prefill hit) x remote_token_s
+    local  = work x local_token_s + steps x local_step_s
+             work = decode queue + prompt - decode hit;
+             steps = ceil(work / (max_batch_tokens - running)); a step's own cost
+             (fixed, and the running batch's decodes) is paid once per chunk
+    remote = work x remote_token_s + steps x remote_step_s
              + (prompt - decode hit) x transfer_token_s   (the blocks decode lacks)
+             work = prefill queue + prompt - prefill hit;
+             steps = ceil(work / the prefill instance's max_batch_tokens)
 
 Local wins when it is not slower, unless a chunk piggybacked on the running batch
-would stretch its step past the TPOT objective (``decode_step_s + chunk x
+would stretch its step past the TPOT objective (``local_step_s + chunk x
 local_token_s > tpot_s``: refused, remote). With no prefill instance alive, or after
 the request's remote attempt failed, the prompt is prefilled locally whatever the
 prediction (the fallback: the request completes rather than waiting for a pair).
@@ -48,9 +50,11 @@ class PrefillCosts:
 
     Invariant: every field >= 0."""
 
-    local_token_s: float  # one prompt token computed on a decode instance, in a mixed step
-    remote_token_s: float  # one prompt token computed on a prefill instance
-    decode_step_s: float  # one decode step of the running batch, no prompt chunk in it
+    local_step_s: float  # a decode instance's step beside its prompt tokens (fixed part
+    # and the running batch's decodes)
+    local_token_s: float  # one prompt token more in a decode instance's step
+    remote_step_s: float  # a prefill instance's step beside its prompt tokens
+    remote_token_s: float  # one prompt token more in a prefill instance's step
     transfer_token_s: float  # one token's KV sent from a prefill to a decode instance
 
 
@@ -67,8 +71,9 @@ class PrefillInputs:
     remote_hit_tokens: int  # cached on the prefill instance the remote path would use
     remote_queue_tokens: int  # prompt tokens that prefill instance has yet to compute
     local_queue_tokens: int  # prompt tokens the decode instance has yet to compute
-    running: int  # requests in (or joining) the decode instance's running batch
+    running: int  # requests in the decode instance's running batch (its last report)
     max_batch_tokens: int  # the decode instance's step token budget
+    remote_max_batch_tokens: int  # the prefill instance's
     tpot_s: float  # slo.tpot_ms in seconds
     prefill_alive: bool = True  # some prefill instance can take the request
     remote_failed: bool = False  # the request's previous attempt was remote and failed
@@ -93,12 +98,12 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
     remote_tokens = max(1, i.prompt_tokens - i.remote_hit_tokens)
     budget = max(1, i.max_batch_tokens - i.running)
     local_work = i.local_queue_tokens + local_tokens
-    local_s = local_work * c.local_token_s
-    if i.running:  # each chunk's step also decodes the running batch
-        local_s += math.ceil(local_work / budget) * c.decode_step_s
+    local_s = local_work * c.local_token_s + math.ceil(local_work / budget) * c.local_step_s
     remote_s = math.inf
     if i.prefill_alive:
-        remote_s = (i.remote_queue_tokens + remote_tokens) * c.remote_token_s
+        remote_work = i.remote_queue_tokens + remote_tokens
+        remote_steps = math.ceil(remote_work / max(1, i.remote_max_batch_tokens))
+        remote_s = remote_work * c.remote_token_s + remote_steps * c.remote_step_s
         remote_s += local_tokens * c.transfer_token_s
     numbers = (
         f"{local_tokens} tokens after hits locally ({local_s * 1000:.1f} ms, decode queue "
@@ -114,7 +119,7 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
     if not i.prefill_alive:
         return decide(LOCAL, "no_prefill", f"no prefill instance alive; {numbers}")
     if i.running:
-        step_s = c.decode_step_s + min(local_tokens, budget) * c.local_token_s
+        step_s = c.local_step_s + min(local_tokens, budget) * c.local_token_s
         if step_s > i.tpot_s:
             why = (f"a local chunk would make the running batch's ({i.running}) steps "
                    f"{step_s * 1000:.1f} ms, past slo.tpot_ms={i.tpot_s * 1000:g}; "

@@ -18,12 +18,13 @@ def prefill_choice(sim, r, decode, prefill, hit_tokens: int = 0) -> PrefillChoic
     chunk = max(1, min(n, decode.pool.max_batch_tokens))
     remote_chunk = max(1, min(n, prefill.pool.max_batch_tokens))
     kv_bytes = n * cost.kv_bytes_per_token
-    running = max(1, len(decode.batch))
-    costs = PrefillCosts(
+    batch = len(decode.batch)
+    costs = PrefillCosts(  # a step's fixed cost folded into this prompt's chunk's tokens
+        local_step_s=cost.decode_s(batch, decode.batch.context, decode.pool.tp) if batch else 0.0,
         local_token_s=cost.prefill_s(chunk, chunk**2, decode.pool.tp) / chunk,
+        remote_step_s=0.0,
         remote_token_s=cost.prefill_s(remote_chunk, remote_chunk**2, prefill.pool.tp)
         / remote_chunk,
-        decode_step_s=cost.decode_s(running, decode.batch.context, decode.pool.tp),
         transfer_token_s=cost.transfer_s(kv_bytes) / n,
     )
     tpot_ms = sim.cluster.tpot_ms
@@ -33,8 +34,9 @@ def prefill_choice(sim, r, decode, prefill, hit_tokens: int = 0) -> PrefillChoic
         remote_hit_tokens=hit_tokens,
         remote_queue_tokens=prefill.queued_tokens,
         local_queue_tokens=decode.queued_tokens,
-        running=decode.outstanding,
+        running=batch,
         max_batch_tokens=decode.pool.max_batch_tokens,
+        remote_max_batch_tokens=prefill.pool.max_batch_tokens,
         tpot_s=math.inf if tpot_ms is None else tpot_ms / 1000,
     )
     return choose_prefill(inputs, costs)

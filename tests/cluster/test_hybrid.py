@@ -5,10 +5,12 @@ instance and remote prefill with a handoff, with the offline engine's greedy out
 a transfer cut with the only prefill instance alive completes through local prefill.
 Each decision shows in ``/metrics`` and in the request's log line; no block leaks.
 
-``slo.tpot_ms`` is tiny, so that the choice is deterministic whatever this machine's
-speed: a prompt placed while the decode instance runs another request goes remote
-(reason ``tpot``: any local chunk would stretch that batch's steps past the objective),
-one placed on an idle decode instance goes local (``faster``: no transfer)."""
+The choice is made deterministic whatever this machine's speed: ``slo.tpot_ms`` is
+tiny, so a prompt placed while the decode instance runs another request goes remote
+(reason ``tpot``: any local chunk would stretch that batch's steps past the
+objective), and each test has a cluster of its own, whose first request, on idle
+instances that have measured nothing yet (equal costs per token on both sides), goes
+local (``faster``: no transfer). Later requests go where the measured costs say."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ SHORT = [([5, 6, 7, 8, 9], 6), ([40] * 17, 5), (list(range(30, 50)), 7)]
 LONG = [(list(range(3, 153)), 6), ([(7 * i) % 250 + 3 for i in range(300)], 5)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster(chat_model, tmp_path_factory):
     from cluster import launch
 
@@ -96,11 +98,11 @@ def test_short_and_long_prompts_take_both_paths(cluster, offline):
     with cluster.client() as client:
         runner = client.generate(prompt_token_ids=RUNNER[0], max_tokens=RUNNER[1],
                                  temperature=0, ignore_eos=True)  # fmt: skip
-        first = next(runner)  # placed on an idle decode instance: local
+        first = next(runner)  # the first request, on idle instances: local
         with cluster.client() as other:  # placed while the runner decodes: remote
             long_outs = run_concurrently(other, LONG)
         rest = list(runner)
-        short_outs = [  # one at a time on the idle decode instance: local
+        short_outs = [  # one at a time on the idle decode instance, as the costs say
             client.complete(prompt_token_ids=ids, max_tokens=m, temperature=0, ignore_eos=True)
             for ids, m in SHORT
         ]
@@ -111,18 +113,21 @@ def test_short_and_long_prompts_take_both_paths(cluster, offline):
     for out in long_outs:
         t = out[-1].timings
         assert t.instances == ["prefill-0", "decode-0"] and t.kv_bytes > 0, t
-    for o in short_outs:
-        assert o.timings.instances == ["decode-0"] and o.timings.kv_bytes == 0, o.timings
     assert rest[-1].timings.instances == ["decode-0"]
+    local = sum(o.timings.instances == ["decode-0"] for o in short_outs)
+    for o in short_outs:  # local, or remote with a handoff
+        assert o.timings.instances in (["decode-0"], ["prefill-0", "decode-0"]), o.timings
     after = placements(cluster)
-    assert after["local:faster"] - before.get("local:faster", 0) == 1 + len(SHORT)
+    assert after["local:faster"] - before.get("local:faster", 0) == 1 + local
+    assert after["remote:faster"] - before.get("remote:faster", 0) == len(SHORT) - local
     assert after["remote:tpot"] - before.get("remote:tpot", 0) == len(LONG)
     check_pools(cluster)
 
 
 def test_cut_transfer_with_one_prefill_instance_completes_locally(cluster, offline):
     """The only prefill instance's transfer is cut after its first layer: the lease runs
-    out, and the request's second attempt prefills on the decode instance."""
+    out, and the request's second attempt prefills on the decode instance (a
+    disaggregated cluster would wait for that same pair again)."""
     prompt, max_tokens = LONG[0]
     write_plan(cluster.plan, [{"side": "sender", "step": "data", "action": "cut", "nth": 2,
                                "match": "cut-1#0"}])  # fmt: skip

@@ -17,9 +17,14 @@ from router.prefill_choice import (
 )
 from router.prefill_costs import CostModel
 
-# 1 ms per prompt token on either side, a 20 ms decode step, 0.1 ms per token of KV
+# 1 ms per prompt token on either side, steps of 20 ms (decode) and 10 ms (prefill)
+# beside their prompt tokens, 0.1 ms per token of KV
 COSTS = PrefillCosts(
-    local_token_s=0.001, remote_token_s=0.001, decode_step_s=0.02, transfer_token_s=0.0001
+    local_step_s=0.02,
+    local_token_s=0.001,
+    remote_step_s=0.01,
+    remote_token_s=0.001,
+    transfer_token_s=0.0001,
 )
 
 
@@ -32,6 +37,7 @@ def inputs(prompt: int, **kw) -> PrefillInputs:
         local_queue_tokens=0,
         running=0,
         max_batch_tokens=512,
+        remote_max_batch_tokens=512,
         tpot_s=0.15,
     )
     return PrefillInputs(**{**base, **kw})
@@ -40,26 +46,27 @@ def inputs(prompt: int, **kw) -> PrefillInputs:
 def test_short_prompt_goes_local_behind_a_long_prefill_queue():
     c = choose_prefill(inputs(18, running=4, remote_queue_tokens=2300), COSTS)
     assert (c.where, c.reason) == (LOCAL, "faster")
-    # 18 ms + one step of 20 ms, against 2318 ms + 1.8 ms of transfer
+    # 18 ms + one step of 20 ms, against 2318 ms + 5 steps of 10 ms + 1.8 ms of transfer
     assert c.local_s == pytest.approx(0.038)
-    assert c.remote_s == pytest.approx(2.3198)
+    assert c.remote_s == pytest.approx(2.3698)
     assert "18 tokens after hits locally" in c.detail and "prefill queue 2300" in c.detail
 
 
 def test_long_prompt_with_an_idle_prefill_pool_goes_remote():
     # 2000 tokens at 512 a step beside 8 decodes: 4 steps x (504 ms + 20 ms) would stretch
-    # the batch's steps to 524 ms, past 150 ms; remote: 2000 + 200 ms
+    # the batch's steps to 524 ms, past 150 ms
     c = choose_prefill(inputs(2000, running=8), COSTS)
     assert (c.where, c.reason) == (REMOTE, "tpot")
     # with the batch's objective loose, it is still slower than the idle prefill pool
     # once the decode instance has prompts of its own queued
     c = choose_prefill(inputs(2000, running=8, tpot_s=1.0, local_queue_tokens=1000), COSTS)
     assert (c.where, c.reason) == (REMOTE, "faster")
-    assert c.local_s == pytest.approx(3.0 + 6 * 0.02) and c.remote_s == pytest.approx(2.2)
+    assert c.local_s == pytest.approx(3.0 + 6 * 0.02)
+    assert c.remote_s == pytest.approx(2.0 + 4 * 0.01 + 0.2)
 
 
 def test_tpot_slack_refuses_local_even_when_local_is_sooner():
-    # 100 tokens: one chunk, a 120 ms step; sooner locally (120 ms vs 110 ms + queue)
+    # 100 tokens: one chunk, a 120 ms step; sooner locally (120 ms vs 630 ms)
     fits = choose_prefill(inputs(100, running=3, remote_queue_tokens=500), COSTS)
     assert (fits.where, fits.reason) == (LOCAL, "faster")
     tight = choose_prefill(inputs(100, running=3, remote_queue_tokens=500, tpot_s=0.1), COSTS)
@@ -76,7 +83,7 @@ def test_hits_count_on_their_own_side():
     assert (c.where, c.reason) == (LOCAL, "faster")
     # a hit on the prefill side only: remote computes 16, but sends all 2000 tokens' KV
     c = choose_prefill(inputs(2000, remote_hit_tokens=1984, tpot_s=10), COSTS)
-    assert c.remote_s == pytest.approx(0.016 + 0.2)
+    assert c.remote_s == pytest.approx(0.016 + 0.01 + 0.2)
     assert (c.where, c.reason) == (REMOTE, "faster")
 
 
@@ -91,21 +98,39 @@ def test_no_prefill_and_a_failed_transfer_go_local():
 def test_costs_are_learned_from_step_rows_and_handoffs():
     m = CostModel(prefill_ms_per_token=2.0, transfer_mb_per_s=100.0)
     m.kv_bytes_per_token = 1000
-    assert m.costs() == PrefillCosts(0.002, 0.002, 0.0, 1e-5)
+    assert m.costs(running=0) == PrefillCosts(0.0, 0.002, 0.0, 0.002, 1e-5)
 
     def stats(steps, prefill_tokens, decodes, seconds):
         return {"steps_total": steps, "last_step": [prefill_tokens, 0, decodes, 0, seconds]}
 
-    m.observe_stats("decode-0", "decode", stats(1, 0, 4, 0.02))  # a decode step
-    m.observe_stats("decode-0", "decode", stats(1, 0, 4, 0.5))  # the same step again
-    m.observe_stats("decode-0", "decode", stats(2, 100, 4, 0.12))  # 100 ms beyond it
-    m.observe_stats("prefill-0", "prefill", stats(7, 500, 0, 0.25))
-    m.observe_transfer(kv_bytes=2_000_000, transfer_s=0.01)  # 200 MB/s
-    assert m.costs() == PrefillCosts(
-        local_token_s=pytest.approx(0.001),
-        remote_token_s=pytest.approx(0.0005),
-        decode_step_s=pytest.approx(0.02),
-        transfer_token_s=pytest.approx(5e-6),
-    )
-    m.observe_stats("decode-0", "decode", stats(3, 0, 4, 0.07))  # weighted 0.2
-    assert m.costs().decode_step_s == pytest.approx(0.03)
+    # decode steps: 5 ms + 0.4 ms per prompt token + 1 ms per decode; prefill steps:
+    # 8 ms + 0.3 ms per token; the same step seen twice counts once
+    shapes = [(0, 4), (64, 2), (128, 6), (16, 8), (0, 1), (100, 3)]
+    for n in range(60):
+        tokens, decodes = shapes[n % len(shapes)]
+        row = stats(n, tokens, decodes, 0.005 + 0.0004 * tokens + 0.001 * decodes)
+        m.observe_stats("decode-0", "decode", row)
+        m.observe_stats("decode-0", "decode", {**row, "last_step": [0, 0, 0, 0, 9.0]})
+        m.observe_stats(
+            "prefill-0",
+            "prefill",
+            stats(n, 32 + 40 * (n % 4), 0, 0.008 + 0.0003 * (32 + 40 * (n % 4))),
+        )
+    m.observe_transfer(kv_bytes=2_000_000, transfer_s=0.01)  # 200 MB/s, weighted 0.2
+    c = m.costs(running=4)
+    assert c.local_step_s == pytest.approx(0.005 + 0.004, rel=0.05)
+    assert c.local_token_s == pytest.approx(0.0004, rel=0.05)
+    assert c.remote_step_s == pytest.approx(0.008, rel=0.05)
+    assert c.remote_token_s == pytest.approx(0.0003, rel=0.05)
+    assert c.transfer_token_s == pytest.approx(1000 / 120e6)
+
+
+def test_an_undetermined_cost_stays_at_its_prior():
+    # a decode pool that only ever decoded: its cost per prompt token is the default
+    m = CostModel(prefill_ms_per_token=2.0, transfer_mb_per_s=100.0)
+    for n in range(30):
+        row = [0, 0, 1 + n % 5, 0, 0.004 + 0.001 * (1 + n % 5)]
+        m.observe_stats("decode-0", "decode", {"steps_total": n, "last_step": row})
+    c = m.costs(running=2)
+    assert c.local_token_s == pytest.approx(0.002)
+    assert c.local_step_s == pytest.approx(0.006, rel=0.05)
