@@ -2,7 +2,7 @@
 case hybrid mode is for (docs/benchmarks.md, "Workloads"; docs/performance.md,
 "Co-located, disaggregated and hybrid").
 
-    python -m bench.mixed_trace --out bench/traces/mixed_short_long.jsonl
+    python -m bench.mixed_trace --out mixed.jsonl [--long 600 --long-share 0.25]
 
 Poisson arrivals at 1 per second (``pdserve bench`` rescales them to each rate); a
 share ``--long-share`` of the prompts is long (``--long`` tokens, 0.5x-1.5x uniform),
