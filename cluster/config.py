@@ -18,7 +18,7 @@ from router.policies import POLICIES
 from router.request_log import FORMATS as LOG_FORMATS
 from router.request_log import LEVELS as LOG_LEVELS
 
-MODES = ("colocated", "disaggregated")
+MODES = ("colocated", "disaggregated", "hybrid")
 KV_BACKENDS = ("gloo", "nccl", "grpc")
 
 # A check returns None when the value is fine, else what is allowed.
@@ -204,6 +204,16 @@ class RouterConfig:
     )
     max_stop_strings: int = spec(16, at_least(0), "stop strings in one request")
     max_stop_string_chars: int = spec(256, at_least(1), "characters in one stop string")
+    prefill_ms_per_token: float = spec(
+        1.0,
+        above(0),
+        "hybrid mode: a prompt token's prefill cost until the instances' steps measure it",
+    )
+    transfer_mb_per_s: float = spec(
+        1000.0,
+        above(0),
+        "hybrid mode: KV transfer throughput until finished handoffs measure it",
+    )
     tokenizer_threads: int = spec(
         2, at_least(1), "threads that tokenize and render chat templates, off the event loop"
     )
@@ -267,7 +277,12 @@ def _model_check(v: str) -> str | None:
 @dataclass
 class ClusterConfig:
     model: str = spec(None, _model_check, "alias (smollm2-135m), HF folder or .gguf file")
-    mode: str = spec("colocated", one_of(*MODES), "placement: co-located or disaggregated pools")
+    mode: str = spec(
+        "colocated",
+        one_of(*MODES),
+        "placement: co-located, disaggregated pools, or hybrid (disaggregated pools whose "
+        "decode instances also prefill a request when that is sooner)",
+    )
     dtype: str = spec("float32", one_of(*DTYPES), "weights and KV cache dtype")
     attention_backend: str | None = spec(
         None, one_of(None, *BACKENDS), "engine attention backend (null: by device)"

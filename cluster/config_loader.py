@@ -154,7 +154,7 @@ def check_config(config: ClusterConfig) -> None:
                 f"{pool.instances} is not allowed; mode {config.mode} runs the {role} pool, "
                 "which needs at least 1 instance",
             )
-    if config.mode == "disaggregated":
+    if config.mode in ("disaggregated", "hybrid"):
         check_kv_transfer(config)
     for key, problem in check_router(config) + check_ray(config.ray) + check_placement(config):
         raise ConfigError(key, problem)

@@ -61,7 +61,14 @@ class DecodeWorker(EngineWorker):
         self._totals.update(kv_bytes_total=0, leases_expired_total=0)
 
     def ready(self) -> dict:
-        return {**super().ready(), "kv_addresses": self.addresses}
+        """Also the KV receivers' addresses and the KV bytes of one token (all layers,
+        K and V, every head: what a handoff moves per token, hybrid mode's cost)."""
+        per_token = 2 * self.layout.num_layers * self.layout.block_bytes(self.layout.num_kv_heads)
+        return {
+            **super().ready(),
+            "kv_addresses": self.addresses,
+            "kv_bytes_per_token": per_token // self.layout.block_size,
+        }
 
     def reserve(self, attempt: Attempt) -> bytes | None:
         """Hold blocks for ``attempt``'s prompt + delivered tokens (the KV the prefill

@@ -18,10 +18,12 @@ class StepLog:
         self._rows: deque[list[float]] = deque(maxlen=capacity)
         self._lock = threading.Lock()  # the step loop records, an actor call takes
 
-    def record(self, shape: StepShape, seconds: float) -> None:
+    def record(self, shape: StepShape, seconds: float) -> list[float]:
+        """Keep one step; its row."""
         row = [shape.prefill_tokens, shape.sum_sq, shape.decodes, shape.context, seconds]
         with self._lock:
             self._rows.append(row)
+        return row
 
     def take(self) -> list[list[float]]:
         """Everything recorded since the last take."""

@@ -84,6 +84,7 @@ class EngineWorker:
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
         self._steps = StepLog()
         self._cache_log = CacheLog(retain=self.engine.blocks.num_blocks)  # under _lock
+        self._last_step: list[float] = []  # the latest ``step_log`` row, in ``stats()``
         # called on the step loop after each step, with its shape, its seconds (as
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
@@ -111,6 +112,7 @@ class EngineWorker:
             "num_blocks": e.blocks.num_blocks,
             "block_size": e.blocks.block_size,
             "max_batch_size": e.config.max_batch_size,
+            "max_batch_tokens": e.config.max_batch_tokens,
             "tensor_parallel": e.model.tp.size,
         }
 
@@ -200,7 +202,7 @@ class EngineWorker:
                 produced += self._step()
                 if self.engine.last_shape is not None:  # recorded before its updates go out
                     step = (self.engine.last_shape, time.perf_counter() - started)
-                    self._steps.record(*step)
+                    self._last_step = self._steps.record(*step)
             cache_events = self.engine.blocks.take_events()
             with self._lock:
                 self._cache_log.record(cache_events)
@@ -313,5 +315,6 @@ class EngineWorker:
             "prefix_cache_queries_total": s.num_queried_tokens,
             "prefix_cache_hits_total": s.num_hit_tokens,
             "prefix_cached_blocks": self.engine.blocks.num_cached_blocks,
+            "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
             **self._totals,
         }

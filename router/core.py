@@ -21,11 +21,13 @@ import uuid
 from engine.tokenizer import Tokenizer
 from router.admission import AdmissionQueue, CallLimit, FirstTokens
 from router.disagg import Disaggregated
+from router.hybrid import Hybrid
 from router.instances import Instance
 from router.intake import Intake
 from router.metrics import RouterMetrics
 from router.placement import Colocated
 from router.policies import make_policy
+from router.prefill_costs import CostModel
 from router.request import GenerateRequest, Refusal, Refused
 from router.request_log import log_request
 from router.stream import Delta, RequestStream
@@ -80,8 +82,14 @@ class RouterCore:
             router_config["max_concurrent_requests_per_key"],
         )
         self.intake = Intake(router_config)
-        placement = Disaggregated if mode == "disaggregated" else Colocated
-        self.placement = placement(self, self.instances, make_policy(router_config["policy"]))
+        policy = make_policy(router_config["policy"])
+        if mode == "hybrid":
+            costs = CostModel(router_config["prefill_ms_per_token"],
+                              router_config["transfer_mb_per_s"])  # fmt: skip
+            self.placement = Hybrid(self, self.instances, policy, costs, slo["tpot_ms"] / 1000)
+        else:
+            placement = Disaggregated if mode == "disaggregated" else Colocated
+            self.placement = placement(self, self.instances, policy)
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
         self.validator: RequestValidator | None = None  # set once every instance is ready
         self.draining = False
@@ -95,7 +103,8 @@ class RouterCore:
 
     @property
     def alive(self) -> bool:
-        """Some instance (a prefill and a decode one when disaggregated) still runs."""
+        """Some instance (a prefill and a decode one when disaggregated, a decode one when
+        hybrid) still runs."""
         return self.placement.alive
 
     @property

@@ -56,8 +56,10 @@ class Disaggregated(Placement):
         return any(d.has_room() for d in self.decodes) and any(p.alive for p in self.prefills)
 
     def place(self, stream: RequestStream) -> None:
-        decode = self._decode_for(stream)
-        prefill = self._prefill_for(stream)
+        self._place_remote(stream, self._decode_for(stream), self._prefill_for(stream))
+
+    def _place_remote(self, stream: RequestStream, decode: Instance, prefill: Instance) -> None:
+        """Reserve on ``decode``, then prefill on ``prefill`` (the module docstring)."""
         attempt = self.attempt(
             stream,
             prefill_tp=prefill.info.get("kv_tp_size", 1),
@@ -79,10 +81,13 @@ class Disaggregated(Placement):
         choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
         return self.by_name[choice.name]
 
-    def _prefill_for(self, stream: RequestStream) -> Instance:
+    def _prefill_for(self, stream: RequestStream) -> Instance | None:
         """Fewest queued prompt tokens; with a cache-aware policy, the policy's choice
-        (the prefix its cache holds, net of its queue), among those not avoided."""
+        (the prefix its cache holds, net of its queue), among those not avoided; None
+        when no prefill instance is alive."""
         alive = [p for p in self.prefills if p.alive]
+        if not alive:
+            return None
         if self.policy.uses_cache:
             fresh = [p for p in alive if p.name not in stream.avoid] or alive
             choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))

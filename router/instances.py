@@ -37,6 +37,7 @@ class Instance:
         self.load = InstanceLoad(name=name, index=index)
         self.capacity = 0  # max requests held and unfinished (its max_batch_size)
         self.info: dict = {}
+        self.last_stats: dict = {}  # its stats() as the latest poll brought them
         self.ready = False
         self.dead: str | None = None  # why, while the instance is failed
         self.generation = 0  # restarts so far (each one a new incarnation)
@@ -131,6 +132,7 @@ class Instance:
                 on_dead(self, f"instance {self.name} failed: {first_line(e)}")
                 return
             stats = polled.stats
+            self.last_stats = stats
             self.load.running, self.load.queued = stats["running"], stats["queued"]
             self.load.free_blocks = stats["free_blocks"]
             self.refused = False

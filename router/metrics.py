@@ -10,6 +10,8 @@ Where each observation happens (all on the router's event loop):
 - ``refused(reason)``: once per refused call or request, whichever part refused it
   (``REFUSAL_REASONS``);
 - ``migrated()``: once per request moved to another instance after a failure;
+- ``prefill_placed(where, reason)``: hybrid mode, once per attempt placed
+  (``PREFILL_REASONS``, router/prefill_choice.py);
 - ``finished(stream, outcome)``: once per admitted request, when its front end lets
   it go (``RouterCore.finish``). ``request_success_total`` counts every outcome but a
   refusal; the latency histograms, the token counters' output side and SLO attainment
@@ -32,6 +34,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 
 from router.metrics_instances import InstanceCollector
+from router.prefill_choice import REASONS as PREFILL_REASONS
 from router.stream import RequestStream
 
 SERVED = ("stop", "length")  # the finish reasons of a request served to its end
@@ -123,6 +126,12 @@ class RouterMetrics:
         self.migrations = counter(
             "request_migrations", "Requests moved to another instance after a failure."
         )
+        self.prefill_placement = counter(
+            "prefill_placement",
+            "Hybrid mode: where attempts' prompts were computed (local: on their decode "
+            "instance; remote: on the prefill pool), and why.",
+            ("model_name", "where", "reason"),
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens streamed to clients.")
         self.waiting = gauge("num_requests_waiting", "Requests in the router's queue.")
@@ -142,6 +151,8 @@ class RouterMetrics:
             self.refusals.labels(model_name, reason)
         for reason in (*SERVED, "abort", "error"):
             self.success.labels(model_name, reason)
+        for where, reason in PREFILL_REASONS:
+            self.prefill_placement.labels(model_name, where, reason)
         for metric in (self.slo_attained, self.migrations, self.prompt_tokens,
                        self.generation_tokens):  # fmt: skip
             metric.labels(model_name)
@@ -150,6 +161,12 @@ class RouterMetrics:
         if reason not in REFUSAL_REASONS:
             raise ValueError(f"refusal reason={reason!r}: allowed are {REFUSAL_REASONS}")
         self.refusals.labels(self.model_name, reason).inc()
+
+    def prefill_placed(self, where: str, reason: str) -> None:
+        """Hybrid mode placed an attempt's prefill (router/prefill_choice.py)."""
+        if (where, reason) not in PREFILL_REASONS:
+            raise ValueError(f"prefill placement {where}:{reason}: allowed are {PREFILL_REASONS}")
+        self.prefill_placement.labels(self.model_name, where, reason).inc()
 
     def migrated(self) -> None:
         self.migrations.labels(self.model_name).inc()

@@ -24,7 +24,7 @@ FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 REQUEST_FIELDS = ("request_id", "outcome", "instances", "prompt_tokens", "cached_tokens",
                   "output_tokens", "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "kv_bytes",
-                  "transfer_ms", "attempts")  # fmt: skip
+                  "transfer_ms", "attempts", "prefill")  # fmt: skip
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 requests_log = logging.getLogger("router.requests")
@@ -76,6 +76,8 @@ def request_fields(stream: RequestStream, outcome: str) -> dict:
         "kv_bytes": t.kv_bytes,
         "transfer_ms": t.transfer_ms,
         "attempts": t.attempts,
+        # hybrid mode: each attempt's prefill choice, "where:reason" (else empty)
+        "prefill": [c.label for c in stream.prefill_choices],
     }
 
 

@@ -124,6 +124,9 @@ class RequestStream:
     failures: list[str] = field(default_factory=list)  # why each earlier attempt ended
     landed: bool = False  # the attempt's decode instance streams it (its KV landed there)
     prefill_cost: int = 0  # tokens the attempt's prefill instance computes (prompt + delivered)
+    # hybrid mode: where each attempt's prompt was computed and why, in attempt order
+    # (router/prefill_choice.py's ``PrefillChoice``)
+    prefill_choices: list = field(default_factory=list)
     # what the client has (or has queued): the resume state of a migrated attempt
     token_ids: list[int] = field(default_factory=list)
     text_chars: int = 0

@@ -28,17 +28,22 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    mode: str = "disaggregated"  # or "colocated"
+    mode: str = "disaggregated"  # or "colocated", "hybrid"
     prefill: PoolSpec = field(default_factory=PoolSpec)
     decode: PoolSpec = field(default_factory=PoolSpec)
     colocated: PoolSpec = field(default_factory=PoolSpec)
     layerwise: bool = True  # KV sent layer by layer during the last chunk
     exposed_transfer_s: float | None = None  # fixed transfer time past prefill, if known
     policy: str = "least_loaded"  # the router's: or cache_aware (bench.planner.prefix)
+    # hybrid: slo.tpot_ms, which bounds local prefill beside a running batch (the router's
+    # prefill choice, router/prefill_choice.py); None: no bound
+    tpot_ms: float | None = None
 
     def __post_init__(self):
-        if self.mode not in ("colocated", "disaggregated"):
-            raise ValueError(f"mode {self.mode!r}: allowed values are colocated, disaggregated")
+        if self.mode not in ("colocated", "disaggregated", "hybrid"):
+            raise ValueError(
+                f"mode {self.mode!r}: allowed values are colocated, disaggregated, hybrid"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r}: allowed values are {', '.join(POLICIES)}")
 
@@ -51,7 +56,8 @@ class ClusterSpec:
     def describe(self) -> str:
         if self.mode == "colocated":
             return f"colocated {self.colocated.describe()}"
-        return f"prefill {self.prefill.describe()} + decode {self.decode.describe()}"
+        pools = f"prefill {self.prefill.describe()} + decode {self.decode.describe()}"
+        return f"hybrid {pools}" if self.mode == "hybrid" else pools
 
     def to_config(
         self,
@@ -112,4 +118,5 @@ def from_cluster_config(config) -> ClusterSpec:
         pool(config.colocated),
         layerwise=config.kv_transfer.layerwise,
         policy=config.router.policy,
+        tpot_ms=config.slo.tpot_ms,
     )

@@ -1,11 +1,13 @@
-"""A discrete-event simulation of a pdserve cluster, co-located or disaggregated, on a
-cost model's step times (``bench.planner.roofline``, ``bench.planner.profile``).
+"""A discrete-event simulation of a pdserve cluster, co-located, disaggregated or hybrid,
+on a cost model's step times (``bench.planner.roofline``, ``bench.planner.profile``).
 
 What it models, as the engine and router do it:
 - the router's FIFO queue: a request goes out when an instance has room (fewer than
   ``max_batch_size`` outstanding and the KV blocks it needs), least loaded first;
   disaggregated, the decode instance reserves first, then the prefill instance with the
-  fewest queued prompt tokens gets the prompt;
+  fewest queued prompt tokens gets the prompt; hybrid, the router's prefill choice
+  (``bench.planner.sim_hybrid``) sends it there or keeps it on the decode instance,
+  which then runs it as a co-located one does;
 - chunked prefill under the token budget, FCFS, several prompts per step;
 - continuous decode batching (one token per running request per step);
 - co-located mixed steps: decodes first, then prompt chunks, one step costing the cost
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from bench.metrics import Record
 from bench.planner.cluster_spec import ClusterSpec, PoolSpec
 from bench.planner.prefix import NO_KEYS, Keys, PrefixLRU, SimInput, pick, take_hit
+from bench.planner.sim_hybrid import prefill_choice
+from router.prefill_choice import LOCAL
 
 
 @dataclass
@@ -124,6 +128,10 @@ class Instance:
         self.waiting: deque[SimRequest] = deque()  # co-located: sent, not admitted
         self.batch = DecodeBatch()
         self.joining: list[SimRequest] = []  # disaggregated decode: landed, next step
+        # mixed steps (prompt chunks beside decodes): co-located, and hybrid decode
+        self.mixed = self.role == "colocated" or (
+            self.role == "decode" and sim.cluster.mode == "hybrid"
+        )
 
     def has_room(self, r: SimRequest) -> bool:
         return self.outstanding < self.pool.max_batch_size and self.free_blocks >= r.blocks
@@ -175,12 +183,12 @@ class Instance:
         self.joining = []
         decodes = len(self.batch)
         budget = self.pool.max_batch_tokens - decodes
-        items, sq = self.chunks(budget, admit=self.role == "colocated")
+        items, sq = self.chunks(budget, admit=self.mixed)
         tokens = sum(n for _, n in items)
         if not decodes and not tokens:
             return
         prefill = sim.cost.prefill_s(tokens, sq, tp) if tokens else 0.0
-        if self.role == "colocated":
+        if self.mixed:
             duration = sim.cost.mixed_s(tokens, sq, decodes, self.batch.context, tp)
         else:
             duration = prefill + sim.cost.decode_s(decodes, self.batch.context, tp)
@@ -276,16 +284,18 @@ class Simulator:
             inst = pick(room, r, policy, lambda i: (i.outstanding, -i.free_blocks))
             self.queue.popleft()
             r.dispatched_s = self.now
+            if self.cluster.mode == "colocated":
+                self._start(inst, r)
+                continue
+            pre = pick(self.prefill, r, policy, lambda i: i.queued_tokens)
+            hybrid = self.cluster.mode == "hybrid"  # the router's choice, same function
+            if hybrid and prefill_choice(self, r, inst, pre).where == LOCAL:
+                self._start(inst, r)
+                inst.queued_tokens += r.prompt_len - r.cached
+                continue
             inst.outstanding += 1
             inst.free_blocks -= r.blocks
             hit = take_hit(inst, r) * inst.pool.block_size
-            if self.cluster.mode == "colocated":
-                r.cached = r.done = hit
-                r.instances = (inst.name,)
-                inst.waiting.append(r)
-                inst.kick()
-                continue
-            pre = pick(self.prefill, r, policy, lambda i: i.queued_tokens)
             r.transfer_tokens = r.prompt_len - hit  # the decode instance holds the hit
             r.cached = r.done = take_hit(pre, r) * pre.pool.block_size
             r.instances = (pre.name, inst.name)
@@ -294,10 +304,20 @@ class Simulator:
             pre.queued_tokens += r.prompt_len - r.cached
             pre.kick()
 
+    def _start(self, inst: Instance, r: SimRequest) -> None:
+        """The whole request on ``inst``: prefill in its mixed steps, then decode there."""
+        inst.outstanding += 1
+        inst.free_blocks -= r.blocks
+        r.cached = r.done = take_hit(inst, r) * inst.pool.block_size
+        r.instances = (inst.name,)
+        inst.waiting.append(r)
+        inst.kick()
+
     def prefilled(self, inst: Instance, r: SimRequest, step_s: float) -> None:
-        """A prompt's last chunk is done: co-located, it decodes there from now;
-        disaggregated, its KV lands on the reserved decode instance."""
-        if self.cluster.mode == "colocated":
+        """A prompt's last chunk is done: co-located (or prefilled locally in hybrid
+        mode), it decodes there from now; else its KV lands on the reserved decode
+        instance."""
+        if inst.mixed:
             r.first_token_s = self.now
             if not inst.batch.join(r):
                 inst.finish(r, self.now)

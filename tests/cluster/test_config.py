@@ -217,6 +217,11 @@ def test_shipped_configs_are_valid():
     assert config.mode == "disaggregated"
     assert (config.prefill.instances, config.decode.instances) == (1, 1)
     assert config.kv_transfer.backend == "gloo" and config.kv_transfer.layerwise
+    config = load_config(ROOT / "configs" / "local-hybrid.yaml")
+    assert config.mode == "hybrid" and set(config.pools()) == {"prefill", "decode"}
+    assert config.router.prefill_ms_per_token == 1.0
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_config(ROOT / "configs" / "local-hybrid.yaml", ["router.transfer_mb_per_s=0"])
 
 
 @pytest.mark.parametrize(

@@ -103,3 +103,21 @@ def test_simulate_bench_replays_the_bench_requests():
     assert list(out) == [0.5, 2] and [s["requests"] for s, _ in out.values()] == [5, 20]
     assert result.met and result.goodput == 2  # no search: the rates given
     assert all(r.instances == ["prefill-0", "decode-0"] for _, rs in out.values() for r in rs)
+
+
+def test_hybrid_prefills_locally_unless_the_running_batch_has_no_slack():
+    cost = LinearCost(transfer=0.05)
+    hybrid = ClusterSpec("hybrid", PoolSpec(), PoolSpec(), tpot_ms=150)
+    # idle: 110 ms locally against 110 + 50 ms remotely; one mixed step of 100 tokens
+    [r] = simulate(hybrid, cost, [(0.0, 100, 5)])
+    assert r.instances == ["decode-0"] and r.kv_bytes == 0
+    assert r.ttft_ms == pytest.approx(110.0)
+    # beside a running request, a 511-token chunk would make its step ~540 ms > 150 ms
+    runner, long = simulate(hybrid, cost, [(0.0, 10, 200), (0.5, 2000, 2)])
+    assert runner.instances == ["decode-0"]
+    assert long.instances == ["prefill-0", "decode-0"]
+    # with no objective the same prompt stays local when the transfer costs more
+    slow = LinearCost(transfer=0.5)
+    loose = ClusterSpec("hybrid", PoolSpec(), PoolSpec())
+    _, long = simulate(loose, slow, [(0.0, 10, 200), (0.5, 2000, 2)])
+    assert long.instances == ["decode-0"]

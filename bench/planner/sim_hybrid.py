@@ -1,0 +1,42 @@
+"""The simulator's side of hybrid mode: the router's prefill choice
+(router/prefill_choice.py, the same function) fed with the simulated state, its costs
+taken from the cost model instead of learned from served steps."""
+
+from __future__ import annotations
+
+import math
+
+from router.prefill_choice import PrefillChoice, PrefillCosts, PrefillInputs, choose_prefill
+
+
+def prefill_choice(sim, r, decode, prefill, hit_tokens: int = 0) -> PrefillChoice:
+    """Where request ``r`` is prefilled: on ``decode`` (the instance that will decode it,
+    chosen already) or on ``prefill`` (the prefill instance with the fewest queued prompt
+    tokens). ``hit_tokens``: its prefix cached on either side (0: no prefix cache
+    modelled). Called before ``r`` counts in either instance's load, as the router does."""
+    cost, n = sim.cost, r.prompt_len
+    chunk = max(1, min(n, decode.pool.max_batch_tokens))
+    remote_chunk = max(1, min(n, prefill.pool.max_batch_tokens))
+    kv_bytes = n * cost.kv_bytes_per_token
+    batch = len(decode.batch)
+    costs = PrefillCosts(  # a step's fixed cost folded into this prompt's chunk's tokens
+        local_step_s=cost.decode_s(batch, decode.batch.context, decode.pool.tp) if batch else 0.0,
+        local_token_s=cost.prefill_s(chunk, chunk**2, decode.pool.tp) / chunk,
+        remote_step_s=0.0,
+        remote_token_s=cost.prefill_s(remote_chunk, remote_chunk**2, prefill.pool.tp)
+        / remote_chunk,
+        transfer_token_s=cost.transfer_s(kv_bytes) / n,
+    )
+    tpot_ms = sim.cluster.tpot_ms
+    inputs = PrefillInputs(
+        prompt_tokens=n,
+        local_hit_tokens=hit_tokens,
+        remote_hit_tokens=hit_tokens,
+        remote_queue_tokens=prefill.queued_tokens,
+        local_queue_tokens=decode.queued_tokens,
+        running=batch,
+        max_batch_tokens=decode.pool.max_batch_tokens,
+        remote_max_batch_tokens=prefill.pool.max_batch_tokens,
+        tpot_s=math.inf if tpot_ms is None else tpot_ms / 1000,
+    )
+    return choose_prefill(inputs, costs)
