@@ -17,8 +17,9 @@ DEFAULT_CA_FILE = os.environ.get("PDSERVE_CA_FILE")
 def _summary(address: str, chunk) -> str:
     """The last chunk's usage and timings on one line (and the KV handoff when there was one)."""
     t = chunk.timings
+    cached = f" ({chunk.cached_tokens} cached)" if chunk.cached_tokens else ""
     line = (
-        f"[{address}: prompt {chunk.prompt_tokens} tokens, "
+        f"[{address}: prompt {chunk.prompt_tokens} tokens{cached}, "
         f"TTFT {t.ttft_ms:.0f} ms, {chunk.completion_tokens} tokens, "
         f"TPOT {t.tpot_ms:.1f} ms, e2e {t.e2e_ms:.0f} ms, "
         f"queue {t.queue_ms:.1f} ms, on {', '.join(t.instances)}, "

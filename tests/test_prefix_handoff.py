@@ -70,7 +70,7 @@ def updates_until_final(worker, attempt_id: str, timeout_s: float = 60) -> list[
     end, an error or the prefill's hand-off)."""
     got, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        updates, _ = worker.poll("test", 0.5)
+        updates = worker.poll("test", 0.5).updates
         for u in updates:
             assert u.request_id == attempt_id, (u.request_id, attempt_id)
             got.append(u)

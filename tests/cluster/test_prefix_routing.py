@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from cluster.cli_router import _summary
 from tests.cluster.helpers import small_cluster_config
 from tests.cluster.test_router_metrics import delta, scrape
 
@@ -65,6 +66,7 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(cluster, client):
             # the 10 blocks of the prefix; the tail's partial block is computed
             assert done.cached_tokens == 10 * BS and done.prompt_tokens == 10 * BS + 5
             runs.append((home[name], done))
+    assert f"prompt {10 * BS + 5} tokens ({10 * BS} cached), " in _summary("router", done)
     after = scrape(cluster)
     for inst in home.values():
         mine = [d for i, d in runs if i == inst] + [

@@ -1,8 +1,9 @@
 """Cache-aware routing of the prefill choice on a real disaggregated cluster (two prefill
 instances and one decode instance of the tiny chat model, gloo, ``router.policy:
 cache_aware``): requests sharing a long prefix go to the prefill instance whose prefix
-cache holds it, whose ``/metrics`` counters show the hits (the co-located side and the
-reported cached tokens: tests/cluster/test_prefix_routing.py)."""
+cache holds it, which reports its hit as the request's cached tokens and whose
+``/metrics`` counters show the hits (the co-located side:
+tests/cluster/test_prefix_routing.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_requests_sharing_a_prefix_go_to_the_prefill_instance_holding_it(cluster
         prompt = prefix + tokens(100 + i, 5)
         done = complete(client, prompt)
         assert done.timings.instances == [home[name], "decode-0"], name
+        assert done.cached_tokens == 10 * BS  # the prefill instance's hit, reported
         assert done.token_ids == offline.generate(prompt, greedy)[0].token_ids  # KV reused
     after = scrape(cluster)
     for inst in home.values():
