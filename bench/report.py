@@ -7,10 +7,11 @@ import base64
 import html
 from pathlib import Path
 
-from bench.plots import attainment_vs_rate, attainment_vs_slo_scale, tpot_cdf
+from bench.plots import attainment_vs_rate, attainment_vs_slo_scale, tpot_cdf, ttft_vs_rate
 
 PLOTS = {
     "attainment-vs-rate.png": attainment_vs_rate,
+    "ttft-vs-rate.png": ttft_vs_rate,
     "attainment-vs-slo-scale.png": attainment_vs_slo_scale,
     "tpot-cdf.png": tpot_cdf,
 }
@@ -27,14 +28,27 @@ def fmt_goodput(goodput: dict, key: str = "goodput") -> str:
     return f"{goodput[key]:.3g}" if goodput["met"] else "0 (none met)"
 
 
+ROW_LABELS = (
+    "attainment",
+    "TTFT p50/p90/p99 ms",
+    "TPOT p50/p90/p99 ms",
+    "hit rate",
+    "KV MB per request",
+)
+
+
 def rows_at(summary: dict | None) -> list[str]:
-    """Attainment, TTFT and TPOT p50/p90/p99 of one rate's summary ("-": not measured)."""
+    """One rate's cells, as ``ROW_LABELS`` ("-": not measured): attainment, TTFT and
+    TPOT p50/p90/p99, the prefix-cache hit rate (cached / prompt tokens), the KV bytes
+    moved per request (disaggregated handoffs)."""
     if summary is None:
-        return ["-", "-", "-"]
+        return ["-"] * len(ROW_LABELS)
     return [
         f"{summary['attainment']:.2f}",
         fmt_ms(summary[f"p{q}_ttft_ms"] for q in (50, 90, 99)),
         fmt_ms(summary[f"p{q}_tpot_ms"] for q in (50, 90, 99)),
+        f"{summary.get('hit_rate', 0.0):.2f}",
+        f"{summary.get('mean_kv_bytes', 0.0) / 1e6:.3g}",
     ]
 
 
@@ -54,8 +68,7 @@ def table(results: dict) -> tuple[list[str], list[list[str]]]:
     rates = sorted({run["rate"] for c in contenders for run in c["runs"]})
     for rate in rates:
         cells = [rows_at(summary_at(c, rate)) for c in contenders]
-        labels = ["attainment", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms"]
-        for i, label in enumerate(labels):
+        for i, label in enumerate(ROW_LABELS):
             rows.append([f"{label} @ {rate:g}/s", *(col[i] for col in cells)])
     return header, rows
 

@@ -70,7 +70,7 @@ class DirectClient:
         import ray
 
         while not self._stop.is_set():
-            items, _ = ray.get(handle.poll.remote(CONSUMER, 0.2))
+            items = ray.get(handle.poll.remote(CONSUMER, 0.2)).updates
             for u in items:
                 with self._lock:
                     stream = self._streams.get(u.request_id)

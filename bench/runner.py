@@ -6,7 +6,9 @@ request to a JSON file.
         --duration 60 --slo-ttft-ms 1000 --slo-tpot-ms 150 --out results.json
 
 Each rate sends ``round(rate * duration)`` requests (the same requests at every rate,
-only the arrival times scale) open-loop (``bench.replay``). Requests ask for
+only the arrival times scale) open-loop (``bench.replay``); ``multiturn`` starts that
+many conversations and replays them closed-loop (``bench.chat_replay``), a record per
+turn. Requests ask for
 ``output_len`` tokens with ``ignore_eos`` and greedy sampling, so their lengths are
 the workload's. ``pdserve compare`` (``bench.compare``) runs this for several configs.
 """
@@ -24,9 +26,12 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.chat_replay import replay_conversations
 from bench.metrics import SLO, GoodputResult, Record, search_goodput, summarize
+from bench.multiturn import first_turns, make_conversations
 from bench.replay import replay
-from bench.workloads import WORKLOADS, WorkloadSpec, make_workload, model_info
+from bench.workload_args import NO_MULTITURN_ENDPOINT, add_workload_arguments, parse_common
+from bench.workloads import WorkloadSpec, make_workload, model_info
 
 # The clusters a benchmark launches log at WARNING: the router's line per request
 # (docs/serving.md, "Metrics and logs") would bury the progress; the report has the figures.
@@ -99,13 +104,21 @@ def measure(
     summary, records)`` sees each rate."""
     tokenizer, max_len = model_info(model)
     if warmup:
-        reqs = make_workload(spec, tokenizer, warmup, math.inf, max_len)
+        # at an infinite rate: for sharedprefix and multiturn a sample no rate draws
+        if spec.name == "multiturn":
+            reqs = first_turns(make_conversations(spec, tokenizer, warmup, math.inf, max_len))
+        else:
+            reqs = make_workload(spec, tokenizer, warmup, math.inf, max_len)
         asyncio.run(replay(client, reqs, timeout_s=timeout_s))
 
     def run(rate: float) -> list[Record]:
         n = max(1, round(rate * duration_s))
+        label = f"rate {rate:g}/s"
+        if spec.name == "multiturn":
+            convs = make_conversations(spec, tokenizer, n, rate, max_len)
+            return asyncio.run(replay_conversations(client, convs, label, timeout_s))
         reqs = make_workload(spec, tokenizer, n, rate, max_len)
-        return asyncio.run(replay(client, reqs, f"rate {rate:g}/s", timeout_s))
+        return asyncio.run(replay(client, reqs, label, timeout_s))
 
     def on_rate(rate: float, records: list[Record]) -> None:
         if on_run is not None:
@@ -215,60 +228,11 @@ def describe_goodput(result: GoodputResult, slo: SLO, n_devices: int) -> str:
     )
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """The options ``pdserve bench`` and ``pdserve compare`` share."""
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key")
-    p.add_argument("--workload", default="sharegpt", choices=WORKLOADS)
-    p.add_argument("--trace", help="JSONL trace file (--workload trace)")
-    p.add_argument("--rates", default="1", help="comma-separated request rates (per second)")
-    p.add_argument("--search", action="store_true", help="then search the goodput by bisection")
-    p.add_argument("--max-runs", type=int, default=12, help="rates measured at most (--search)")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
-    p.add_argument("--slo-ttft-ms", type=float, help="default: the config's slo.ttft_ms")
-    p.add_argument("--slo-tpot-ms", type=float, help="default: the config's slo.tpot_ms")
-    p.add_argument("--attainment", type=float, help="default: the config's slo.attainment")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 is Poisson")
-    p.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths")
-    p.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths")
-    p.add_argument("--max-prompt-tokens", type=int, help="cap prompt lengths")
-    p.add_argument("--max-output-tokens", type=int, help="cap output lengths")
-    p.add_argument("--long-prompt-mean", type=int, default=1500, help="--workload longprompt")
-    p.add_argument("--long-output-mean", type=int, default=90, help="--workload longprompt")
-    p.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
-    p.add_argument("--timeout-s", type=float, help="per-request deadline")
-    p.add_argument("--model", help="with --endpoint and no config: tokenizes the requests")
-    p.add_argument("--devices", type=int, help="with --endpoint: the devices it uses (1)")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML file (configs/local-disagg.yaml)")
     p.add_argument("--endpoint", metavar="URL", help="measure this OpenAI-compatible server")
     p.add_argument("--out", default="bench-results.json", help="results JSON file")
     add_workload_arguments(p)
-
-
-def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
-    """The workload of the command line; options a command does not offer keep the
-    defaults."""
-    given = {f: getattr(args, f) for f in WorkloadSpec.__dataclass_fields__ if hasattr(args, f)}
-    return WorkloadSpec(args.workload, **{k: v for k, v in given.items() if k != "name"})
-
-
-def parse_common(args: argparse.Namespace, config) -> tuple[list[float], WorkloadSpec, SLO]:
-    """The rates, the workload and the SLO of the command line (``config``, a checked
-    ClusterConfig or None, gives the SLO's defaults); ValueError when they are wrong."""
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    if not rates or min(rates) <= 0:
-        raise ValueError("--rates: give positive rates, e.g. 0.5,1,2")
-    spec = workload_spec(args)
-    default = config.slo if config is not None else SLO()
-    slo = SLO(
-        args.slo_ttft_ms or default.ttft_ms,
-        args.slo_tpot_ms or default.tpot_ms,
-        args.attainment or default.attainment,
-    )
-    return rates, spec, slo
 
 
 def main(args: argparse.Namespace) -> int:
@@ -279,6 +243,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("give a config, or --endpoint URL with --model")
         config = load_config(args.config, args.set or []) if args.config else None
         rates, spec, slo = parse_common(args, config)
+        if args.endpoint and spec.name == "multiturn":
+            raise ValueError(NO_MULTITURN_ENDPOINT)
     except (ValueError, ConfigError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2

@@ -16,11 +16,18 @@ Workloads (``WORKLOADS``):
   spread): prefill-heavy.
 - ``trace``: a JSONL file (``bench.datasets.read_trace``); its arrival times are kept,
   rescaled to the asked rate.
+- ``sharedprefix``: long system prompts shared by many short questions
+  (``bench.sharedprefix``).
+- ``multiturn``: ShareGPT conversations turn by turn, closed-loop: not a list of
+  ``Request`` but of ``bench.multiturn.Conversation`` (``make_conversations``), replayed
+  by ``bench.chat_replay``.
 
 Every request is cut to fit: the length scales and caps of the spec apply, then a
 request whose prompt + output exceeds the model's context is dropped (sharegpt,
 humaneval) or its prompt shortened (longprompt, trace). The same spec, seed and
-count give the same requests whatever the rate: only the arrival times change.
+count give the same requests whatever the rate: only the arrival times change; but
+``sharedprefix`` and ``multiturn`` draw their sample with the rate in the seed (so that
+a later rate finds no earlier one's prefixes in the cache).
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from typing import NamedTuple
 
 from bench import datasets
 
-WORKLOADS = ("sharegpt", "humaneval", "longprompt", "trace")
+WORKLOADS = ("sharegpt", "humaneval", "longprompt", "trace", "sharedprefix", "multiturn")
+WHOLE_PROMPTS = ("sharedprefix", "multiturn")  # prompts built whole: no prompt_scale
 MIN_TOKENS = 4  # vLLM's filter for ShareGPT pairs
 
 
@@ -56,6 +64,10 @@ class WorkloadSpec:
     long_output_mean: int = 90
     trace: str | None = None
     dataset_limit: int | None = None  # read only the first N ShareGPT conversations
+    system_prompts: int = 8  # sharedprefix: distinct system prompts
+    system_prompt_tokens: int = 750  # sharedprefix: their mean length
+    max_turns: int = 5  # multiturn: turns of a conversation at most
+    think_time_s: float = 5.0  # multiturn: mean pause between an answer and the next turn
 
     def __post_init__(self):
         if self.name not in WORKLOADS:
@@ -64,6 +76,16 @@ class WorkloadSpec:
             raise ValueError("workload trace: give the trace file (--trace)")
         if self.burstiness <= 0 or self.prompt_scale <= 0 or self.output_scale <= 0:
             raise ValueError("burstiness and the length scales must be > 0")
+        if self.name in WHOLE_PROMPTS and self.prompt_scale != 1.0:
+            raise ValueError(
+                f"prompt_scale {self.prompt_scale:g}: workload {self.name} builds its prompts "
+                "whole; only 1 is allowed (cap them with max_prompt_tokens)"
+            )
+        for key in ("system_prompts", "system_prompt_tokens", "max_turns"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} {getattr(self, key)}: must be >= 1")
+        if self.think_time_s < 0:
+            raise ValueError(f"think_time_s {self.think_time_s:g}: must be >= 0")
 
 
 def model_info(model: str):
@@ -95,6 +117,14 @@ def make_workload(
     spec: WorkloadSpec, tokenizer, n: int, rate: float, max_model_len: int
 ) -> list[Request]:
     """n requests arriving at ``rate`` per second (on average)."""
+    if spec.name == "multiturn":
+        raise ValueError(
+            "workload multiturn is closed-loop: bench.multiturn.make_conversations makes it"
+        )
+    if spec.name == "sharedprefix":
+        from bench.sharedprefix import shared_prefix_requests
+
+        return shared_prefix_requests(spec, tokenizer, n, rate, max_model_len)
     if spec.name == "trace":
         return _trace(spec, tokenizer, n, rate, max_model_len)
     samples = sample_requests(spec, tokenizer, n, max_model_len)
@@ -106,6 +136,8 @@ def sample_requests(
     spec: WorkloadSpec, tokenizer, n: int, max_model_len: int
 ) -> list[tuple[list[int], int]]:
     """n (prompt token ids, output length) pairs of a dataset workload."""
+    if spec.name in WHOLE_PROMPTS:
+        raise ValueError(f"workload {spec.name}: its requests come whole, not as pairs")
     rng = random.Random(spec.seed)
     if spec.name == "longprompt":
         return _longprompt(spec, tokenizer, n, max_model_len, rng)
@@ -114,7 +146,7 @@ def sample_requests(
     else:
         pairs = datasets.humaneval_pairs()
     out: list[tuple[list[int], int]] = []
-    for prompt, answer in _shuffled_cycle(pairs, rng, n):
+    for prompt, answer in shuffled_cycle(pairs, rng, n):
         ids, answer_len = tokenizer.encode(prompt), len(_text_ids(tokenizer, answer))
         if spec.name == "sharegpt" and (len(ids) < MIN_TOKENS or answer_len < MIN_TOKENS):
             continue
@@ -126,7 +158,7 @@ def sample_requests(
     raise ValueError(f"{spec.name}: fewer than {n} requests fit a context of {max_model_len}")
 
 
-def _shuffled_cycle(items: list, rng: random.Random, n: int) -> Iterator:
+def shuffled_cycle(items: list, rng: random.Random, n: int) -> Iterator:
     """The items in a seeded order, again in another order as long as needed (at most
     ``n`` passes: a pass may drop every item)."""
     if not items:
@@ -155,7 +187,7 @@ def _scaled(spec: WorkloadSpec, ids: list[int], out_len: int) -> tuple[list[int]
 def _token_pool(tokenizer, needed: int, rng: random.Random, limit: int | None) -> list[int]:
     """At least ``needed`` tokens of ShareGPT text (prompts and answers, in a seeded order)."""
     pool: list[int] = []
-    for prompt, answer in _shuffled_cycle(list(datasets.sharegpt_pairs(limit)), rng, needed):
+    for prompt, answer in shuffled_cycle(list(datasets.sharegpt_pairs(limit)), rng, needed):
         pool += _text_ids(tokenizer, prompt + "\n" + answer + "\n")
         if len(pool) >= needed:
             return pool

@@ -88,6 +88,9 @@ class PoolConfig:
     max_batch_size: int = spec(64, at_least(1), "requests in one running batch")
     kv_blocks: int = spec(2048, at_least(1), "paged KV cache blocks per instance")
     block_size: int = spec(16, at_least(1), "tokens per KV block")
+    prefix_caching: bool = spec(
+        True, None, "reuse the KV of cached full blocks of shared prompt prefixes"
+    )
     resources: Resources = spec(factory=Resources)
     node_labels: dict[str, str] = spec(
         None,
@@ -113,6 +116,7 @@ class PoolConfig:
             num_kv_blocks=self.kv_blocks,
             max_batch_tokens=self.max_batch_tokens,
             max_batch_size=self.max_batch_size,
+            enable_prefix_caching=self.prefix_caching,
             attention_backend=attention_backend,
             device=device,
         )

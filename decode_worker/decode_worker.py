@@ -1,10 +1,12 @@
 """The decode instance: a Ray actor that reserves blocks, receives KV into them, and
 decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
 
-    reserve(attempt)  blocks for the prompt (and a resumed request's delivered tokens),
-                      expected by the KV receiver of every rank; returns the
-                      KVDestination the prefill instance sends to (None: no room). No
-                      timer runs yet: the prefill may be queued.
+    reserve(attempt)  blocks for the prompt (and a resumed request's delivered tokens):
+                      its leading full blocks this instance already caches are shared
+                      (``cached_blocks``, not sent), the rest are new and expected by
+                      the KV receiver of every rank; returns the KVDestination the
+                      prefill instance sends to (None: no room). No timer runs yet:
+                      the prefill may be queued.
     landed            (the receiver's one event, pushed to the loop's inbox) every
                       segment from every source rank, every END and every other rank's
                       report are in: the request joins the running batch with the first
@@ -16,7 +18,9 @@ decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
     abort             released in any state
 
 Blocks are freed only once every rank released the transfer (its receiver writes no
-byte after that), so no byte of a released reservation lands in reused blocks.
+byte after that), so no byte of a released reservation lands in reused blocks. The
+shared blocks are never written by a transfer (the receivers expect only the new ones);
+freeing a reservation drops its references to them, and they stay cached.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class DecodeWorker(EngineWorker):
         self.receiver.on_event = lambda outcome: self._post(("landed", outcome))
         self.lease_s = kv_config["lease_s"]
         self.reservations: dict[str, Attempt] = {}
+        self.cached_blocks: dict[str, int] = {}  # reserved attempt id -> blocks shared
         self._releasing: dict[str, int] = {}  # attempt id -> ranks yet to confirm a release
         self.addresses = [self.receiver.address]  # one KV receiver per tensor-parallel rank
         if self.ranks:
@@ -95,14 +100,18 @@ class DecodeWorker(EngineWorker):
     def _reserve(self, attempt: Attempt) -> KVDestination | None:
         if self._take_early_abort(attempt.id):
             return None
-        e, n = self.engine, len(attempt.prompt_ids) + len(attempt.delivered)
+        e, tokens = self.engine, [*attempt.prompt_ids, *attempt.delivered]
+        n = len(tokens)
         busy = len(self.reservations) + len(e.scheduler.running) + len(e.scheduler.waiting)
-        # room for the cached tokens and the first decoded one
-        if busy >= e.config.max_batch_size or not e.blocks.can_allocate(attempt.id, n + 1):
+        # the leading blocks this instance caches (capped: at least one block is sent)
+        prefix = e.blocks.match(tokens)
+        # room for the prompt's KV and the first decoded token
+        if busy >= e.config.max_batch_size or not e.blocks.can_allocate(attempt.id, n + 1,
+                                                                        prefix):  # fmt: skip
             return None
         if attempt.id in self.reservations or attempt.id in e.requests:
             raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
-        block_ids = e.blocks.allocate(attempt.id, n)
+        block_ids = e.blocks.allocate(attempt.id, n, prefix)  # only the new blocks
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
         try:  # the receiver mints the transfer's token: its only name on the wire
             ranks = 1 + len(self.ranks)
@@ -112,17 +121,20 @@ class DecodeWorker(EngineWorker):
             e.blocks.free(attempt.id)
             raise
         self.reservations[attempt.id] = attempt
+        self.cached_blocks[attempt.id] = len(prefix)
         self._consumer[attempt.id] = attempt.consumer
-        return KVDestination(self.addresses, block_ids, self.layout, self.transport.name, token)
+        return KVDestination(self.addresses, block_ids, self.layout, self.transport.name, token,
+                             cached_blocks=len(prefix))  # fmt: skip
 
     def _op_landed(self, outcome: Outcome) -> list[Update]:
         attempt = self.reservations.pop(outcome.transfer_id, None)
         if attempt is None:
             return []  # released meanwhile (aborted)
+        cached = self.cached_blocks.pop(attempt.id)
         start = outcome.state == State.LANDED and outcome.handoff is not None
         self._release(attempt.id, free=not start)
         if start:
-            return self._start(attempt, outcome)
+            return self._start(attempt, outcome, cached)
         if outcome.state == State.EXPIRED:
             self._totals["leases_expired_total"] += 1
             why = (f"KV transfer {attempt.id!r} to {self.name} made no progress within "
@@ -132,7 +144,10 @@ class DecodeWorker(EngineWorker):
             why = str(outcome.error or "source rank 0 ended the transfer without a handoff")
         return [Update(attempt.id, error=why, retryable=True)]
 
-    def _start(self, attempt: Attempt, outcome: Outcome) -> list[Update]:
+    def _start(self, attempt: Attempt, outcome: Outcome, cached_blocks: int) -> list[Update]:
+        """Admit a request whose KV landed. Its first update's ``info`` reports the
+        handoff: ``kv_bytes`` (what moved: the blocks past the ``kv_cached_blocks`` this
+        instance held), ``cached_tokens`` (the prefill instance's prefix hit), phases."""
         h, now = outcome.handoff, time.time()
         times = {**h.phase_times, "transfer_end": now}
         first = None  # the first token's logprobs, sampled with it on the prefill instance
@@ -150,7 +165,8 @@ class DecodeWorker(EngineWorker):
         self._totals["kv_bytes_total"] += outcome.bytes
         self._totals["tokens_total"] += 1
         info = {"phases": times, "kv_bytes": outcome.bytes, "transfer_s": outcome.seconds,
-                "prefill_instance": h.prefill_instance}  # fmt: skip
+                "prefill_instance": h.prefill_instance, "cached_tokens": h.cached_tokens,
+                "kv_cached_blocks": cached_blocks}  # fmt: skip
         return [Update(attempt.id, out.new_token_ids, out.new_text, out.finish_reason,
                        info=info, logprobs=out.new_logprobs)]  # fmt: skip
 
@@ -181,6 +197,7 @@ class DecodeWorker(EngineWorker):
     def _abort(self, request_id: str) -> list[Update]:
         if self.reservations.pop(request_id, None) is None:
             return super()._abort(request_id)
+        del self.cached_blocks[request_id]
         self._release(request_id)
         return []
 

@@ -2,8 +2,10 @@
 
 ``Attempt`` (router -> instance): one try at one request. ``Update`` (instance ->
 router): a request's new tokens (with their ``Logprobs`` when the request asked), its
-end, or a failure, batched per engine step (``EngineWorker.poll``). No positional tuples
-cross the process boundary.
+end, or a failure, batched per engine step (``EngineWorker.poll``). ``CacheCursor``
+(consumer -> instance) and ``CacheDelta`` (instance -> consumer): what the instance's
+prefix cache holds, as changes since the consumer's last poll (engine/cache_log.py).
+``Polled`` is one poll's answer. No positional tuples cross the process boundary.
 """
 
 from __future__ import annotations
@@ -77,3 +79,66 @@ class Update:
     def final(self) -> bool:
         """The request is gone from the instance after this update."""
         return self.finish_reason is not None or self.error is not None or self.handed_off
+
+
+@dataclass(frozen=True)
+class CacheCursor:
+    """Where a consumer's view of an instance's prefix cache stands: the ``epoch`` and
+    ``seq`` of the last ``CacheDelta`` it applied (``CacheCursor()``: it has none yet)."""
+
+    epoch: str = ""
+    seq: int = 0
+
+
+@dataclass
+class CacheDelta:
+    """How an instance's prefix cache changed since a consumer's ``CacheCursor``: block
+    hashes (engine/block_hash.py) registered (``stored``) and evicted (``removed``).
+
+    ``snapshot``: ``stored`` is every hash cached now and the consumer's view is replaced
+    (it was new, behind the retained events, or of an earlier incarnation); else the
+    events after the cursor, which the consumer applies with ``apply_to``. Either way the
+    consumer's cursor becomes ``CacheCursor(epoch, seq)``.
+    """
+
+    epoch: str
+    seq: int
+    snapshot: bool = False
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+    @property
+    def cursor(self) -> CacheCursor:
+        return CacheCursor(self.epoch, self.seq)
+
+    def apply_to(self, view: set[int]) -> None:
+        """Bring ``view`` (the hashes cached as of the consumer's cursor) up to ``seq``.
+
+        Events lose their order across ``stored`` and ``removed``, but a cache stores a
+        hash only while it is absent and removes it only while present, so each hash's
+        events alternate and its state follows from the net count: present after iff
+        ``(present before) + stored - removed == 1``."""
+        if self.snapshot:
+            view.clear()
+            view.update(self.stored)
+            return
+        net: dict[int, int] = {}
+        for h in self.stored:
+            net[h] = net.get(h, 0) + 1
+        for h in self.removed:
+            net[h] = net.get(h, 0) - 1
+        for h, n in net.items():
+            if (h in view) + n > 0:
+                view.add(h)
+            else:
+                view.discard(h)
+
+
+@dataclass
+class Polled:
+    """One ``EngineWorker.poll``: the consumer's updates, the instance's ``stats()``, and
+    its prefix cache's changes when the consumer passed a ``CacheCursor`` (else None)."""
+
+    updates: list[Update]
+    stats: dict
+    cache: CacheDelta | None = None

@@ -7,7 +7,9 @@ before each step as ``(kind, *args)`` ops, each applied by the handler its kind 
 ``self._ops`` (``on_loop`` runs a function there and returns its result), and
 updates go into one outbox per consumer (the router, a benchmark) that ``poll`` hands
 over in one batch: everything produced since the last poll, so a busy instance costs
-its consumer one call per step at most, never one per token.
+its consumer one call per step at most, never one per token. A consumer that passes a
+``CacheCursor`` also gets the prefix cache's changes since its last poll
+(engine/cache_log.py): the block hashes the router routes by.
 
 ``EngineWorker`` itself is the co-located instance: every step is the engine's mixed
 step, prompt chunks piggybacked on the running decodes (engine/scheduler.py). The
@@ -31,8 +33,9 @@ from concurrent.futures import Future
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.cache_log import CacheLog
 from engine.llm_engine import StepFailed
-from engine.messages import Attempt, Update
+from engine.messages import Attempt, CacheCursor, Polled, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
 from engine.scheduler import StepShape
 from engine.step_log import StepLog
@@ -81,6 +84,7 @@ class EngineWorker:
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
         self._steps = StepLog()
         self._last_step: list[float] = []  # the latest ``step_log`` row, in ``stats()``
+        self._cache_log = CacheLog(retain=self.engine.blocks.num_blocks)  # under _lock
         # called on the step loop after each step, with its shape, its seconds (as
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
@@ -120,17 +124,19 @@ class EngineWorker:
         """Drop requests (queued, running or not yet arrived) and free their blocks."""
         self._post(("abort", list(request_ids)))
 
-    def poll(self, consumer: str, timeout_s: float) -> tuple[list[Update], dict]:
-        """Everything produced for ``consumer`` since its last poll (waits up to timeout_s)."""
+    def poll(self, consumer: str, timeout_s: float, cache: CacheCursor | None = None) -> Polled:
+        """Everything produced for ``consumer`` since its last poll, and with ``cache`` the
+        prefix cache's changes since that cursor (waits up to timeout_s for either)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while not self._outboxes.get(consumer) and not self._stopping:
+            log = self._cache_log
+            while not (self._outboxes.get(consumer) or log.has_news(cache) or self._stopping):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._produced.wait(left)
             items = self._outboxes.pop(consumer, [])
-            return items, dict(self._snapshot)
+            return Polled(items, dict(self._snapshot), log.since(cache))
 
     def stats(self) -> dict:
         with self._lock:
@@ -197,7 +203,9 @@ class EngineWorker:
                 if self.engine.last_shape is not None:  # recorded before its updates go out
                     step = (self.engine.last_shape, time.perf_counter() - started)
                     self._last_step = self._steps.record(*step)
+            cache_events = self.engine.blocks.take_events()
             with self._lock:
+                self._cache_log.record(cache_events)
                 for update in produced:
                     consumer = self._consumer.get(update.request_id)
                     if consumer is not None:
@@ -269,8 +277,12 @@ class EngineWorker:
         out: list[Update] = []
         for o in outputs:
             self._totals["tokens_total"] += len(o.new_token_ids)
+            # with the end: prompt tokens served from this instance's prefix cache; none
+            # when 0 (a decode instance's handed-over request leaves the prefill's figure)
+            hit = o.num_cached_tokens if o.finish_reason else 0
+            info = {"cached_tokens": hit} if hit else {}
             out.append(Update(o.request_id, o.new_token_ids, o.new_text, o.finish_reason,
-                              logprobs=o.new_logprobs))  # fmt: skip
+                              info=info, logprobs=o.new_logprobs))  # fmt: skip
         return out
 
     def _fail(self, request_ids: list[str]) -> list[Update]:
@@ -300,5 +312,9 @@ class EngineWorker:
             "total_blocks": self.engine.blocks.num_blocks,
             "preemptions_total": s.num_preemptions,
             "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
+            # prefix cache: prompt tokens looked up at admission, and those found cached
+            "prefix_cache_queries_total": s.num_queried_tokens,
+            "prefix_cache_hits_total": s.num_hit_tokens,
+            "prefix_cached_blocks": self.engine.blocks.num_cached_blocks,
             **self._totals,
         }

@@ -84,16 +84,23 @@ def transfer_key(token: str) -> int:
 @dataclass(frozen=True)
 class KVDestination:
     """The decode side of one transfer: its ranks' receiver addresses (index = decode
-    tensor-parallel rank), the blocks it reserved, its pool layout, and the transfer's
+    tensor-parallel rank), the blocks to write, its pool layout, and the transfer's
     ``token``: its name on the wire, minted by the receiver (``KVReceiver.expect``), 128
     random bits, never derived from a request id, so that only whoever was given this
-    destination can name the transfer."""
+    destination can name the transfer.
+
+    ``cached_blocks``: the request's leading blocks the decode instance already holds
+    (shared from its prefix cache at ``reserve``); they are not sent. The request's
+    block list is then ``cached_blocks`` held blocks followed by ``block_ids``: the
+    sender sends its own table's blocks from position ``cached_blocks`` on
+    (``source_blocks``), the i-th of them into ``block_ids[i]``."""
 
     addresses: tuple[str, ...]
     block_ids: tuple[int, ...]
     layout: KVLayout
     backend: str = "gloo"
     token: str = ""
+    cached_blocks: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "addresses", tuple(self.addresses))
@@ -103,6 +110,21 @@ class KVDestination:
                 f"KVDestination has {len(self.addresses)} addresses for a decode pool of "
                 f"tensor_parallel={self.layout.tp_size}: one address per rank is needed"
             )
+        if self.cached_blocks < 0:
+            raise KVLayoutError(f"KVDestination.cached_blocks={self.cached_blocks}: must be >= 0")
+
+    def source_blocks(self, table) -> list[int]:
+        """The blocks of the sender's ``table`` (the request's whole block list there) to
+        send: those past the ``cached_blocks`` the destination holds, one per block of
+        ``block_ids``."""
+        send = [int(b) for b in table[self.cached_blocks :]]
+        if len(send) != len(self.block_ids):
+            raise KVLayoutError(
+                f"the source holds {len(table)} blocks for this request; the destination "
+                f"holds {self.cached_blocks} and reserved {len(self.block_ids)}: "
+                f"{len(table)} - {self.cached_blocks} must equal {len(self.block_ids)}"
+            )
+        return send
 
     def to_proto(self, msg=None) -> pb.KVDestination:
         msg = pb.KVDestination() if msg is None else msg
@@ -111,12 +133,14 @@ class KVDestination:
         self.layout.to_proto(msg.layout)
         msg.backend = self.backend
         msg.token = self.token
+        msg.cached_blocks = self.cached_blocks
         return msg
 
     @classmethod
     def from_proto(cls, msg: pb.KVDestination) -> KVDestination:
         layout = KVLayout.from_proto(msg.layout)
-        return cls(tuple(msg.addresses), tuple(msg.block_ids), layout, msg.backend, msg.token)
+        return cls(tuple(msg.addresses), tuple(msg.block_ids), layout, msg.backend, msg.token,
+                   msg.cached_blocks)  # fmt: skip
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString()
@@ -136,7 +160,11 @@ class Handoff:
 
     A request that asked for logprobs also carries the first token's: ``first_logprob``
     (None: it did not ask) and its ``top_ids`` / ``top_logprobs`` (same length, most
-    likely first; float32 values, exact on the wire)."""
+    likely first; float32 values, exact on the wire).
+
+    ``cached_tokens``: the prompt tokens the prefill instance served from its prefix
+    cache (their KV was not computed for this request); the decode instance reports it
+    to the router with the request's first token (``Update.info["cached_tokens"]``)."""
 
     first_token: int
     phase_times: dict[str, float] = field(default_factory=dict, compare=False)
@@ -144,6 +172,7 @@ class Handoff:
     first_logprob: float | None = None
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    cached_tokens: int = 0
 
     def __post_init__(self):
         if len(self.top_ids) != len(self.top_logprobs):
@@ -160,6 +189,7 @@ class Handoff:
             first_logprob=self.first_logprob,
             top_ids=self.top_ids,
             top_logprobs=self.top_logprobs,
+            cached_tokens=self.cached_tokens,
         )
         return msg.SerializeToString()
 
@@ -175,4 +205,5 @@ class Handoff:
             logprob,
             tuple(msg.top_ids),
             tuple(msg.top_logprobs),
+            msg.cached_tokens,
         )

@@ -4,8 +4,12 @@ Prompts run in chunks under the token budget, several requests' chunks per step,
 (engine/scheduler.py; nothing here ever decodes). A request leaves the engine in the
 step that samples its first token, as a ``Prefilled``: its blocks stay held under its
 id, since the KV transfer reads them, until ``release`` once the transfer is
-acknowledged. ``step(on_last_chunk)`` lets the worker hook the forward pass of the
-requests whose last chunk runs in it (layer-wise sending).
+acknowledged. With prefix caching on, a request starts from its cached prefix (only the
+rest of its prompt is computed; its table's leading blocks are then shared, holding
+valid KV all the same), its full blocks are registered as each step fills them, and
+``release`` leaves the registered ones CACHED for the next prompt that shares them.
+``step(on_last_chunk)`` lets the worker hook the forward pass of the requests whose
+last chunk runs in it (layer-wise sending).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Prefilled:
     times: dict[str, float] = field(default_factory=dict)  # wall clock: prefill_start/end
     error: str | None = None  # set instead when the prompt cannot be prefilled here
     logprobs: Logprobs | None = None  # the first token's, when the request asked
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
 
 class PrefillEngine(LLMEngine):
@@ -86,6 +91,7 @@ class PrefillEngine(LLMEngine):
                     list(self.blocks.block_table(request.request_id)),
                     {"prefill_start": start, "prefill_end": end},
                     logprobs=sample.logprobs,
+                    cached_tokens=max(0, request.num_cached_tokens),
                 )
             )
         return out

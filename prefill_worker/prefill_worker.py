@@ -130,7 +130,13 @@ class PrefillWorker(EngineWorker):
         callback sending each finished layer (layer-wise), and the ``SendList`` that
         tells the other tensor-parallel ranks to send their heads."""
         jobs = [self.jobs[r.request_id] for r in last]
-        tables = {j.attempt.id: self.engine.blocks.block_table(j.attempt.id) for j in jobs}
+        tables = {}  # what each sends: its table past the blocks the destination holds
+        for j in jobs:
+            table = self.engine.blocks.block_table(j.attempt.id)
+            try:
+                tables[j.attempt.id] = j.destination.source_blocks(table)
+            except ValueError as e:  # sends nothing (the other ranks fail on no blocks)
+                tables[j.attempt.id], j.send_error = [], f"{type(e).__name__}: {e}"
         caches = self.engine.runner.kv_caches
 
         def on_layer(layer: int) -> None:
@@ -169,12 +175,13 @@ class PrefillWorker(EngineWorker):
             del self.jobs[tid]
             return [Update(tid, error=p.error, retryable=True)]
         if not self.layerwise:
-            kv = self.engine.runner.kv_cache
-            self._send(job, lambda: self.sender.send_all(tid, kv, p.block_ids, job.destination))
+            kv, dst = self.engine.runner.kv_cache, job.destination
+            self._send(job, lambda: self.sender.send_all(tid, kv, dst.source_blocks(p.block_ids),
+                                                         dst))  # fmt: skip
         times = {**p.times, "transfer_start": job.transfer_start or time.time()}
         lp = p.logprobs  # the first token's, when the request asked
         first = () if lp is None else (lp.logprob, lp.top_ids, lp.top_logprobs)
-        handoff = Handoff(p.first_token, times, self.name, *first)
+        handoff = Handoff(p.first_token, times, self.name, *first, cached_tokens=p.cached_tokens)
         self._acks.submit(self._finish, job, handoff)
         return []
 

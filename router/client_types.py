@@ -48,6 +48,7 @@ class Chunk:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (last chunk)
     timings: Timings | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
 
@@ -64,6 +65,7 @@ class Completion:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache
     timings: Timings | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token when the request asked
 
@@ -78,6 +80,7 @@ class Completion:
             self.finish_reason, self.timings = chunk.finish_reason, chunk.timings
             self.prompt_tokens = chunk.prompt_tokens
             self.completion_tokens = chunk.completion_tokens
+            self.cached_tokens = chunk.cached_tokens
 
 
 def read_chunk(msg: pb.GenerateResponse) -> Chunk:
@@ -92,6 +95,7 @@ def read_chunk(msg: pb.GenerateResponse) -> Chunk:
         t = msg.timings
         c.finish_reason = msg.finish_reason
         c.prompt_tokens, c.completion_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
+        c.cached_tokens = msg.usage.cached_tokens
         phases = {f.name: v for f, v in t.phases.ListFields()}
         phases["tokens"] = list(t.phases.tokens)
         c.timings = Timings(

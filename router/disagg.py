@@ -4,8 +4,9 @@ generates the rest (docs/kv_transfer.md has the handoff's state machine).
 Per request (one ``Attempt``; the instances know it as ``<request id>#<attempt>``):
 
     choose decode (routing policy over those with room) and prefill (fewest queued
-    prompt tokens) -> decode.reserve(attempt): blocks held, the destination back (None:
-    no room; the request goes back to the head of the queue)
+    prompt tokens; the policy's choice when it is cache-aware) -> decode.reserve(attempt):
+    blocks held, the destination back (None: no room; the request goes back to the head
+    of the queue)
     -> prefill.prefill(attempt + destination): chunked prefill, KV sent, the transfer
     ended with the first token -> decode admits it once landed and streams tokens;
     prefill reports the transfer acknowledged (handed off)
@@ -57,15 +58,6 @@ class Disaggregated(Placement):
     def place(self, stream: RequestStream) -> None:
         self._place_remote(stream, self._decode_for(stream), self._prefill_for(stream))
 
-    def _prefill_for(self, stream: RequestStream) -> Instance | None:
-        """The alive prefill instance with the fewest queued prompt tokens, preferring
-        those the request's earlier attempts did not use; None when none is alive."""
-        return min(
-            (p for p in self.prefills if p.alive),
-            key=lambda p: (p.name in stream.avoid, p.load.prefill_tokens, p.load.index),
-            default=None,
-        )
-
     def _place_remote(self, stream: RequestStream, decode: Instance, prefill: Instance) -> None:
         """Reserve on ``decode``, then prefill on ``prefill`` (the module docstring)."""
         attempt = self.attempt(
@@ -86,9 +78,20 @@ class Disaggregated(Placement):
     def _decode_for(self, stream: RequestStream) -> Instance:
         room = [d for d in self.decodes if d.has_room()]
         fresh = [d for d in room if d.name not in stream.avoid] or room
-        return self.by_name[
-            self.policy.choose(len(stream.prompt_ids), [d.load for d in fresh]).name
-        ]
+        choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
+        return self.by_name[choice.name]
+
+    def _prefill_for(self, stream: RequestStream) -> Instance:
+        """Fewest queued prompt tokens; with a cache-aware policy, the policy's choice
+        (the prefix its cache holds, net of its queue), among those not avoided."""
+        alive = [p for p in self.prefills if p.alive]
+        if self.policy.uses_cache:
+            fresh = [p for p in alive if p.name not in stream.avoid] or alive
+            choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
+            return self.by_name[choice.name]
+        return min(
+            alive, key=lambda p: (p.name in stream.avoid, p.load.prefill_tokens, p.load.index)
+        )
 
     async def _start(
         self, stream: RequestStream, attempt: Attempt, prefill: Instance, decode: Instance

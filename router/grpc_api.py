@@ -268,6 +268,7 @@ def generate_response(stream: RequestStream, delta: Delta) -> pb.GenerateRespons
         msg.finish_reason = delta.finish_reason
         msg.usage.prompt_tokens = usage.prompt_tokens
         msg.usage.completion_tokens = usage.completion_tokens
+        msg.usage.cached_tokens = usage.cached_tokens
         msg.timings.CopyFrom(timings_message(stream.timings()))
     return msg
 

@@ -20,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from router.cache_index import CacheIndex
 from router.incidents import first_line
 from router.policies import InstanceLoad
 from router.stream import RequestStream
@@ -45,6 +46,7 @@ class Instance:
         self.refused = False
         self.requests_total = 0
         self.streams: dict[str, RequestStream] = {}  # by the id the instance knows
+        self.cache = CacheIndex()  # the block hashes its prefix cache holds (as last polled)
         self._task: asyncio.Task | None = None
 
     @property
@@ -64,6 +66,7 @@ class Instance:
         self.info = await self.handle.ready.remote()
         self.capacity = self.info["max_batch_size"]
         self.load.total_blocks = self.load.free_blocks = self.info["num_blocks"]
+        self.load.block_size = self.info["block_size"]
         self.ready = True
         return self.info
 
@@ -112,6 +115,7 @@ class Instance:
         self.load.outstanding = self.load.running = self.load.queued = 0
         self.load.prefill_tokens = 0
         self.load.free_blocks = info["num_blocks"]
+        self.cache = CacheIndex()
 
     async def stats(self) -> dict:
         if self.dead is not None:
@@ -121,14 +125,16 @@ class Instance:
     async def _poll(self, on_updates, on_dead) -> None:
         while True:
             try:
-                updates, stats = await self.handle.poll.remote(CONSUMER, POLL_TIMEOUT_S)
+                polled = await self.handle.poll.remote(CONSUMER, POLL_TIMEOUT_S, self.cache.cursor)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the actor died
                 on_dead(self, f"instance {self.name} failed: {first_line(e)}")
                 return
+            stats = polled.stats
             self.last_stats = stats
             self.load.running, self.load.queued = stats["running"], stats["queued"]
             self.load.free_blocks = stats["free_blocks"]
             self.refused = False
-            on_updates(self, updates)
+            self.cache.apply(polled.cache)  # before the updates: a finished prompt's blocks
+            on_updates(self, polled.updates)

@@ -23,6 +23,8 @@ GAUGES = (
      "Requests the router placed on the instance, not finished."),
     ("instance_free_kv_blocks", "free_blocks", "Free KV cache blocks."),
     ("instance_kv_blocks", "total_blocks", "KV cache blocks."),
+    ("instance_prefix_cached_kv_blocks", "prefix_cached_blocks",
+     "KV blocks registered in the prefix cache (held or not)."),
 )  # fmt: skip
 COUNTERS = (
     ("instance_requests", "requests_total", "Requests the router placed on the instance."),
@@ -30,7 +32,12 @@ COUNTERS = (
     ("instance_steps", "steps_total", "Engine steps the instance ran."),
     ("instance_kv_bytes", "kv_bytes_total", "KV bytes the instance sent or received."),
     ("instance_restarts", "restarts", "Times the supervisor restarted the instance."),
-)
+    # vLLM's prefix_cache_queries / prefix_cache_hits: in tokens; hit rate = hits / queries
+    ("instance_prefix_cache_queries", "prefix_cache_queries_total",
+     "Prompt tokens looked up in the prefix cache at admission."),
+    ("instance_prefix_cache_hits", "prefix_cache_hits_total",
+     "Prompt tokens found in the prefix cache at admission (not computed)."),
+)  # fmt: skip
 
 
 class InstanceCollector(Collector):

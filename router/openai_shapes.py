@@ -132,8 +132,11 @@ class Reply:
 
 
 def usage_object(usage: Usage) -> dict:
+    """OpenAI's usage object, with ``prompt_tokens_details.cached_tokens`` (the prompt
+    tokens served from a prefix cache) as vLLM's ``--enable-prompt-tokens-details``."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 
 from engine.messages import Attempt, Update, attempt_id
 from router.instances import CONSUMER, Instance
-from router.policies import RoutingPolicy
+from router.policies import InstanceLoad, RoutingPolicy
 from router.stream import Delta, RequestStream
 
 
@@ -50,6 +50,7 @@ class Placement(ABC):
         serial = f"{self._incarnation}{next(self._serial):x}"
         stream.attempt_id = attempt_id(stream.request_id, stream.attempt, serial)
         stream.landed = False
+        stream.info.pop("cached_tokens", None)  # each attempt reports its own hit
         return Attempt(
             stream.attempt_id,
             tuple(stream.prompt_ids),
@@ -59,6 +60,22 @@ class Placement(ABC):
             delivered_chars=stream.text_chars,
             **fields,
         )
+
+    def loads(self, stream: RequestStream, candidates: list[Instance]) -> list[InstanceLoad]:
+        """The candidates' loads for ``policy.choose``; for a policy that ``uses_cache``,
+        each with ``hit_tokens``: the leading prompt blocks its prefix cache holds (as the
+        router's view predicts), capped as the engine caps a hit (the block of the last
+        prompt token is always computed: at most ``(prompt - 1) // block_size`` blocks)."""
+        if self.policy.uses_cache:
+            for inst in candidates:
+                inst.load.hit_tokens = self.hit_tokens(inst, stream)
+        return [i.load for i in candidates]
+
+    def hit_tokens(self, inst: Instance, stream: RequestStream) -> int:
+        """The leading prompt tokens ``inst``'s prefix cache holds, as ``loads`` caps them."""
+        bs = inst.load.block_size
+        hashes = stream.block_hashes(bs)[: (len(stream.prompt_ids) - 1) // bs]
+        return inst.cache.hit_blocks(hashes) * bs
 
     @abstractmethod
     def can_place(self, stream: RequestStream) -> bool: ...
@@ -89,9 +106,10 @@ class Colocated(Placement):
         return any(i.has_room() for i in self.instances)
 
     def place(self, stream: RequestStream) -> None:
-        candidates = [i.load for i in self.instances if i.has_room()]
-        fresh = [c for c in candidates if c.name not in stream.avoid] or candidates
-        inst = self.by_name[self.policy.choose(len(stream.prompt_ids), fresh).name]
+        candidates = [i for i in self.instances if i.has_room()]
+        fresh = [i for i in candidates if i.name not in stream.avoid] or candidates
+        choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
+        inst = self.by_name[choice.name]
         attempt = self.attempt(stream)
         stream.pair = (inst.name,)
         inst.hold(stream)
@@ -104,6 +122,7 @@ class Colocated(Placement):
             stream = inst.streams.get(u.request_id)
             if stream is None:
                 continue  # aborted meanwhile
+            stream.info.update(u.info)
             stream.deliver(
                 Delta(u.token_ids, u.text, u.finish_reason, u.error, logprobs=u.logprobs)
             )

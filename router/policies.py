@@ -1,4 +1,5 @@
-"""Routing policies: which instance gets the next request, chosen by name."""
+"""Routing policies: which instance gets the next request, chosen by name
+(docs/serving.md, "Admission and routing" and "Cache-aware routing")."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ class InstanceLoad:
     free_blocks: int = 0  # free KV blocks (last report)
     total_blocks: int = 0
     prefill_tokens: int = 0  # prefill instances: prompt tokens sent and not handed off
+    block_size: int = 16  # tokens per KV block (the instance's ``ready()``)
+    # leading prompt tokens the instance's prefix cache holds, as the router's view of it
+    # predicts (router/cache_index.py); filled before ``choose`` only for a policy whose
+    # ``uses_cache`` is set, else 0
+    hit_tokens: int = 0
 
 
 class RoutingPolicy(ABC):
@@ -29,9 +35,12 @@ class RoutingPolicy(ABC):
     list of the instances that have room now, in ``index`` order. It returns
     one of them, must not block or mutate them, and may keep state of its own
     across calls (a cursor). The router updates the loads; policies only read them.
+    ``uses_cache``: the router fills each candidate's ``hit_tokens`` for this request
+    before calling ``choose`` (hashing the prompt costs a policy that ignores it).
     """
 
     name: str = ""
+    uses_cache: bool = False
 
     @abstractmethod
     def choose(self, prompt_len: int, candidates: Sequence[InstanceLoad]) -> InstanceLoad: ...
@@ -60,7 +69,36 @@ class LeastLoaded(RoutingPolicy):
         return min(candidates, key=lambda c: (c.outstanding, -c.free_blocks, c.index))
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (RoundRobin, LeastLoaded)}
+class CacheAware(RoutingPolicy):
+    """The instance that would finish the new prefill work soonest, net of its load: the
+    lowest ``cost`` (Dynamo's KV router: overlap-weighted prefill blocks + active
+    blocks), in KV blocks of the candidate:
+
+        cost = OVERLAP_WEIGHT * (miss + queued) + active
+        miss   = blocks of the prompt not in its prefix cache (ceil((prompt - hit) / bs))
+        queued = blocks of prompt tokens sent to it and not yet handed off (prefill pool)
+        active = KV blocks its running requests hold (total - free: cached blocks are free)
+
+    Ties go to fewer unfinished requests, then the lower index. Used for the co-located
+    instance, and in disaggregated mode for the decode and the prefill choice."""
+
+    name = "cache_aware"
+    uses_cache = True
+    OVERLAP_WEIGHT = 1.0  # Dynamo's default overlap_score_weight
+
+    def choose(self, prompt_len: int, candidates: Sequence[InstanceLoad]) -> InstanceLoad:
+        return min(candidates, key=lambda c: (self.cost(prompt_len, c), c.outstanding, c.index))
+
+    @classmethod
+    def cost(cls, prompt_len: int, c: InstanceLoad) -> float:
+        miss = -(-max(0, prompt_len - c.hit_tokens) // c.block_size)
+        queued = -(-c.prefill_tokens // c.block_size)
+        return cls.OVERLAP_WEIGHT * (miss + queued) + (c.total_blocks - c.free_blocks)
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (RoundRobin, LeastLoaded, CacheAware)
+}
 
 
 def make_policy(name: str) -> RoutingPolicy:

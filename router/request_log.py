@@ -22,9 +22,9 @@ from router.stream import RequestStream
 
 FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-REQUEST_FIELDS = ("request_id", "outcome", "instances", "prompt_tokens", "output_tokens",
-                  "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "kv_bytes", "transfer_ms",
-                  "attempts", "prefill")  # fmt: skip
+REQUEST_FIELDS = ("request_id", "outcome", "instances", "prompt_tokens", "cached_tokens",
+                  "output_tokens", "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "kv_bytes",
+                  "transfer_ms", "attempts", "prefill")  # fmt: skip
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 requests_log = logging.getLogger("router.requests")
@@ -67,6 +67,7 @@ def request_fields(stream: RequestStream, outcome: str) -> dict:
         "outcome": outcome,
         "instances": t.instances,
         "prompt_tokens": len(stream.prompt_ids),
+        "cached_tokens": stream.usage().cached_tokens,
         "output_tokens": stream.num_tokens,
         "ttft_ms": t.ttft_ms,
         "tpot_ms": t.tpot_ms,

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.block_hash import block_hashes
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 from router.request import Refused
@@ -43,6 +44,9 @@ class Delta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # prompt tokens whose KV was not computed for this request: a prefix cache hit on the
+    # instance that computed the prompt (docs/serving.md, "Cached tokens")
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -127,6 +131,7 @@ class RequestStream:
     token_ids: list[int] = field(default_factory=list)
     text_chars: int = 0
     info: dict = field(default_factory=dict)  # what the instances reported (phases, KV)
+    _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)  # by block size
 
     @property
     def num_tokens(self) -> int:
@@ -191,8 +196,18 @@ class RequestStream:
             raise delta.refused
         return delta
 
+    def block_hashes(self, block_size: int) -> list[int]:
+        """The prompt's full-block hashes (engine/block_hash.py), computed once per size."""
+        if block_size not in self._hashes:
+            self._hashes[block_size] = block_hashes(self.prompt_ids, block_size)
+        return self._hashes[block_size]
+
     def usage(self) -> Usage:
-        return Usage(len(self.prompt_ids), self.num_tokens)
+        """Token counts; ``cached_tokens`` as the last attempt's prompt instance reported
+        it (``info["cached_tokens"]``), at most the prompt (a resumed attempt's hit may
+        cover tokens already delivered)."""
+        cached = min(int(self.info.get("cached_tokens", 0)), len(self.prompt_ids))
+        return Usage(len(self.prompt_ids), self.num_tokens, cached)
 
     def timings(self) -> Timings:
         end = self.last_token_at or time.monotonic()

@@ -56,7 +56,7 @@ def collect(worker, attempt_id: str, until=lambda u: u.final, timeout_s: float =
     """The updates of ``attempt_id`` on ``worker``'s ``test`` outbox until ``until``."""
     got, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        updates, _ = worker.poll("test", 1.0)
+        updates = worker.poll("test", 1.0).updates
         for u in updates:
             assert u.request_id == attempt_id and u.error is None, u.error
             got.append(u)

@@ -62,7 +62,7 @@ def collect(worker, attempt_id: str, until=lambda u: u.final, timeout_s: float =
     one satisfies ``until``; an error fails the test."""
     s, deadline = Stream([], [], None), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        updates, _ = worker.poll("test", 1.0)
+        updates = worker.poll("test", 1.0).updates
         for u in updates:
             assert u.request_id == attempt_id and u.error is None, u.error
             s.token_ids += u.token_ids

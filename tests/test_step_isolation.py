@@ -79,7 +79,7 @@ def test_an_instance_reports_the_failed_request_alone_and_serves_the_rest(clean,
         deadline = time.monotonic() + 120
         while len(errors) + len(finished) < len(PROMPTS):
             assert time.monotonic() < deadline, (got, errors)
-            updates, _ = worker.poll("test", 1.0)
+            updates = worker.poll("test", 1.0).updates
             for u in updates:
                 if u.error is not None:
                     errors[u.request_id] = u.error

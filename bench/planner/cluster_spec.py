@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bench.planner.prefix import POLICIES
+
 
 @dataclass(frozen=True)
 class PoolSpec:
@@ -14,6 +16,7 @@ class PoolSpec:
     max_batch_size: int = 64
     kv_blocks: int | None = None  # None: as many as the device memory holds (cost model)
     block_size: int = 16
+    prefix_caching: bool = True  # its instances reuse cached prefixes (given tokens)
 
     @property
     def devices(self) -> int:
@@ -34,12 +37,15 @@ class ClusterSpec:
     # hybrid: slo.tpot_ms, which bounds local prefill beside a running batch (the router's
     # prefill choice, router/prefill_choice.py); None: no bound
     tpot_ms: float | None = None
+    policy: str = "least_loaded"  # the router's: or cache_aware (bench.planner.prefix)
 
     def __post_init__(self):
         if self.mode not in ("colocated", "disaggregated", "hybrid"):
             raise ValueError(
                 f"mode {self.mode!r}: allowed values are colocated, disaggregated, hybrid"
             )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r}: allowed values are {', '.join(POLICIES)}")
 
     @property
     def devices(self) -> int:
@@ -102,6 +108,7 @@ def from_cluster_config(config) -> ClusterSpec:
             p.max_batch_size,
             p.kv_blocks,
             p.block_size,
+            p.prefix_caching,
         )
 
     return ClusterSpec(
@@ -111,4 +118,5 @@ def from_cluster_config(config) -> ClusterSpec:
         pool(config.colocated),
         layerwise=config.kv_transfer.layerwise,
         tpot_ms=config.slo.tpot_ms,
+        policy=config.router.policy,
     )

@@ -216,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.served:
             from bench.planner.served import profile_served
-            from bench.runner import workload_spec
+            from bench.workload_args import workload_spec
 
             cost = profile_served(
                 args.config, args.set or [], workload_spec(args), args.rate, args.duration, log=log

@@ -13,7 +13,12 @@ What it models, as the engine and router do it:
 - co-located mixed steps: decodes first, then prompt chunks, one step costing the cost
   model's ``mixed_s`` (its own fit of served mixed steps, or prefill + decode);
 - the KV transfer past the prefill: layer-wise, only what the last chunk's step does
-  not hide, max(0, transfer - step); else all of it.
+  not hide, max(0, transfer - step); else all of it;
+- prefix hits, for requests given with their tokens (``bench.planner.prefix``): each
+  instance's LRU of block keys; a prompt computes only its uncached suffix, the
+  transfer carries only the blocks the decode instance lacks; the router's policy
+  (``least_loaded`` or ``cache_aware``) picks the instances; a conversation's next
+  turn arrives its think time after the previous one finishes (closed loop).
 Simplifications: a request reserves the blocks of its whole output at admission (no
 preemption); the first token is streamed when the request reaches its decode batch.
 """
@@ -28,6 +33,15 @@ from dataclasses import dataclass
 
 from bench.metrics import Record
 from bench.planner.cluster_spec import ClusterSpec, PoolSpec
+from bench.planner.prefix import (
+    NO_KEYS,
+    Keys,
+    PrefixLRU,
+    SimInput,
+    expected_hit,
+    pick,
+    take_hit,
+)
 from bench.planner.sim_hybrid import prefill_choice
 from router.prefill_choice import LOCAL
 
@@ -48,6 +62,10 @@ class SimRequest:
     done: int = 0  # prompt tokens computed
     join_step: int = 0
     decode_instance: object = None  # disaggregated: where its blocks are reserved
+    keys: Keys = NO_KEYS  # its block keys (none: no prefix hits)
+    cached: int = 0  # prompt tokens served from the cache where it was prefilled
+    transfer_tokens: int = 0  # disaggregated: prompt tokens the decode instance lacked
+    next: tuple[tuple[float, SimRequest], ...] = ()  # (think time, next turn)
 
     def record(self, kv_bytes_per_token: float) -> Record:
         ttft = (self.first_token_s - self.arrival_s) * 1000
@@ -66,7 +84,8 @@ class SimRequest:
             queue_ms=(self.dispatched_s - self.arrival_s) * 1000,
             finish_reason="length",
             instances=list(self.instances),
-            kv_bytes=int(self.prompt_len * kv_bytes_per_token) if disagg else 0,
+            kv_bytes=int(self.transfer_tokens * kv_bytes_per_token) if disagg else 0,
+            cached_tokens=self.cached,
             transfer_ms=self.exposed_transfer_s * 1000,
             phases={"prefill_end": (self.prefill_end_s - self.arrival_s) * 1000},
         )
@@ -109,6 +128,7 @@ class Instance:
         self.sim, self.name, self.pool = sim, name, pool
         self.role = name.rsplit("-", 1)[0]
         self.free_blocks, self.total_blocks = blocks, blocks
+        self.cache = PrefixLRU(blocks) if pool.prefix_caching else None
         self.outstanding = 0
         self.busy = False
         self.queued_tokens = 0
@@ -133,6 +153,11 @@ class Instance:
         self.free_blocks += r.blocks
         self.outstanding -= 1
         self.sim.done.append(r)
+        if self.cache is not None:
+            self.cache.insert(r.keys.whole)
+        for think, turn in r.next:  # a conversation's next turn: closed loop
+            turn.arrival_s = t + think
+            self.sim.at(turn.arrival_s, lambda turn=turn: self.sim.arrive(turn))
         self.sim.dispatch()
 
     def chunks(self, budget: int, admit: bool) -> tuple[list[tuple[SimRequest, int]], float]:
@@ -150,9 +175,9 @@ class Instance:
                 break
             r = self.waiting.popleft()
             self.prompts.append(r)
-            n = min(r.prompt_len, budget)
+            n = min(r.prompt_len - r.done, budget)  # done: its cache hit
             items.append((r, n))
-            sq += n**2
+            sq += (r.done + n) ** 2 - r.done**2
             budget -= n
         return items, sq
 
@@ -188,6 +213,8 @@ class Instance:
             if r.done == r.prompt_len:
                 self.prompts.remove(r)
                 r.prefill_end_s = now
+                if self.cache is not None:
+                    self.cache.insert(r.keys.prompt)
                 sim.prefilled(self, r, prefill_s)
         for r in finished:
             self.finish(r, now)
@@ -218,32 +245,36 @@ class Simulator:
     def at(self, t: float, fn) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn))
 
-    def run(self, requests: list[tuple[float, int, int]]) -> list[Record]:
-        """(arrival_s, prompt_len, output_len) in arrival order -> one Record each."""
+    def run(self, requests: list[tuple[float, int, int] | SimInput]) -> list[Record]:
+        """(arrival_s, prompt_len, output_len), or ``SimInput``s (with their tokens:
+        prefix hits), in arrival order -> one Record each."""
         block = self.front[0].pool.block_size
         sims = []
-        for i, (t, p, o) in enumerate(requests):
+        for i, item in enumerate(requests):
+            if isinstance(item, SimInput):
+                t, p, o = item.arrival_s, len(item.prompt_ids), len(item.output_ids)
+            else:
+                t, p, o = item
             r = SimRequest(i, t, p, o, blocks=math.ceil((p + o) / block))
             sims.append(r)
+            if isinstance(item, SimInput):
+                r.keys = Keys.of(item, block)
+                if item.follows is not None:
+                    sims[item.follows].next += ((item.think_s, r),)
+                    continue
             self.at(t, lambda r=r: self.arrive(r))
-        too_big = [r for r in sims if r.blocks > self.front[0].total_blocks]
         while self.events:
             self.now, _, fn = heapq.heappop(self.events)
             fn()
         kvb = self.cost.kv_bytes_per_token
-        out = [r.record(kvb) for r in sorted(self.done, key=lambda r: r.index)]
-        for r in too_big:
-            out.insert(
-                r.index,
-                Record(
-                    r.index,
-                    r.arrival_s,
-                    r.prompt_len,
-                    r.output_len,
-                    error="does not fit the KV cache",
-                ),
-            )
-        return out
+        finished = {r.index for r in self.done}
+        return [r.record(kvb) if r.index in finished else self.lost(r) for r in sims]
+
+    def lost(self, r: SimRequest) -> Record:
+        """The record of a request that never ran."""
+        big = r.blocks > self.front[0].total_blocks
+        why = "does not fit the KV cache" if big else "an earlier turn of its conversation failed"
+        return Record(r.index, r.arrival_s, r.prompt_len, r.output_len, error=why)
 
     def arrive(self, r: SimRequest) -> None:
         if r.blocks > self.front[0].total_blocks:
@@ -257,28 +288,35 @@ class Simulator:
             room = [i for i in self.front if i.has_room(r)]
             if not room:
                 return  # head-of-line: the next finish or landing tries again
-            inst = min(room, key=lambda i: (i.outstanding, -i.free_blocks))
+            policy = self.cluster.policy
+            inst = pick(room, r, policy, lambda i: (i.outstanding, -i.free_blocks))
             self.queue.popleft()
             r.dispatched_s = self.now
+            hit = take_hit(inst, r) * inst.pool.block_size
             if self.cluster.mode == "colocated":
-                self._start(inst, r)
+                self._start(inst, r, hit)
                 continue
-            pre = min(self.prefill, key=lambda i: i.queued_tokens)
-            hybrid = self.cluster.mode == "hybrid"  # the router's choice, same function
-            if hybrid and prefill_choice(self, r, inst, pre).where == LOCAL:
-                self._start(inst, r)
-                inst.queued_tokens += r.prompt_len
-                continue
+            pre = pick(self.prefill, r, policy, lambda i: i.queued_tokens)
+            if self.cluster.mode == "hybrid":  # the router's choice, the same function
+                remote_hit = expected_hit(pre, r) * pre.pool.block_size
+                if prefill_choice(self, r, inst, pre, hit, remote_hit).where == LOCAL:
+                    self._start(inst, r, hit)
+                    inst.queued_tokens += r.prompt_len - hit
+                    continue
             inst.outstanding += 1
             inst.free_blocks -= r.blocks
+            r.transfer_tokens = r.prompt_len - hit  # the decode instance holds the hit
+            r.cached = r.done = take_hit(pre, r) * pre.pool.block_size
             r.instances = (pre.name, inst.name)
             r.decode_instance = inst
             pre.prompts.append(r)
-            pre.queued_tokens += r.prompt_len
+            pre.queued_tokens += r.prompt_len - r.cached
             pre.kick()
 
-    def _start(self, inst: Instance, r: SimRequest) -> None:
-        """The whole request on ``inst``: prefill in its mixed steps, then decode there."""
+    def _start(self, inst: Instance, r: SimRequest, hit: int) -> None:
+        """The whole request on ``inst``: prefill in its mixed steps (``hit`` prompt tokens
+        served from its cache), then decode there."""
+        r.cached = r.done = hit
         inst.outstanding += 1
         inst.free_blocks -= r.blocks
         r.instances = (inst.name,)
@@ -296,7 +334,7 @@ class Simulator:
             return
         exposed = self.cluster.exposed_transfer_s
         if exposed is None:
-            transfer = self.cost.transfer_s(r.prompt_len * self.cost.kv_bytes_per_token)
+            transfer = self.cost.transfer_s(r.transfer_tokens * self.cost.kv_bytes_per_token)
             exposed = max(0.0, transfer - step_s) if self.cluster.layerwise else transfer
         r.exposed_transfer_s = exposed
         dec = r.decode_instance

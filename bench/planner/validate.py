@@ -53,7 +53,7 @@ def prefill_ms(records) -> float:
 
 def main(argv=None) -> None:
     from bench.planner.fitted import FittedCost
-    from bench.runner import add_workload_arguments, parse_common
+    from bench.workload_args import add_workload_arguments, parse_common
 
     p = argparse.ArgumentParser(prog="bench.planner.validate")
     p.add_argument("configs", nargs="+")

@@ -1,11 +1,13 @@
 """Simulator inputs from ``bench.workloads``: the requests' lengths (the real datasets,
-tokenized with a real tokenizer) and their arrival times at a rate."""
+tokenized with a real tokenizer) and their arrival times at a rate; or the requests
+with their tokens (``sim_inputs``), for prefix hits."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from bench.workloads import WorkloadSpec, arrival_times, sample_requests
+from bench.planner.prefix import SimInput
+from bench.workloads import WorkloadSpec, arrival_times, make_workload, sample_requests
 
 TOKENIZER_MODEL = "smollm2-135m"  # the embedded model; its tokenizer sizes the requests
 
@@ -31,3 +33,28 @@ def with_arrivals(
     """The (arrival_s, prompt, output) triples the simulator takes, at ``rate`` per second."""
     times = arrival_times(len(lengths), rate, burstiness, seed)
     return [(t, p, o) for t, (p, o) in zip(times, lengths, strict=True)]
+
+
+def sim_inputs(
+    spec: WorkloadSpec, n: int, rate: float, max_len: int, tokenizer_model: str = TOKENIZER_MODEL
+) -> list[SimInput]:
+    """The workload's requests with their token ids, as ``pdserve bench`` sends them at
+    ``rate``. ``multiturn``: n conversations, closed-loop, each turn following the one
+    before by its think time, the dataset's answers standing for the server's (same
+    lengths); other workloads: open-loop, outputs of token 0 (their content is never
+    asked for by another prompt)."""
+    tokenizer = _tokenizer(tokenizer_model)
+    if spec.name != "multiturn":
+        reqs = make_workload(spec, tokenizer, n, rate, max_len)
+        return [SimInput(r.arrival_s, r.prompt_token_ids, [0] * r.output_len) for r in reqs]
+    from bench.multiturn import make_conversations, turn_prompts
+
+    out: list[SimInput] = []
+    for conv in make_conversations(spec, tokenizer, n, rate, max_len):
+        answers = [t.planned_answer for t in conv.turns]
+        for k, (turn, prompt) in enumerate(
+            zip(conv.turns, turn_prompts(conv, answers), strict=True)
+        ):
+            follows = len(out) - 1 if k else None
+            out.append(SimInput(conv.arrival_s, prompt, answers[k], follows, turn.think_s))
+    return out

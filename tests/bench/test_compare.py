@@ -13,7 +13,7 @@ from PIL import Image
 
 from bench.compare import SLO_SCALES
 from bench.metrics import SLO, Record, attainment, goodput_from, summarize
-from bench.report import fmt_goodput, rows_at, table, text_table
+from bench.report import PLOTS, ROW_LABELS, fmt_goodput, rows_at, table, text_table
 from cluster.cli import main
 from tests.cluster.helpers import make_chat_model, small_cluster_config
 from tests.cluster.test_disagg import disagg_config
@@ -84,20 +84,21 @@ def test_compare_colocated_and_disaggregated(chat_model, tmp_path, capsys):
         for i, c in enumerate(contenders):
             run = next(run for run in c["runs"] if run["rate"] == rate)
             fresh = rows_at(summarize([Record.from_dict(r) for r in run["records"]], slo))
-            labels = ["attainment", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms"]
-            assert [by_label[f"{label} @ {rate}/s"][i] for label in labels] == fresh
+            assert [by_label[f"{label} @ {rate}/s"][i] for label in ROW_LABELS] == fresh
+            kv = run["summary"]["mean_kv_bytes"]
+            assert (kv > 0) == (c["name"] == "disagg") and 0 <= run["summary"]["hit_rate"] < 1
     assert text_table(header, rows) in printed
 
     # the plots are PNGs, and report.html embeds them and the table, nothing external
     page = (out / "report.html").read_text()
     embedded = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    for name in ("attainment-vs-rate.png", "attainment-vs-slo-scale.png", "tpot-cdf.png"):
+    for name in PLOTS:
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and base64.b64encode(data).decode() in embedded
         with Image.open(out / name) as image:
             image.verify()
             assert image.size == (640, 420)
-    assert len(embedded) == 3 and "http" not in page.replace("http-equiv", "")
+    assert len(embedded) == 4 and "http" not in page.replace("http-equiv", "")
     for row in rows:
         assert all(f">{cell}</t" in page for cell in row if cell)
 

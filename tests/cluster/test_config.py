@@ -120,7 +120,9 @@ def test_messages_name_value_and_what_is_allowed(chat_model):
     )
     assert "'two' is a string; expected an integer" in message({"colocated": {"instances": "two"}})
     assert "allowed keys here are host, port" in message({"router": {"polcy": 1}})
-    assert "allowed values are round_robin, least_loaded" in message({"router": {"policy": "x"}})
+    assert "allowed values are round_robin, least_loaded, cache_aware" in message(
+        {"router": {"policy": "x"}}
+    )
     assert "allowed: 1, 2" in message({"colocated": {"tensor_parallel": 3}})
     assert message({"router": {"queue_timeout_s": float("inf")}}) == (
         "router.queue_timeout_s: inf is not allowed; must be a positive finite number of seconds"

@@ -33,7 +33,7 @@ def test_every_step_is_observed_with_the_stats_after_it(tiny_model):
         finished, deadline = set(), time.monotonic() + 120
         while len(finished) < 3:
             assert time.monotonic() < deadline
-            updates, _ = worker.poll("test", 1.0)
+            updates = worker.poll("test", 1.0).updates
             finished |= {u.request_id for u in updates if u.finish_reason is not None}
         stats = worker.stats()
         assert stats["preemptions_total"] == worker.engine.scheduler.num_preemptions > 0

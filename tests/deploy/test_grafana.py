@@ -87,7 +87,8 @@ def test_every_query_names_a_metric_the_router_exports():
                  "request_time_per_output_token_seconds_bucket", "slo_ttft_seconds",
                  "slo_tpot_seconds", "request_slo_attained_total", "kv_transfer_bytes_sum",
                  "kv_transfer_seconds_bucket", "num_requests_waiting",
-                 "instance_free_kv_blocks", "instance_up"):  # fmt: skip
+                 "instance_free_kv_blocks", "instance_up",
+                 "instance_prefix_cache_hits_total"):  # fmt: skip
         assert f"pdserve:{name}" in used, name
 
 
