@@ -83,8 +83,8 @@ class EngineWorker:
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
         self._steps = StepLog()
-        self._last_step: list[float] = []  # the latest ``step_log`` row, in ``stats()``
         self._cache_log = CacheLog(retain=self.engine.blocks.num_blocks)  # under _lock
+        self._last_step: list[float] = []  # the latest ``step_log`` row, in ``stats()``
         # called on the step loop after each step, with its shape, its seconds (as
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
@@ -316,5 +316,6 @@ class EngineWorker:
             "prefix_cache_queries_total": s.num_queried_tokens,
             "prefix_cache_hits_total": s.num_hit_tokens,
             "prefix_cached_blocks": self.engine.blocks.num_cached_blocks,
+            "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
             **self._totals,
         }

@@ -5,10 +5,12 @@ forward pass, right after the layer is computed) or ``send_all`` hand this rank'
 of a request's KV to the transport; ``finish(transfer_id, handoff)`` sends the END
 (source rank 0's carries the ``Handoff``) and returns once every decode rank answered
 that its share landed, or raises a ``KVTransferError``; ``abort`` forgets a transfer.
-The source blocks stay untouched until ``finish`` returned.
+The source blocks stay untouched until ``finish`` returned. The blocks sent are the
+request's table past the ``cached_blocks`` the destination already holds
+(``KVDestination.source_blocks``), the i-th into the destination's ``block_ids[i]``.
 
-Decode side, one ``KVReceiver`` per rank, owning its cache: ``expect`` reserves and
-returns the transfer's token (its ``address`` and the token go into the
+Decode side, one ``KVReceiver`` per rank, owning its cache: ``expect`` reserves (the
+blocks to write only) and returns the transfer's token (its ``address`` and the token go into the
 ``KVDestination``); the transfer then lands, fails or expires, reported once to
 ``on_event``; ``release`` takes it out in any state, after which no byte of it is
 written, so the blocks may be freed.

@@ -81,10 +81,13 @@ class Disaggregated(Placement):
         choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
         return self.by_name[choice.name]
 
-    def _prefill_for(self, stream: RequestStream) -> Instance:
+    def _prefill_for(self, stream: RequestStream) -> Instance | None:
         """Fewest queued prompt tokens; with a cache-aware policy, the policy's choice
-        (the prefix its cache holds, net of its queue), among those not avoided."""
+        (the prefix its cache holds, net of its queue), among those not avoided; None
+        when no prefill instance is alive."""
         alive = [p for p in self.prefills if p.alive]
+        if not alive:
+            return None
         if self.policy.uses_cache:
             fresh = [p for p in alive if p.name not in stream.avoid] or alive
             choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))

@@ -34,10 +34,10 @@ class ClusterSpec:
     colocated: PoolSpec = field(default_factory=PoolSpec)
     layerwise: bool = True  # KV sent layer by layer during the last chunk
     exposed_transfer_s: float | None = None  # fixed transfer time past prefill, if known
+    policy: str = "least_loaded"  # the router's: or cache_aware (bench.planner.prefix)
     # hybrid: slo.tpot_ms, which bounds local prefill beside a running batch (the router's
     # prefill choice, router/prefill_choice.py); None: no bound
     tpot_ms: float | None = None
-    policy: str = "least_loaded"  # the router's: or cache_aware (bench.planner.prefix)
 
     def __post_init__(self):
         if self.mode not in ("colocated", "disaggregated", "hybrid"):
@@ -117,6 +117,6 @@ def from_cluster_config(config) -> ClusterSpec:
         pool(config.decode),
         pool(config.colocated),
         layerwise=config.kv_transfer.layerwise,
-        tpot_ms=config.slo.tpot_ms,
         policy=config.router.policy,
+        tpot_ms=config.slo.tpot_ms,
     )
