@@ -311,7 +311,6 @@ class EngineWorker:
             "free_blocks": self.engine.blocks.num_free_blocks,
             "total_blocks": self.engine.blocks.num_blocks,
             "preemptions_total": s.num_preemptions,
-            "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
             # prefix cache: prompt tokens looked up at admission, and those found cached
             "prefix_cache_queries_total": s.num_queried_tokens,
             "prefix_cache_hits_total": s.num_hit_tokens,
