@@ -52,8 +52,7 @@ class Hybrid(Disaggregated):
         return any(d.has_room() for d in self.decodes)
 
     def place(self, stream: RequestStream) -> None:
-        decode = self._decode_for(stream)
-        prefill = self._prefill_for(stream) if any(p.alive for p in self.prefills) else None
+        decode, prefill = self._decode_for(stream), self._prefill_for(stream)
         self.costs.kv_bytes_per_token = decode.info.get("kv_bytes_per_token", 0)
         last = stream.prefill_choices[-1] if stream.prefill_choices else None
         inputs = PrefillInputs(
