@@ -43,9 +43,7 @@ async def from_router(
     rec.ttft_ms, rec.tpot_ms, rec.e2e_ms, rec.queue_ms = t.ttft_ms, t.tpot_ms, t.e2e_ms, t.queue_ms
     rec.instances, rec.kv_bytes, rec.transfer_ms = list(t.instances), t.kv_bytes, t.transfer_ms
     rec.phases = {k: v for k, v in t.phases.items() if k != "tokens"}
-    # the final message's cached tokens (issue 21), on the completion or its timings
-    # depending on the router's version; 0 from a router that does not report them
-    rec.cached_tokens = getattr(done, "cached_tokens", 0) or getattr(t, "cached_tokens", 0)
+    rec.cached_tokens = done.cached_tokens
     return list(done.token_ids)
 
 

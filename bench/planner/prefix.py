@@ -11,9 +11,12 @@ What it models, as the engine and router do it (docs/planner.md, "Prefix hits"):
   computed (``(prompt_len - 1) // block_size`` blocks, as ``BlockManager``); a hit
   refreshes its keys;
 - ``least_loaded`` picks the instance with the fewest outstanding requests (most free
-  blocks on a tie); ``cache_aware`` the one with the most expected hit tokens, ties by
-  that same load (a prefill instance: by queued prompt tokens); ``round_robin`` is
-  simulated as ``least_loaded`` (equal instances, equal requests: close).
+  blocks on a tie; a prefill instance: the fewest queued prompt tokens);
+  ``cache_aware`` the lowest cost in KV blocks, as ``router.policies.CacheAware``
+  (Dynamo's KV router): missed prompt blocks + queued prompt blocks (prefill
+  instances) + blocks its running requests hold, ties by outstanding requests;
+  ``round_robin`` is simulated as ``least_loaded`` (equal instances, equal requests:
+  close).
 Simplifications: the LRU holds its capacity whatever the running requests reserve
 (the engine evicts only unreferenced blocks, so under pressure it holds fewer), and a
 request still reserves all its blocks (shared ones are not counted once).
@@ -102,10 +105,18 @@ def expected_hit(inst, r) -> int:
     return inst.cache.peek(r.keys.prompt, hit_limit(r.prompt_len, inst.pool.block_size))
 
 
+def cache_aware_cost(inst, r) -> int:
+    """``router.policies.CacheAware.cost`` of sending ``r`` to ``inst``, in its blocks."""
+    bs = inst.pool.block_size
+    miss = -(-(r.prompt_len - expected_hit(inst, r) * bs) // bs)
+    queued = -(-inst.queued_tokens // bs) if inst.role == "prefill" else 0
+    return miss + queued + inst.total_blocks - inst.free_blocks
+
+
 def pick(instances: list, r, policy: str, load) -> object:
-    """The instance ``policy`` sends ``r`` to; ``load(inst)`` orders the ties."""
+    """The instance ``policy`` sends ``r`` to; ``load(inst)``: least_loaded's order."""
     if policy == "cache_aware":
-        return min(instances, key=lambda i: (-expected_hit(i, r), load(i)))
+        return min(instances, key=lambda i: (cache_aware_cost(i, r), i.outstanding))
     return min(instances, key=load)
 
 

@@ -73,17 +73,26 @@ def test_caching_off_computes_and_sends_everything():
 
 @pytest.mark.timeout(30)
 def test_cache_aware_sends_the_turn_to_its_cache_least_loaded_to_the_idle():
-    # colocated-0 serves turn 0, then (both idle, a tie: the first) a long request at
-    # 0.5 s; turn 1 arrives at 1.04 s with colocated-0 busy
+    # turn 0 (200 tokens) on colocated-0 ends at 0.23 s (a 0.21 s step, one decode);
+    # a request at 0.5 s (both idle: the first) holds 10 blocks there until ~1.1 s;
+    # turn 1 (205 tokens) arrives at 0.73 s
     pool = PoolSpec(instances=2, block_size=4, kv_blocks=256)
-    long = SimInput(0.5, list(range(200, 210)), [0] * 500)
+    prompt = list(range(200))
+    turns = [
+        SimInput(0.0, prompt, ANSWER),
+        SimInput(0.0, prompt + ANSWER + [50, 51, 52], [7, 7], 0, 0.5),
+        SimInput(0.5, list(range(300, 310)), [0] * 30),
+    ]
+    # cache_aware's cost in blocks: colocated-0 misses ceil(5 / 4) = 2 (50 blocks hit)
+    # + 10 held = 12; colocated-1 misses ceil(205 / 4) = 52
     for policy, where, cached in [
         ("least_loaded", "colocated-1", 0),
-        ("cache_aware", "colocated-0", 12),
+        ("cache_aware", "colocated-0", 200),
     ]:
         cluster = ClusterSpec("colocated", colocated=pool, policy=policy)
-        first, second, other = simulate(cluster, LinearCost(), [*conversation(), long])
+        first, second, other = simulate(cluster, LinearCost(), turns)
         assert first.instances == other.instances == ["colocated-0"]
+        assert second.sent_s == pytest.approx(0.73)
         assert second.instances == [where] and second.cached_tokens == cached
 
 
