@@ -57,8 +57,8 @@ class Hybrid(Disaggregated):
         last = stream.prefill_choices[-1] if stream.prefill_choices else None
         inputs = PrefillInputs(
             prompt_tokens=len(stream.prompt_ids) + len(stream.token_ids),
-            local_hit_tokens=self._expected_hit(decode, stream),
-            remote_hit_tokens=self._expected_hit(prefill, stream),
+            local_hit_tokens=self.hit_tokens(decode, stream),
+            remote_hit_tokens=self.hit_tokens(prefill, stream) if prefill else 0,
             remote_queue_tokens=prefill.load.prefill_tokens if prefill else 0,
             local_queue_tokens=decode.load.prefill_tokens,
             running=decode.load.running,
@@ -75,11 +75,6 @@ class Hybrid(Disaggregated):
             self._place_local(stream, decode, inputs.prompt_tokens - inputs.local_hit_tokens)
         else:
             self._place_remote(stream, decode, prefill)
-
-    def _expected_hit(self, inst: Instance | None, stream: RequestStream) -> int:
-        """Leading prompt tokens whose KV ``inst`` is expected to hold: 0 until the router
-        knows the instances' cached block hashes (cache-aware routing)."""
-        return 0
 
     def _place_local(self, stream: RequestStream, decode: Instance, tokens: int) -> None:
         attempt = self.attempt(stream, decode=decode.name)

@@ -68,10 +68,14 @@ class Placement(ABC):
         prompt token is always computed: at most ``(prompt - 1) // block_size`` blocks)."""
         if self.policy.uses_cache:
             for inst in candidates:
-                bs = inst.load.block_size
-                hashes = stream.block_hashes(bs)[: (len(stream.prompt_ids) - 1) // bs]
-                inst.load.hit_tokens = inst.cache.hit_blocks(hashes) * bs
+                inst.load.hit_tokens = self.hit_tokens(inst, stream)
         return [i.load for i in candidates]
+
+    def hit_tokens(self, inst: Instance, stream: RequestStream) -> int:
+        """The leading prompt tokens ``inst``'s prefix cache holds, as ``loads`` caps them."""
+        bs = inst.load.block_size
+        hashes = stream.block_hashes(bs)[: (len(stream.prompt_ids) - 1) // bs]
+        return inst.cache.hit_blocks(hashes) * bs
 
     @abstractmethod
     def can_place(self, stream: RequestStream) -> bool: ...

@@ -63,8 +63,9 @@ class PrefillInputs:
     """What is known of one request and its two candidate places when it is placed.
 
     ``prompt_tokens`` is what the KV covers (prompt + a resumed request's delivered
-    tokens); the hits are leading tokens whose KV each side already holds (0 when
-    unknown), each < ``prompt_tokens``."""
+    tokens); the hits are leading tokens whose KV each side already holds (the
+    router's view of the instances' prefix caches; 0 when unknown), each <
+    ``prompt_tokens``."""
 
     prompt_tokens: int
     local_hit_tokens: int  # cached on the chosen decode instance

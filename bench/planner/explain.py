@@ -28,20 +28,20 @@ def limiter(c: Candidate, slo: SLO) -> str:
     transfer = _mean([r.transfer_ms for r in records])
     tpot = s["p90_tpot_ms"] or 0.0
     split = f"mean router queue {queue:.0f} ms, prefill wait+compute {prefill:.0f} ms"
-    if c.cluster.mode == "disaggregated":
+    if c.cluster.mode != "colocated":
         split += f", exposed KV transfer {transfer:.1f} ms"
     if s["attainment_ttft"] <= s["attainment_tpot"]:
         if queue > prefill:
             where = (
                 "decode capacity: requests wait at the router for a decode slot "
                 "(max_batch_size / KV blocks)"
-                if c.cluster.mode == "disaggregated"
+                if c.cluster.mode != "colocated"
                 else "instance slots: requests wait at the router (max_batch_size / KV blocks)"
             )
         else:
             where = (
                 "prefill queueing: the prefill pool is saturated"
-                if c.cluster.mode == "disaggregated"
+                if c.cluster.mode != "colocated"
                 else "prefill queueing: prompt chunks wait behind other prompts and decodes"
             )
         return f"{head}: TTFT breaks first, {where} ({split})"
@@ -64,7 +64,7 @@ def report(ranked: list[Candidate], phase: dict, slo: SLO, top: int = 5) -> list
     win = ranked[0]
     lines.append(f"winner: {win.cluster.describe()}: {win.value:.3g} req/s")
     lines.append(f"  limited by: {limiter(win, slo)}")
-    if win.cluster.mode == "disaggregated":
+    if win.cluster.mode != "colocated":
         p, d = win.cluster.prefill, win.cluster.decode
         gp, gd = phase.get(("prefill", p.tp), 0), phase.get(("decode", d.tp), 0)
         lines.append(

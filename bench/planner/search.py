@@ -125,7 +125,7 @@ def phase_goodputs(cost, lengths, cfg: SearchConfig, tps: list[int]) -> dict:
 def candidates(phase: dict, cfg: SearchConfig, tps: list[int]) -> list[Candidate]:
     n = cfg.devices
     out = []
-    if "disaggregated" in cfg.modes:
+    if "disaggregated" in cfg.modes or "hybrid" in cfg.modes:
         for tp_p in tps:
             for tp_d in tps:
                 if ("prefill", tp_p) not in phase or ("decode", tp_d) not in phase:
@@ -139,8 +139,11 @@ def candidates(phase: dict, cfg: SearchConfig, tps: list[int]) -> list[Candidate
                         replace(cfg.pool, instances=n_p, tp=tp_p),
                         replace(cfg.pool, instances=n_d, tp=tp_d),
                     )
-                    cluster = ClusterSpec("disaggregated", *pools, layerwise=cfg.layerwise)
-                    out.append(Candidate(cluster, est))
+                    for mode in [m for m in ("disaggregated", "hybrid") if m in cfg.modes]:
+                        # hybrid: the same pools; the estimate is the disaggregated one's
+                        cluster = ClusterSpec(mode, *pools, layerwise=cfg.layerwise,
+                                              tpot_ms=cfg.slo.tpot_ms)  # fmt: skip
+                        out.append(Candidate(cluster, est))
     if "colocated" in cfg.modes:
         for tp in tps:
             if ("colocated", tp) in phase and n // tp >= 1:

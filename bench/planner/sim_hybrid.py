@@ -9,15 +9,17 @@ import math
 from router.prefill_choice import PrefillChoice, PrefillCosts, PrefillInputs, choose_prefill
 
 
-def prefill_choice(sim, r, decode, prefill, hit_tokens: int = 0) -> PrefillChoice:
+def prefill_choice(
+    sim, r, decode, prefill, local_hit: int = 0, remote_hit: int = 0
+) -> PrefillChoice:
     """Where request ``r`` is prefilled: on ``decode`` (the instance that will decode it,
-    chosen already) or on ``prefill`` (the prefill instance with the fewest queued prompt
-    tokens). ``hit_tokens``: its prefix cached on either side (0: no prefix cache
-    modelled). Called before ``r`` counts in either instance's load, as the router does."""
+    chosen already) or on ``prefill`` (the one the remote path would use). The hits:
+    leading prompt tokens each one's prefix cache holds (``bench.planner.prefix``).
+    Called before ``r`` counts in either instance's load, as the router does."""
     cost, n = sim.cost, r.prompt_len
     chunk = max(1, min(n, decode.pool.max_batch_tokens))
     remote_chunk = max(1, min(n, prefill.pool.max_batch_tokens))
-    kv_bytes = n * cost.kv_bytes_per_token
+    kv_bytes = n * cost.kv_bytes_per_token  # the transfer's cost per token, at this size
     batch = len(decode.batch)
     costs = PrefillCosts(  # a step's fixed cost folded into this prompt's chunk's tokens
         local_step_s=cost.decode_s(batch, decode.batch.context, decode.pool.tp) if batch else 0.0,
@@ -30,8 +32,8 @@ def prefill_choice(sim, r, decode, prefill, hit_tokens: int = 0) -> PrefillChoic
     tpot_ms = sim.cluster.tpot_ms
     inputs = PrefillInputs(
         prompt_tokens=n,
-        local_hit_tokens=hit_tokens,
-        remote_hit_tokens=hit_tokens,
+        local_hit_tokens=local_hit,
+        remote_hit_tokens=remote_hit,
         remote_queue_tokens=prefill.queued_tokens,
         local_queue_tokens=decode.queued_tokens,
         running=batch,

@@ -33,7 +33,15 @@ from dataclasses import dataclass
 
 from bench.metrics import Record
 from bench.planner.cluster_spec import ClusterSpec, PoolSpec
-from bench.planner.prefix import NO_KEYS, Keys, PrefixLRU, SimInput, pick, take_hit
+from bench.planner.prefix import (
+    NO_KEYS,
+    Keys,
+    PrefixLRU,
+    SimInput,
+    expected_hit,
+    pick,
+    take_hit,
+)
 from bench.planner.sim_hybrid import prefill_choice
 from router.prefill_choice import LOCAL
 
@@ -284,18 +292,19 @@ class Simulator:
             inst = pick(room, r, policy, lambda i: (i.outstanding, -i.free_blocks))
             self.queue.popleft()
             r.dispatched_s = self.now
+            hit = take_hit(inst, r) * inst.pool.block_size
             if self.cluster.mode == "colocated":
-                self._start(inst, r)
+                self._start(inst, r, hit)
                 continue
             pre = pick(self.prefill, r, policy, lambda i: i.queued_tokens)
-            hybrid = self.cluster.mode == "hybrid"  # the router's choice, same function
-            if hybrid and prefill_choice(self, r, inst, pre).where == LOCAL:
-                self._start(inst, r)
-                inst.queued_tokens += r.prompt_len - r.cached
-                continue
+            if self.cluster.mode == "hybrid":  # the router's choice, the same function
+                remote_hit = expected_hit(pre, r) * pre.pool.block_size
+                if prefill_choice(self, r, inst, pre, hit, remote_hit).where == LOCAL:
+                    self._start(inst, r, hit)
+                    inst.queued_tokens += r.prompt_len - hit
+                    continue
             inst.outstanding += 1
             inst.free_blocks -= r.blocks
-            hit = take_hit(inst, r) * inst.pool.block_size
             r.transfer_tokens = r.prompt_len - hit  # the decode instance holds the hit
             r.cached = r.done = take_hit(pre, r) * pre.pool.block_size
             r.instances = (pre.name, inst.name)
@@ -304,11 +313,12 @@ class Simulator:
             pre.queued_tokens += r.prompt_len - r.cached
             pre.kick()
 
-    def _start(self, inst: Instance, r: SimRequest) -> None:
-        """The whole request on ``inst``: prefill in its mixed steps, then decode there."""
+    def _start(self, inst: Instance, r: SimRequest, hit: int) -> None:
+        """The whole request on ``inst``: prefill in its mixed steps (``hit`` prompt tokens
+        served from its cache), then decode there."""
+        r.cached = r.done = hit
         inst.outstanding += 1
         inst.free_blocks -= r.blocks
-        r.cached = r.done = take_hit(inst, r) * inst.pool.block_size
         r.instances = (inst.name,)
         inst.waiting.append(r)
         inst.kick()

@@ -82,3 +82,23 @@ def test_plan_errors(capsys):
     assert "--model" in capsys.readouterr().err
     assert main(["plan", "--model", "opt-13b", "--devices", "8", "--hardware", "tpu"]) == 2
     assert "a100, h100, h200" in capsys.readouterr().err
+
+
+def test_hybrid_candidates_and_config():
+    from bench.metrics import SLO
+    from bench.planner.search import SearchConfig, candidates
+
+    phase = {("prefill", 1): 2.0, ("decode", 1): 3.0, ("colocated", 1): 1.0}
+    cfg = SearchConfig(devices=2, slo=SLO(ttft_ms=500, tpot_ms=80), modes=("hybrid",))
+    [c] = candidates(phase, cfg, [1])
+    assert c.cluster.mode == "hybrid" and c.cluster.tpot_ms == 80 and c.estimate == 2.0
+    assert c.cluster.describe() == "hybrid prefill 1x tp1 + decode 1x tp1"
+    both = SearchConfig(devices=2, modes=("disaggregated", "hybrid", "colocated"))
+    assert [c.cluster.mode for c in candidates(phase, both, [1])] == [
+        "disaggregated",
+        "hybrid",
+        "colocated",
+    ]
+    raw = c.cluster.to_config("smollm2-135m", gpu=False, dtype="float32", slo={"tpot_ms": 80})
+    config = load_config(raw)
+    assert config.mode == "hybrid" and config.slo.tpot_ms == 80
