@@ -53,7 +53,7 @@ BROKEN = [
         "model: MODEL\nrouter: {max_concurrent_requests: 0}\n",
         "router.max_concurrent_requests",
     ),
-    ("unknown mode", "model: MODEL\nmode: hybrid\n", "mode"),
+    ("unknown mode", "model: MODEL\nmode: pipelined\n", "mode"),
     ("unknown kv backend", "model: MODEL\nkv_transfer: {backend: mpi}\n", "kv_transfer.backend"),
     ("attainment above 1", "model: MODEL\nslo: {attainment: 1.5}\n", "slo.attainment"),
     ("unknown dtype", "model: MODEL\ndtype: int8\n", "dtype"),

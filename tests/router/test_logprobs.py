@@ -84,7 +84,16 @@ def test_chat_logprobs_in_openai_content_shape(api, chat_model, offline):
     chunks = list(api.chat.completions.create(**kwargs, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]  # fmt: skip
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+    # the same shape and tokens; the numbers within float32 noise: the repeated prompt's
+    # KV now comes from the prefix cache, computed in another chunking
+    def shape(entries):
+        return [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in entries]
+
+    assert shape(streamed) == shape(content)
+    for s, c in zip(streamed, content, strict=True):
+        assert_same_numbers([s.logprob] + [t.logprob for t in s.top_logprobs],
+                            [c.logprob] + [t.logprob for t in c.top_logprobs])  # fmt: skip
 
 
 def test_no_logprobs_unless_asked(api, chat_model):
