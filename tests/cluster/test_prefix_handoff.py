@@ -36,16 +36,6 @@ SETUPS = [  # backend, prefill TP, decode TP, prefix caching on both pools
 
 
 @pytest.fixture(scope="module")
-def kv4_model(tmp_path_factory) -> str:
-    from tests.tiny_models import TINY_SHAPES, save_byte_tokenizer, save_tiny_llama
-
-    folder = tmp_path_factory.mktemp("tiny-kv4")
-    save_tiny_llama(folder, **TINY_SHAPES["kv4"])
-    save_byte_tokenizer(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
 def expected(kv4_model):
     """Both turns' prompts, the offline engine's greedy outputs (prefix caching off) and
     the bytes one block of KV moves (K and V, every layer, every head)."""

@@ -21,16 +21,6 @@ from tests.cluster.test_disagg import (
 
 
 @pytest.fixture(scope="module")
-def kv4_model(tmp_path_factory) -> str:
-    from tests.tiny_models import TINY_SHAPES, save_byte_tokenizer, save_tiny_llama
-
-    folder = tmp_path_factory.mktemp("tiny-kv4")
-    save_tiny_llama(folder, **TINY_SHAPES["kv4"])
-    save_byte_tokenizer(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
 def expected(kv4_model):
     """The offline engine's outputs (one rank): greedy tokens of the workload, and the
     tokens and logprobs of ``LOGPROB_REQUESTS`` (sampled on rank 0 of an instance)."""
