@@ -35,7 +35,7 @@ import random
 from dataclasses import dataclass
 
 from bench import datasets
-from bench.workloads import Request, arrival_times, shuffled_cycle
+from bench.workloads import Request, arrival_times, sample_seed, shuffled_cycle
 
 _ANSWER = "\x00ANSWER\x00"  # stands for an answer while the template is rendered
 
@@ -53,11 +53,6 @@ class Conversation:
     index: int
     arrival_s: float  # when its first turn is sent, seconds after the start of the run
     turns: list[Turn]
-
-
-def sample_seed(seed: int, rate: float) -> str:
-    """The seed of one run's sample: the spec's seed and the rate (``repr``: exact)."""
-    return f"{seed}-{rate!r}"
 
 
 def _text_ids(tokenizer, text: str) -> list[int]:

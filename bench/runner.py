@@ -5,10 +5,10 @@ request to a JSON file.
     pdserve bench configs/local-disagg.yaml --workload sharegpt --rates 0.5,1,2 [--search]
         --duration 60 --slo-ttft-ms 1000 --slo-tpot-ms 150 --out results.json
 
-Each rate sends ``round(rate * duration)`` requests (the same requests at every rate,
-only the arrival times scale) open-loop (``bench.replay``); ``multiturn`` starts that
-many conversations and replays them closed-loop (``bench.chat_replay``), a record per
-turn. Requests ask for
+Each rate sends ``round(rate * duration)`` requests (its own sample: the rate is in
+the seed, so that no rate finds another's prompts in a prefix cache) open-loop
+(``bench.replay``); ``multiturn`` starts that many conversations and replays them
+closed-loop (``bench.chat_replay``), a record per turn. Requests ask for
 ``output_len`` tokens with ``ignore_eos`` and greedy sampling, so their lengths are
 the workload's. ``pdserve compare`` (``bench.compare``) runs this for several configs.
 """

@@ -14,7 +14,7 @@ template's markers are special tokens: tokenization does not run across them).
 Requests that do not fit the context are dropped.
 
 As ``multiturn``, the sample is seeded by the seed and the rate
-(``bench.multiturn.sample_seed``): a later rate must not find an earlier one's system
+(``bench.workloads.sample_seed``): a later rate must not find an earlier one's system
 prompts in the prefix cache.
 """
 
@@ -23,8 +23,7 @@ from __future__ import annotations
 import random
 
 from bench import datasets
-from bench.multiturn import sample_seed
-from bench.workloads import MIN_TOKENS, Request, arrival_times, shuffled_cycle
+from bench.workloads import MIN_TOKENS, Request, arrival_times, sample_seed, shuffled_cycle
 
 QUESTION_MAX_TOKENS = 64
 

@@ -24,10 +24,13 @@ Workloads (``WORKLOADS``):
 
 Every request is cut to fit: the length scales and caps of the spec apply, then a
 request whose prompt + output exceeds the model's context is dropped (sharegpt,
-humaneval) or its prompt shortened (longprompt, trace). The same spec, seed and
-count give the same requests whatever the rate: only the arrival times change; but
-``sharedprefix`` and ``multiturn`` draw their sample with the rate in the seed (so that
-a later rate finds no earlier one's prefixes in the cache).
+humaneval) or its prompt shortened (longprompt, trace). Every workload draws its
+sample with the rate in the seed (``sample_seed``): a later rate of a sweep must not
+find an earlier one's prompts in the prefix cache, nor the runs their warm-up's (drawn
+at an infinite rate). The same spec, seed, count and rate give the same requests, so
+contenders of ``pdserve compare`` measured at one rate get the same ones. A trace keeps
+its lengths and arrivals at every rate; the text filling its ``prompt_len`` entries is
+what changes (prompts given as text repeat, as do humaneval's 164 problems).
 """
 
 from __future__ import annotations
@@ -98,6 +101,11 @@ def model_info(model: str):
     return checkpoint.tokenizer, checkpoint.config.max_position
 
 
+def sample_seed(seed: int, rate: float) -> str:
+    """The seed of one run's sample: the spec's seed and the rate (``repr``: exact)."""
+    return f"{seed}-{rate!r}"
+
+
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """n arrival times from 0: Gamma gaps of mean 1/rate and shape ``burstiness``
     (exponential gaps, a Poisson process, at 1); all at 0 for an infinite rate."""
@@ -127,18 +135,20 @@ def make_workload(
         return shared_prefix_requests(spec, tokenizer, n, rate, max_model_len)
     if spec.name == "trace":
         return _trace(spec, tokenizer, n, rate, max_model_len)
-    samples = sample_requests(spec, tokenizer, n, max_model_len)
+    samples = sample_requests(spec, tokenizer, n, max_model_len, rate)
     times = arrival_times(n, rate, spec.burstiness, spec.seed)
     return [Request(t, ids, out) for t, (ids, out) in zip(times, samples, strict=True)]
 
 
 def sample_requests(
-    spec: WorkloadSpec, tokenizer, n: int, max_model_len: int
+    spec: WorkloadSpec, tokenizer, n: int, max_model_len: int, rate: float | None = None
 ) -> list[tuple[list[int], int]]:
-    """n (prompt token ids, output length) pairs of a dataset workload."""
+    """n (prompt token ids, output length) pairs of a dataset workload: the sample of a
+    run at ``rate`` (``sample_seed``), or with None the spec's seed alone (a sample of
+    the workload, for a planner or a tool that sends it once)."""
     if spec.name in WHOLE_PROMPTS:
         raise ValueError(f"workload {spec.name}: its requests come whole, not as pairs")
-    rng = random.Random(spec.seed)
+    rng = random.Random(spec.seed if rate is None else sample_seed(spec.seed, rate))
     if spec.name == "longprompt":
         return _longprompt(spec, tokenizer, n, max_model_len, rng)
     if spec.name == "sharegpt":
@@ -217,7 +227,8 @@ def _longprompt(spec, tokenizer, n, max_model_len, rng) -> list[tuple[list[int],
 
 def _trace(spec, tokenizer, n, rate, max_model_len) -> list[Request]:
     """The trace's first n requests (repeated after its end when n is larger), their
-    arrival times rescaled so that the mean rate is ``rate``."""
+    arrival times rescaled so that the mean rate is ``rate``; ``prompt_len`` entries
+    filled with the run's sample of ShareGPT text (``sample_seed``)."""
     entries = datasets.read_trace(spec.trace)
     first, last = entries[0].arrival_s, entries[-1].arrival_s
     gap = (last - first) / (len(entries) - 1) if len(entries) > 1 else 0.0
@@ -225,7 +236,7 @@ def _trace(spec, tokenizer, n, rate, max_model_len) -> list[Request]:
     period = last - first + gap
     factor = 0.0 if math.isinf(rate) else 1.0 / (rate * gap)
     by_length = sum(e.prompt_len or 0 for e in entries[: min(n, len(entries))])
-    rng = random.Random(spec.seed)
+    rng = random.Random(sample_seed(spec.seed, rate))
     pool = _token_pool(tokenizer, by_length, rng, spec.dataset_limit) if by_length else []
     out, at = [], 0
     for i in range(n):

@@ -44,9 +44,10 @@ def test_same_seed_same_requests(tok, name):
     b = make_workload(WorkloadSpec(**spec, seed=1), tokenizer, 12, 2.0, max_len)
     c = make_workload(WorkloadSpec(**spec, seed=2), tokenizer, 12, 2.0, max_len)
     assert a == b and a != c
-    # another rate: the same requests, other arrival times
+    # another rate: another sample (no rate of a sweep finds another's prompts in a
+    # prefix cache), the same arrival process scaled
     d = make_workload(WorkloadSpec(**spec, seed=1), tokenizer, 12, 4.0, max_len)
-    assert [r[1:] for r in d] == [r[1:] for r in a]
+    assert len(d) == len(a) and {tuple(r[1]) for r in d} != {tuple(r[1]) for r in a}
     assert d[-1].arrival_s == pytest.approx(a[-1].arrival_s / 2)
 
 
@@ -122,6 +123,11 @@ def test_trace(tok, tmp_path):
     assert reqs[0].prompt_token_ids == tokenizer.encode("Hello there")
     assert [len(r.prompt_token_ids) for r in reqs[1:]] == [50, 20, len(reqs[0][1]), 50]
     assert [r.output_len for r in reqs] == [5, 7, 3, 5, 7]
+    # another rate: the same lengths; the text filling prompt_len is another sample
+    other = make_workload(spec, tokenizer, 5, rate=2.0, max_model_len=max_len)
+    assert [len(r.prompt_token_ids) for r in other] == [len(r.prompt_token_ids) for r in reqs]
+    assert other[0] == reqs[0]._replace(arrival_s=0.0)  # a prompt given as text repeats
+    assert other[1].prompt_token_ids[:16] != reqs[1].prompt_token_ids[:16]
     with pytest.raises(ValueError, match="output_len"):
         path.write_text('{"time": 1, "prompt": "x"}\n')
         datasets.read_trace(path)
