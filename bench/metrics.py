@@ -46,6 +46,7 @@ class Record:
     error: str | None = None  # grpc status code name and details
     instances: list[str] = field(default_factory=list)
     kv_bytes: int = 0
+    kv_cached_tokens: int = 0  # disaggregated: prompt tokens whose KV decode held (not sent)
     cached_tokens: int = 0  # prompt tokens whose KV was not computed for it (a cache hit)
     transfer_ms: float = 0.0
     phases: dict = field(default_factory=dict)  # ms since arrival (per-token times dropped)
@@ -115,8 +116,10 @@ def summarize(records: list[Record], slo: SLO) -> dict:
         "output_token_throughput": out_tokens / span if span > 0 else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / span if span > 0 else 0.0,
         "max_lag_ms": max((r.lag_ms for r in records), default=0.0),
-        # prefix reuse: the share of prompt tokens served from a cache, KV moved per request
+        # prefix reuse: the share of prompt tokens served from a cache (not computed), the
+        # share whose KV the decode instance held (not sent), KV moved per request
         "hit_rate": sum(r.cached_tokens for r in ok) / in_tokens if in_tokens else 0.0,
+        "kv_hit_rate": sum(r.kv_cached_tokens for r in ok) / in_tokens if in_tokens else 0.0,
         "mean_kv_bytes": sum(r.kv_bytes for r in ok) / len(ok) if ok else 0.0,
     }
     for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):

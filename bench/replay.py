@@ -42,6 +42,7 @@ async def from_router(
         return None
     rec.ttft_ms, rec.tpot_ms, rec.e2e_ms, rec.queue_ms = t.ttft_ms, t.tpot_ms, t.e2e_ms, t.queue_ms
     rec.instances, rec.kv_bytes, rec.transfer_ms = list(t.instances), t.kv_bytes, t.transfer_ms
+    rec.kv_cached_tokens = t.kv_cached_tokens
     rec.phases = {k: v for k, v in t.phases.items() if k != "tokens"}
     rec.cached_tokens = done.cached_tokens
     return list(done.token_ids)

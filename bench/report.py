@@ -33,14 +33,16 @@ ROW_LABELS = (
     "TTFT p50/p90/p99 ms",
     "TPOT p50/p90/p99 ms",
     "hit rate",
+    "KV held at decode",
     "KV MB per request",
 )
 
 
 def rows_at(summary: dict | None) -> list[str]:
     """One rate's cells, as ``ROW_LABELS`` ("-": not measured): attainment, TTFT and
-    TPOT p50/p90/p99, the prefix-cache hit rate (cached / prompt tokens), the KV bytes
-    moved per request (disaggregated handoffs)."""
+    TPOT p50/p90/p99, the prefix-cache hit rate (computed: cached / prompt tokens), the
+    share of prompt tokens whose KV the decode instance held (so the handoff did not send
+    it), the KV bytes moved per request (disaggregated handoffs)."""
     if summary is None:
         return ["-"] * len(ROW_LABELS)
     return [
@@ -48,6 +50,7 @@ def rows_at(summary: dict | None) -> list[str]:
         fmt_ms(summary[f"p{q}_ttft_ms"] for q in (50, 90, 99)),
         fmt_ms(summary[f"p{q}_tpot_ms"] for q in (50, 90, 99)),
         f"{summary.get('hit_rate', 0.0):.2f}",
+        f"{summary.get('kv_hit_rate', 0.0):.2f}",
         f"{summary.get('mean_kv_bytes', 0.0) / 1e6:.3g}",
     ]
 

@@ -146,8 +146,9 @@ class DecodeWorker(EngineWorker):
 
     def _start(self, attempt: Attempt, outcome: Outcome, cached_blocks: int) -> list[Update]:
         """Admit a request whose KV landed. Its first update's ``info`` reports the
-        handoff: ``kv_bytes`` (what moved: the blocks past the ``kv_cached_blocks`` this
-        instance held), ``cached_tokens`` (the prefill instance's prefix hit), phases."""
+        handoff: ``kv_bytes`` (what moved: the blocks past the ``kv_cached_tokens`` this
+        instance held, whole blocks), ``cached_tokens`` (the prefill instance's prefix
+        hit), phases."""
         h, now = outcome.handoff, time.time()
         times = {**h.phase_times, "transfer_end": now}
         first = None  # the first token's logprobs, sampled with it on the prefill instance
@@ -166,7 +167,7 @@ class DecodeWorker(EngineWorker):
         self._totals["tokens_total"] += 1
         info = {"phases": times, "kv_bytes": outcome.bytes, "transfer_s": outcome.seconds,
                 "prefill_instance": h.prefill_instance, "cached_tokens": h.cached_tokens,
-                "kv_cached_blocks": cached_blocks}  # fmt: skip
+                "kv_cached_tokens": cached_blocks * self.layout.block_size}  # fmt: skip
         return [Update(attempt.id, out.new_token_ids, out.new_text, out.finish_reason,
                        info=info, logprobs=out.new_logprobs)]  # fmt: skip
 

@@ -31,6 +31,7 @@ class Timings:
     e2e_ms: float
     instances: list[str]
     kv_bytes: int = 0  # disaggregated: KV moved from the prefill to the decode instance
+    kv_cached_tokens: int = 0  # disaggregated: prompt tokens whose KV decode held (not sent)
     transfer_ms: float = 0.0
     attempts: int = 1
     # ms since arrival: queued, prefill_start/end, transfer_start/end, decode_start,
@@ -104,10 +105,11 @@ def read_chunk(msg: pb.GenerateResponse) -> Chunk:
             t.tpot_ms,
             t.e2e_ms,
             list(t.instances),
-            t.kv_bytes,
-            t.transfer_ms,
-            t.attempts,
-            phases,
+            kv_bytes=t.kv_bytes,
+            kv_cached_tokens=t.kv_cached_tokens,
+            transfer_ms=t.transfer_ms,
+            attempts=t.attempts,
+            phases=phases,
         )
     return c
 

@@ -78,6 +78,7 @@ class Timings:
     e2e_ms: float  # arrival -> last token
     instances: list[str]
     kv_bytes: int = 0  # disaggregated: KV moved from the prefill to the decode instance
+    kv_cached_tokens: int = 0  # disaggregated: prompt tokens whose KV decode held (not sent)
     transfer_ms: float = 0.0
     attempts: int = 1
     phases: Phases = field(default_factory=Phases)
@@ -222,6 +223,7 @@ class RequestStream:
             e2e_ms=_ms(end - self.arrival),
             instances=list(self.instances),
             kv_bytes=int(self.info.get("kv_bytes", 0)),
+            kv_cached_tokens=int(self.info.get("kv_cached_tokens", 0)),
             transfer_ms=_ms(self.info.get("transfer_s", 0.0)),
             attempts=self.attempt + 1,
             phases=Phases(

@@ -5,7 +5,7 @@ and gloo with checksums, the fault-injecting transport of tests/kv_transfer/faul
 - a second turn (prompt = first prompt + first output + new tokens) on the decode
   instance that served the first reserves only the blocks it lacks
   (``KVDestination.cached_blocks``), moves only their KV (``kv_bytes``), reports its
-  hit (``kv_cached_blocks``) and the prefill instance's (``cached_tokens``), and decodes
+  hit (``kv_cached_tokens``) and the prefill instance's (``cached_tokens``), and decodes
   what the offline engine does with prefix caching off;
 - an aborted reservation holding shared blocks, a cut transfer and an expired lease
   leave both instances' ``check_integrity()`` true, every block free and the decode
@@ -119,14 +119,14 @@ def test_second_turn_moves_only_the_missing_blocks(workers, turns):
     assert [t for u in out for t in u.token_ids] == want1
     # a fresh decode instance holds nothing; turn 1 may hit the prefill's cache (the
     # other backend's module ran it first): only the decode side's hit changes the bytes
-    assert dst.cached_blocks == info["kv_cached_blocks"] == 0
+    assert dst.cached_blocks == info["kv_cached_tokens"] == 0
     assert info["kv_bytes"] == len(dst.block_ids) * block_bytes(d) == 3 * block_bytes(d)
     # turn 1 committed prompt + generated tokens whose KV was computed: 40 + 19 -> 3 blocks
     dst, out = serve(p, d, f"t2-{tag}#0", prompt2)
     info = out[0].info
     assert [t for u in out for t in u.token_ids] == want2
     held = min((len(prompt1) + len(want1) - 1) // bs, (len(prompt2) - 1) // bs)
-    assert dst.cached_blocks == info["kv_cached_blocks"] == held == 3
+    assert dst.cached_blocks == info["kv_cached_tokens"] // bs == held == 3
     assert len(dst.block_ids) == d.engine.blocks.blocks_for(len(prompt2)) - held == 2
     assert info["kv_bytes"] == 2 * block_bytes(d)
     # the prefill instance computed turn 1's prompt: its 2 full blocks were cached there
@@ -167,7 +167,7 @@ def test_failed_handoffs_with_shared_blocks_free_everything(workers, turns, faul
     assert d.on_loop(lambda: d.engine.blocks.num_cached_blocks) == cached
     # the retry hits the same cached prefix and decodes the same tokens
     dst, out = serve(p, d, f"fail-{tag}#1", prompt)
-    assert dst.cached_blocks == out[0].info["kv_cached_blocks"] > 0
+    assert dst.cached_blocks * d.engine.blocks.block_size == out[0].info["kv_cached_tokens"] > 0
     assert [t for u in out for t in u.token_ids] == want
     assert_all_free(p, d)
 

@@ -36,12 +36,12 @@ def test_grpc_request_keeps_the_input_given_and_leaves_unset_sampling_unset():
 
 
 def test_timings_become_the_protobuf_message_field_by_field():
-    t = Timings(1.5, 2.0, 0.5, 9.0, ["prefill-0", "decode-1"], 4096, 0.75, 2)
+    t = Timings(1.5, 2.0, 0.5, 9.0, ["prefill-0", "decode-1"], 4096, 32, 0.75, 2)
     t.phases = Phases(queued=0.1, transfer_end=3.0, tokens=[2.0, 2.5], finish=2.5)
     msg = timings_message(t)
     assert (msg.queue_ms, msg.ttft_ms, msg.tpot_ms, msg.e2e_ms) == (1.5, 2.0, 0.5, 9.0)
     assert list(msg.instances) == ["prefill-0", "decode-1"] and msg.attempts == 2
-    assert (msg.kv_bytes, msg.transfer_ms) == (4096, 0.75)
+    assert (msg.kv_bytes, msg.kv_cached_tokens, msg.transfer_ms) == (4096, 32, 0.75)
     assert (msg.phases.queued, msg.phases.transfer_end, msg.phases.finish) == (0.1, 3.0, 2.5)
     assert list(msg.phases.tokens) == [2.0, 2.5] and msg.phases.prefill_start == 0
 
