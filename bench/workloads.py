@@ -102,8 +102,9 @@ def model_info(model: str):
 
 
 def sample_seed(seed: int, rate: float) -> str:
-    """The seed of one run's sample: the spec's seed and the rate (``repr``: exact)."""
-    return f"{seed}-{rate!r}"
+    """The seed of one run's sample: the spec's seed and the rate (``repr`` of the float:
+    exact, and 8 and 8.0 are one rate)."""
+    return f"{seed}-{float(rate)!r}"
 
 
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
