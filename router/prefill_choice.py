@@ -18,11 +18,9 @@ The rule, in predicted seconds until the first token (queues included):
              work = prefill queue + prompt - prefill hit;
              steps = ceil(work / the prefill instance's max_batch_tokens)
 
-Local wins when it is not slower, unless a chunk of it would stretch the decode
-instance's step past the TPOT objective (``local_step_s + chunk x local_token_s >
-tpot_s``: refused, remote), whether or not a batch runs there now: a handoff or a
-request landing during that step waits for it, so an idle decode instance keeps the
-objective for what it is about to decode. With no prefill instance alive, or after
+Local wins when it is not slower, unless a chunk piggybacked on the running batch
+would stretch its step past the TPOT objective (``local_step_s + chunk x
+local_token_s > tpot_s``: refused, remote). With no prefill instance alive, or after
 the request's remote attempt failed, the prompt is prefilled locally whatever the
 prediction (the fallback: the request completes rather than waiting for a pair).
 
@@ -42,7 +40,7 @@ REASONS = (
     (LOCAL, "fallback"),  # the request's remote attempt failed (transfer cut, peer gone)
     (LOCAL, "no_prefill"),  # no prefill instance is alive
     (REMOTE, "faster"),  # predicted first token sooner than the local path's
-    (REMOTE, "tpot"),  # a local chunk would stretch the decode steps past slo.tpot_ms
+    (REMOTE, "tpot"),  # a local chunk would stretch the running batch past slo.tpot_ms
 )
 
 
@@ -121,12 +119,13 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
         return decide(LOCAL, "fallback", f"the remote attempt failed; {numbers}")
     if not i.prefill_alive:
         return decide(LOCAL, "no_prefill", f"no prefill instance alive; {numbers}")
-    step_s = c.local_step_s + min(local_tokens, budget) * c.local_token_s
-    if step_s > i.tpot_s:
-        why = (f"a local chunk would make the decode steps (running {i.running}) "
-               f"{step_s * 1000:.1f} ms, past slo.tpot_ms={i.tpot_s * 1000:g}; "
-               f"{numbers}")  # fmt: skip
-        return decide(REMOTE, "tpot", why)
+    if i.running:
+        step_s = c.local_step_s + min(local_tokens, budget) * c.local_token_s
+        if step_s > i.tpot_s:
+            why = (f"a local chunk would make the running batch's ({i.running}) steps "
+                   f"{step_s * 1000:.1f} ms, past slo.tpot_ms={i.tpot_s * 1000:g}; "
+                   f"{numbers}")  # fmt: skip
+            return decide(REMOTE, "tpot", why)
     if local_s <= remote_s:
         return decide(LOCAL, "faster", numbers)
     return decide(REMOTE, "faster", numbers)
