@@ -7,6 +7,9 @@
 - TTFT p50 (solid) and p90 (dashed) vs rate, a log scale: where prefix reuse shows.
 - TPOT distribution (CDF) of each contender at the highest rate, with the TPOT
   objective: where prefill interference shows as a tail.
+- TTFT of each request against its prompt's length at the highest rate, a log scale:
+  prefill time grows with the prompt unless a cache holds it (multi-turn chat with and
+  without prefix caching), and where each mode puts long and short prompts shows.
 """
 
 from __future__ import annotations
@@ -99,4 +102,21 @@ def tpot_cdf(results: dict) -> bytes:
     ax.set_xlabel("TPOT ms")
     ax.set_ylabel("share of requests")
     ax.set_title(f"TPOT distribution at {rate:g} requests / s")
+    return _save(plt, fig, ax)
+
+
+def ttft_vs_prompt(results: dict) -> bytes:
+    plt, fig, ax = _figure()
+    rate = max(results["rates"])
+    for c in results["contenders"]:
+        records = [r for run in c["runs"] if run["rate"] == rate for r in run["records"]]
+        points = [(r["prompt_tokens"], r["ttft_ms"]) for r in records if not r["error"]]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.scatter(xs, ys, s=12, alpha=0.6, label=c["name"])
+    ax.axhline(results["slo"]["ttft_ms"], color="red", linestyle=":", label="TTFT objective")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT ms")
+    ax.set_title(f"TTFT by prompt length at {rate:g} requests / s")
     return _save(plt, fig, ax)

@@ -7,13 +7,20 @@ import base64
 import html
 from pathlib import Path
 
-from bench.plots import attainment_vs_rate, attainment_vs_slo_scale, tpot_cdf, ttft_vs_rate
+from bench.plots import (
+    attainment_vs_rate,
+    attainment_vs_slo_scale,
+    tpot_cdf,
+    ttft_vs_prompt,
+    ttft_vs_rate,
+)
 
 PLOTS = {
     "attainment-vs-rate.png": attainment_vs_rate,
     "ttft-vs-rate.png": ttft_vs_rate,
     "attainment-vs-slo-scale.png": attainment_vs_slo_scale,
     "tpot-cdf.png": tpot_cdf,
+    "ttft-vs-prompt.png": ttft_vs_prompt,
 }
 
 

@@ -199,6 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     served = p.add_argument_group("--served: fit the steps the configs' clusters serve")
     served.add_argument("--served", action="store_true", help="launch each config, replay load")
     served.add_argument("--workload", default="longprompt", choices=WORKLOADS)
+    served.add_argument("--trace", help="JSONL trace file (--workload trace)")
     served.add_argument("--rate", type=float, default=0.4, help="requests per second")
     served.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     served.add_argument("--seed", type=int, default=1)
