@@ -98,7 +98,7 @@ def test_compare_colocated_and_disaggregated(chat_model, tmp_path, capsys):
         with Image.open(out / name) as image:
             image.verify()
             assert image.size == (640, 420)
-    assert len(embedded) == 4 and "http" not in page.replace("http-equiv", "")
+    assert len(embedded) == len(PLOTS) and "http" not in page.replace("http-equiv", "")
     for row in rows:
         assert all(f">{cell}</t" in page for cell in row if cell)
 
