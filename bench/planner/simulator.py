@@ -111,10 +111,14 @@ class DecodeBatch:
         self.context += r.prompt_len + 1
         return True
 
-    def advance(self) -> list[SimRequest]:
-        """One step done: every running request has one more token; the finished leave."""
-        self.context += len(self.heap)
-        self.k += 1
+    def steps_to_next_finish(self) -> int:
+        return self.heap[0][0] - self.k
+
+    def advance(self, steps: int = 1) -> list[SimRequest]:
+        """``steps`` steps done: every running request has that many more tokens; the
+        finished leave (``steps`` never passes the next finish)."""
+        self.context += len(self.heap) * steps
+        self.k += steps
         out = []
         while self.heap and self.heap[0][0] <= self.k:
             _, _, r = heapq.heappop(self.heap)
@@ -200,13 +204,15 @@ class Instance:
             duration = sim.cost.mixed_s(tokens, sq, decodes, self.batch.context, tp)
         else:
             duration = prefill + sim.cost.decode_s(decodes, self.batch.context, tp)
+        # free decode steps (a cost model that leaves decode out): run them all at once
+        steps = self.batch.steps_to_next_finish() if duration == 0 and not items else 1
         self.busy = True
-        sim.at(now + duration, lambda: self.end_step(items, decodes, prefill))
+        sim.at(now + duration, lambda: self.end_step(items, decodes, prefill, steps))
 
-    def end_step(self, items, decodes: int, prefill_s: float) -> None:
+    def end_step(self, items, decodes: int, prefill_s: float, steps: int) -> None:
         sim, now = self.sim, self.sim.now
         self.busy = False
-        finished = self.batch.advance() if decodes else []
+        finished = self.batch.advance(steps) if decodes else []
         for r, n in items:
             r.done += n
             self.queued_tokens -= n

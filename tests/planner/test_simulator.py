@@ -121,3 +121,16 @@ def test_hybrid_prefills_locally_unless_the_running_batch_has_no_slack():
     loose = ClusterSpec("hybrid", PoolSpec(), PoolSpec())
     _, long = simulate(loose, slow, [(0.0, 10, 200), (0.5, 2000, 2)])
     assert long.instances == ["decode-0"]
+
+
+def test_free_decode_steps_run_at_once_with_the_same_records():
+    """A cost model that leaves decode out (the planner's prefill-only phase) runs a
+    batch's free steps up to its next finish in one event: every record equals the
+    step-by-step run's, whose steps cost next to nothing."""
+    reqs = [(0.01 * i, 50 + 37 * i, 1 + 97 * i % 400) for i in range(40)]
+    free = simulate(DISAGG, LinearCost(decode_base=0.0), reqs)
+    tiny = simulate(DISAGG, LinearCost(decode_base=1e-12), reqs)
+    for a, b in zip(free, tiny, strict=True):
+        assert a.ttft_ms == pytest.approx(b.ttft_ms, abs=1e-6)
+        assert a.e2e_ms == pytest.approx(b.e2e_ms, abs=1e-6)
+        assert a.instances == b.instances and a.error == b.error
