@@ -50,9 +50,12 @@ def start_instance(
     engine: dict,
     kv: dict,
     placement_timeout_s: float,
+    metrics: dict | None = None,
 ) -> InstanceHandles:
     """Start the instance's actors in a new placement group (``PlacementError`` when no
-    node holds it within ``placement_timeout_s``); rank 0's readiness is not awaited."""
+    node holds it within ``placement_timeout_s``); rank 0's readiness is not awaited.
+    ``metrics``: None, or rank 0 serves its metrics (``cluster.instance_metrics.metered``
+    and its ``metrics`` argument)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -75,7 +78,10 @@ def start_instance(
         max_concurrency=8,
     )
     setup = () if role == "colocated" else (kv,)  # kv["bind"], ["advertise"]: every role
-    worker_cls = ray.remote(metered(classes[role]))  # rank 0 records the instance's metrics
+    worker_cls, extra = classes[role], {}
+    if metrics is not None:  # rank 0 records the instance's metrics and serves them
+        worker_cls, extra = metered(worker_cls), {"metrics": metrics}
+    worker_cls = ray.remote(worker_cls)
     group = create(name, role, pool, placement_timeout_s)
 
     def in_bundle(r: int) -> PlacementGroupSchedulingStrategy:
@@ -83,7 +89,7 @@ def start_instance(
 
     if size == 1:
         handle = worker_cls.options(name=name, scheduling_strategy=in_bundle(0), **options).remote(
-            name, model, engine, threads, *setup
+            name, model, engine, threads, *setup, **extra
         )
         return InstanceHandles(name, role, handle, group=group)
     bind, host, port = ray.get(
@@ -99,6 +105,6 @@ def start_instance(
         for r in range(1, size)
     ]
     handle = worker_cls.options(name=name, scheduling_strategy=in_bundle(0), **options).remote(
-        name, model, engine, threads, *setup, parallel={**parallel, "ranks": ranks}
+        name, model, engine, threads, *setup, parallel={**parallel, "ranks": ranks}, **extra
     )
     return InstanceHandles(name, role, handle, ranks, group)

@@ -107,6 +107,12 @@ class PoolConfig:
     advertise: str | None = spec(
         None, None, "address peers are told; null: bind (a wildcard bind: the node's)"
     )
+    metrics_port: int | None = spec(
+        None,
+        tcp_port,
+        "port each instance serves its own Prometheus metrics on, at bind (0: any free "
+        "port; null: none); the router lists them at GET /metrics/targets",
+    )
 
     def engine_config(self, dtype: str, attention_backend: str | None, device: str) -> dict:
         """Keyword arguments of ``engine.EngineConfig`` for one instance of this pool."""

@@ -3,7 +3,8 @@ and limits"), run at load with the others, and Ray's TLS environment for the dri
 
 Closed by default, for the router: the API key file must hold keys, a TLS certificate
 comes with its key, and a router bound off loopback authenticates its clients (API keys
-or mTLS) unless ``router.insecure: true`` says the network is trusted.
+or mTLS) unless ``router.insecure: true`` says the network is trusted; so do instances
+serving their metrics (a pool's ``metrics_port``) off loopback, with the router's keys.
 
 For an existing Ray (``ray.address`` set): pdserve's router reaches
 its instances through Ray's own RPCs, so the Ray it joins must be loopback-only or
@@ -59,6 +60,23 @@ def check_router(config: ClusterConfig) -> list[tuple[str, str]]:
                 "router.tls.client_ca_file (mTLS), or router.insecure: true on a trusted network",
             )
         )
+    for role, pool in config.pools().items():
+        # an instance's metrics port checks the router's API keys (not its mTLS)
+        bind = pool.bind or ("127.0.0.1" if config.ray.address is None else None)
+        loopback = bind is not None and is_loopback(bind)
+        if pool.metrics_port is None or loopback or config.router.api_key_file is not None:
+            continue
+        if not config.router.insecure:
+            where = repr(bind) if bind is not None else "the node's Ray address"
+            problems.append(
+                (
+                    f"{role}.metrics_port",
+                    f"the instances would serve their metrics on {where}, not loopback, to "
+                    "anyone who reaches it; allowed: set router.api_key_file (scrapes then "
+                    "present a key), bind the pool to loopback, or router.insecure: true on "
+                    "a trusted network",
+                )
+            )
     return problems
 
 

@@ -96,6 +96,7 @@ class Supervisor:
                     engine,
                     self._kv(pool),
                     self.limits.placement_timeout_s,
+                    self._metrics(pool),
                 )
                 self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
         return [(s.name, s.role, s.handles.worker) for s in self.instances.values()]
@@ -107,6 +108,23 @@ class Supervisor:
         embedded = self.config.ray.address is None
         bind = pool.bind or ("127.0.0.1" if embedded else None)
         return {**self.kv, "bind": bind, "advertise": pool.advertise}
+
+    def _metrics(self, pool: PoolConfig) -> dict | None:
+        """The ``metrics`` argument of a pool's rank 0 (None: ``metrics_port`` unset):
+        where it serves its metrics (the pool's KV interface) and the digests of the
+        router's API keys, which a scrape must present one of."""
+        from router.auth import ApiKeys
+
+        if pool.metrics_port is None:
+            return None
+        kv = self._kv(pool)
+        keys = ApiKeys.from_config({"api_key_file": self.config.router.api_key_file})
+        return {
+            "bind": kv["bind"],
+            "advertise": kv["advertise"],
+            "port": pool.metrics_port,
+            "key_digests": [d.hex() for d in keys.digests],
+        }
 
     def watch(self, router) -> None:
         """Every instance is ready: start pinging them; failures go to ``router``."""
@@ -200,6 +218,7 @@ class Supervisor:
                     s.engine,
                     self._kv(s.pool),
                     self.limits.placement_timeout_s,
+                    self._metrics(s.pool),
                 )
                 info = self._wait_ready(handles)
             except Exception as e:  # a start that failed (no resources yet, a crash)

@@ -64,6 +64,18 @@ class ApiKeys:
         path = router_config.get("api_key_file")
         return cls(read_key_file(path) if path else [])
 
+    @classmethod
+    def of_digests(cls, digests: list[bytes]) -> ApiKeys:
+        """The same keys from their SHA-256 digests (``digests``): what a process that
+        checks keys but must not hold them is given (cluster/instance_metrics.py)."""
+        keys = cls([])
+        keys._digests = list(digests)
+        return keys
+
+    @property
+    def digests(self) -> list[bytes]:
+        return list(self._digests)
+
     @property
     def enabled(self) -> bool:
         return bool(self._digests)

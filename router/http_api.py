@@ -7,6 +7,8 @@
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus text (router/metrics.py): the request view,
                                 the router's queue, each instance's load
+    GET  /metrics/targets       the instances' own metrics endpoints, in Prometheus'
+                                HTTP service discovery format (cluster/instance_metrics.py)
 
 docs/openapi.yaml describes this API as served. A request body becomes the core's
 ``GenerateRequest`` (router/openai_request.py), checked for JSON types there, for the
@@ -118,6 +120,7 @@ class HttpApi:
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
+                web.get("/metrics/targets", self.metrics_targets),
             ]
         )
         # handler_cancellation: a client closing its connection cancels its handler
@@ -159,6 +162,20 @@ class HttpApi:
         accept = request.headers.get("Accept", "")
         body, content_type = self.core.metrics.exposition(await self.core.stats(), accept)
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def metrics_targets(self, request: web.Request) -> web.Response:
+        """One target group per serving instance that serves its metrics (a pool with
+        ``metrics_port``), as Prometheus' ``http_sd_configs`` reads it; an instance
+        down or restarting is left out until it is readmitted (with its new address)."""
+        groups = [
+            {
+                "targets": [inst.info["metrics"]],
+                "labels": {"__meta_pdserve_instance": inst.name, "__meta_pdserve_role": inst.role},
+            }
+            for inst in self.core.instances
+            if inst.alive and "metrics" in inst.info
+        ]
+        return web.json_response(groups)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         """Every refusal is counted (``core.metrics.refused``) as its response is made."""

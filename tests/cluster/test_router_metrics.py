@@ -31,6 +31,8 @@ def cluster(chat_model):
     config = disagg_config(chat_model, "gloo", True, 1)
     config["logging"] = {"format": "json", "level": "INFO"}
     config["slo"] = {"ttft_ms": 60_000, "tpot_ms": 60_000}
+    for role in ("prefill", "decode"):  # each instance serves its own metrics too
+        config[role]["metrics_port"] = 0
     c = launch(config)
     yield c
     c.shutdown(drain=False)
@@ -131,6 +133,39 @@ def test_per_instance_gauges(cluster):
         assert value(s, "instance_requests_running", **labels) == 0
         assert ("pdserve:num_preemptions_total", (("instance", name),)) in s
     assert value(s, "num_requests_waiting", **m) == 0
+
+
+def test_each_instance_serves_its_engine_metrics_at_the_listed_target(cluster):
+    """``/metrics/targets`` (Prometheus HTTP service discovery) lists each instance's own
+    endpoint; a scrape of it counts the instance's engine steps as the router's view of
+    the same instance does, once both are read while the cluster is idle."""
+    targets = httpx.get(f"http://{cluster.http_address}/metrics/targets", timeout=10).json()
+    by_name = {t["labels"]["__meta_pdserve_instance"]: t for t in targets}
+    assert sorted(by_name) == ["decode-0", "prefill-0"]
+    with cluster.client() as client:
+        assert client.complete(prompt_token_ids=list(range(5, 25)), max_tokens=4).text
+    m = {"model_name": cluster.config.model}
+
+    def agree(name: str, role: str, address: str):
+        router = scrape(cluster)
+        if value(router, "num_requests_in_flight", **m) != 0:
+            return None
+        own = httpx.get(f"http://{address}/metrics", timeout=10)
+        assert own.status_code == 200
+        labels = (("instance", name), ("role", role))
+        steps = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(own.text)
+            for s in family.samples
+        }.get(("pdserve:engine_step_seconds_count", labels))
+        expected = value(router, "instance_steps_total", instance=name, role=role)
+        return steps if steps == expected and steps > 0 else None
+
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        (address,) = by_name[name]["targets"]
+        assert address.startswith("127.0.0.1:")
+        assert by_name[name]["labels"]["__meta_pdserve_role"] == role
+        assert wait_until(lambda: agree(name, role, address), 30), name  # noqa: B023
 
 
 def test_openmetrics_when_the_scraper_asks_for_it(cluster):

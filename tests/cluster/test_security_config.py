@@ -115,3 +115,26 @@ def test_a_router_off_loopback_authenticates_its_clients_unless_insecure(
     assert load_config(_config(chat_model, router={"host": host, "insecure": True})).router.insecure
     for loopback in ("127.0.0.1", "::1", "localhost"):
         load_config(_config(chat_model, router={"host": loopback}))
+
+
+def test_instance_metrics_off_loopback_need_the_routers_keys_unless_insecure(
+    chat_model, clean_env, tmp_path
+):
+    """A pool's ``metrics_port`` on an interface off loopback (its ``bind``, or the
+    node's address with an existing Ray) is refused without API keys to check."""
+    off = {"colocated": {"metrics_port": 9400, "bind": "0.0.0.0"}}
+    with pytest.raises(ConfigError, match="colocated.metrics_port: .*'0.0.0.0', not loopback"):
+        load_config({**_config(chat_model), **off})
+    existing = {"address": "127.0.0.1:6379"}
+    with pytest.raises(ConfigError, match="colocated.metrics_port: .*the node's Ray address"):
+        load_config({**_config(chat_model, existing), "colocated": {"metrics_port": 0}})
+    keys = tmp_path / "keys"
+    keys.write_text("a-key\n")
+    load_config({**_config(chat_model, router={"api_key_file": str(keys)}), **off})
+    load_config({**_config(chat_model, router={"insecure": True}), **off})
+    # an embedded Ray binds loopback; so does a pool told to
+    load_config({**_config(chat_model), "colocated": {"metrics_port": 0}})
+    local = {"metrics_port": 0, "bind": "127.0.0.1"}
+    load_config({**_config(chat_model, existing), "colocated": local})
+    with pytest.raises(ConfigError, match="colocated.metrics_port: 70000 is not allowed"):
+        load_config({**_config(chat_model), "colocated": {"metrics_port": 70000}})

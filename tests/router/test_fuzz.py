@@ -162,7 +162,7 @@ def test_schemathesis_fuzzes_the_http_api_while_streams_run(fuzz_cluster, fuzz_m
     with Background(fuzz_cluster.address) as background:
         for path, mode, examples, stream in PLAN:
             fuzz(schema[path]["POST"], mode, examples, stream)
-        for path in ("/v1/models", "/health", "/metrics"):
+        for path in ("/v1/models", "/health", "/metrics", "/metrics/targets"):
             fuzz(schema[path]["GET"], GenerationMode.POSITIVE, 1, False)
         assert all(background.streams), "a background stream did not finish during the fuzz"
     print(f"fuzzed {sum(cases.values())} cases in {time.monotonic() - started:.0f} s: {cases}")
