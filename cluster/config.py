@@ -86,6 +86,12 @@ class PoolConfig:
     tensor_parallel: int = spec(1, at_least(1), "tensor-parallel degree of each instance")
     max_batch_tokens: int = spec(512, at_least(1), "token budget of one engine step")
     max_batch_size: int = spec(64, at_least(1), "requests in one running batch")
+    mixed_prefill_tokens: int | None = spec(
+        None,
+        at_least(1),
+        "prompt tokens a step may carry beside running decodes (null: what max_batch_tokens "
+        "leaves): bounds how far a prompt stretches the decodes' steps",
+    )
     kv_blocks: int = spec(2048, at_least(1), "paged KV cache blocks per instance")
     block_size: int = spec(16, at_least(1), "tokens per KV block")
     prefix_caching: bool = spec(
@@ -122,6 +128,7 @@ class PoolConfig:
             num_kv_blocks=self.kv_blocks,
             max_batch_tokens=self.max_batch_tokens,
             max_batch_size=self.max_batch_size,
+            mixed_prefill_tokens=self.mixed_prefill_tokens,
             enable_prefix_caching=self.prefix_caching,
             attention_backend=attention_backend,
             device=device,

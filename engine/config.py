@@ -67,6 +67,9 @@ class EngineConfig:
     num_kv_blocks: int = 2048
     max_batch_tokens: int = 512
     max_batch_size: int = 64
+    # prompt tokens a step may carry beside running decodes (None: what max_batch_tokens
+    # leaves); bounds how much a prompt stretches the decodes' step (engine/scheduler.py)
+    mixed_prefill_tokens: int | None = None
     attention_backend: str | None = None
     device: str = "cpu"
     seed: int = 0
@@ -81,6 +84,9 @@ class EngineConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r}: must be a positive integer")
+        cap = self.mixed_prefill_tokens
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"mixed_prefill_tokens={cap!r}: must be None or a positive integer")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching={self.enable_prefix_caching!r}: must be true or false"

@@ -62,7 +62,9 @@ class LLMEngine:
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.blocks, config.max_batch_tokens, config.max_batch_size)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_batch_tokens, config.max_batch_size, config.mixed_prefill_tokens
+        )
         self.runner = ModelRunner(self.model, self.blocks, config.seed)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, Detokenizer] = {}

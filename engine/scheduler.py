@@ -6,6 +6,9 @@ Each step spends a token budget (``max_batch_tokens``):
   3. waiting requests, FCFS, while the batch has room (``max_batch_size``); one with
      no KV yet starts from its longest cached prefix when prefix caching is on
      (engine/block_manager.py), and only the rest of its prompt is computed.
+Prompt tokens (2 and 3) of a step that decodes are at most ``mixed_prefill_tokens``
+when it is set (Sarathi-Serve's stall-free budget: a prompt spreads over several steps,
+each as short as the decodes' TPOT allows); a step without decodes spends it all.
 When a running request needs a block and none is free, the most recently
 admitted running request is preempted: its blocks are freed and it goes back to
 the front of the queue to be recomputed (its generated tokens are kept; the full blocks
@@ -70,9 +73,16 @@ class StepShape:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_size: int):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_batch_tokens: int,
+        max_batch_size: int,
+        mixed_prefill_tokens: int | None = None,
+    ):
         self.blocks = blocks
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.suspects: set[str] = set()  # ids of a failed step's requests, run alone
@@ -122,18 +132,12 @@ class Scheduler:
         if self.suspects:
             return self._schedule_suspect()
         batch = ScheduledBatch()
-        budget = self.max_batch_tokens
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
         prefills = [r for r in self.running if r.num_pending_tokens > 1]
-        for request in decodes + prefills:
-            if budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
-            n = min(request.num_pending_tokens, budget)
-            if self._reserve(request, n, batch):
-                batch.items.append((request, n))
-                budget -= n
+        budget = self._continue(decodes, self.max_batch_tokens, batch)
+        if batch.items and self.mixed_prefill_tokens is not None:
+            budget = min(budget, self.mixed_prefill_tokens)  # the step decodes
+        budget = self._continue(prefills, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             if batch.preempted:
                 break  # the cache is full: admitting now would only preempt again
@@ -155,6 +159,20 @@ class Scheduler:
             batch.items.append((request, n))
             budget -= n
         return batch
+
+    def _continue(self, requests: list[Request], budget: int, batch: ScheduledBatch) -> int:
+        """Running ``requests``' next tokens (a decode or a prompt chunk each), in order,
+        within ``budget``; what is left of it."""
+        for request in requests:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(request.num_pending_tokens, budget)
+            if self._reserve(request, n, batch):
+                batch.items.append((request, n))
+                budget -= n
+        return budget
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """The cached blocks a request without KV starts from (none when it has KV)."""

@@ -113,6 +113,7 @@ class EngineWorker:
             "block_size": e.blocks.block_size,
             "max_batch_size": e.config.max_batch_size,
             "max_batch_tokens": e.config.max_batch_tokens,
+            "mixed_prefill_tokens": e.config.mixed_prefill_tokens,
             "tensor_parallel": e.model.tp.size,
         }
 

@@ -63,6 +63,7 @@ class Hybrid(Disaggregated):
             local_queue_tokens=decode.load.prefill_tokens,
             running=decode.load.running,
             max_batch_tokens=decode.info["max_batch_tokens"],
+            mixed_prefill_tokens=decode.info.get("mixed_prefill_tokens"),
             remote_max_batch_tokens=prefill.info["max_batch_tokens"] if prefill else 1,
             tpot_s=self.tpot_s,
             prefill_alive=prefill is not None,

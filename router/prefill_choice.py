@@ -11,7 +11,8 @@ The rule, in predicted seconds until the first token (queues included):
 
     local  = work x local_token_s + steps x local_step_s
              work = decode queue + prompt - decode hit;
-             steps = ceil(work / (max_batch_tokens - running)); a step's own cost
+             steps = ceil(work / budget), budget = max_batch_tokens - running,
+             at most mixed_prefill_tokens beside a running batch; a step's own cost
              (fixed, and the running batch's decodes) is paid once per chunk
     remote = work x remote_token_s + steps x remote_step_s
              + (prompt - decode hit) x transfer_token_s   (the blocks decode lacks)
@@ -20,7 +21,9 @@ The rule, in predicted seconds until the first token (queues included):
 
 Local wins when it is not slower, unless a chunk piggybacked on the running batch
 would stretch its step past the TPOT objective (``local_step_s + chunk x
-local_token_s > tpot_s``: refused, remote). With no prefill instance alive, or after
+local_token_s > tpot_s``, chunk = min(prompt after hits, budget): refused, remote). A
+decode pool whose ``mixed_prefill_tokens`` keeps that step under the objective takes a
+prompt over several steps instead. With no prefill instance alive, or after
 the request's remote attempt failed, the prompt is prefilled locally whatever the
 prediction (the fallback: the request completes rather than waiting for a pair).
 
@@ -76,6 +79,8 @@ class PrefillInputs:
     max_batch_tokens: int  # the decode instance's step token budget
     remote_max_batch_tokens: int  # the prefill instance's
     tpot_s: float  # slo.tpot_ms in seconds
+    # the decode instance's prompt tokens beside running decodes (None: no cap)
+    mixed_prefill_tokens: int | None = None
     prefill_alive: bool = True  # some prefill instance can take the request
     remote_failed: bool = False  # the request's previous attempt was remote and failed
 
@@ -98,6 +103,8 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
     local_tokens = max(1, i.prompt_tokens - i.local_hit_tokens)
     remote_tokens = max(1, i.prompt_tokens - i.remote_hit_tokens)
     budget = max(1, i.max_batch_tokens - i.running)
+    if i.running and i.mixed_prefill_tokens is not None:
+        budget = min(budget, i.mixed_prefill_tokens)
     local_work = i.local_queue_tokens + local_tokens
     local_s = local_work * c.local_token_s + math.ceil(local_work / budget) * c.local_step_s
     remote_s = math.inf

@@ -111,3 +111,33 @@ def test_embedded_model_chunks_and_batch():
     others = [whole.tokenizer.encode(t) for t in ("Hello there", "1, 2, 3, 4,", "Why is the sky")]
     outs = chunked.generate([others[0], ids, others[1], others[2]], params)
     assert outs[1].token_ids == expected
+
+
+def test_mixed_prefill_tokens_bound_prompt_chunks_beside_decodes(reference):
+    """With ``mixed_prefill_tokens``, a step that decodes carries at most that many
+    prompt tokens (a prompt spreads over several steps); a step with no decodes spends
+    the whole ``max_batch_tokens``; the outputs are the same."""
+    path, prompts, expected = reference
+    config = EngineConfig(max_batch_tokens=256, mixed_prefill_tokens=9, num_kv_blocks=256)
+    engine = LLMEngine(path, config)
+    shapes = []  # (decodes, prompt tokens) of every step
+    schedule = engine.scheduler.schedule
+
+    def observed():
+        batch = schedule()
+        decodes = sum(1 for r, n in batch.items if r.num_pending_tokens == 1 and n == 1)
+        shapes.append((decodes, sum(n for _, n in batch.items) - decodes))
+        return batch
+
+    engine.scheduler.schedule = observed
+    arrivals: dict[int, list] = {}
+    for i, ids in enumerate(prompts):
+        arrivals.setdefault((i * 3) % 11, []).append((f"r{i}", ids))
+    done = run_staggered(engine, arrivals, GREEDY)
+    assert [done[f"r{i}"] for i in range(len(prompts))] == expected
+    engine.blocks.check_integrity()
+    assert all(tokens <= 9 for decodes, tokens in shapes if decodes)
+    assert any(decodes and tokens == 9 for decodes, tokens in shapes)  # the cap was reached
+    assert shapes[0][0] == 0 and shapes[0][1] > 9  # the first step: prompts only
+    with pytest.raises(ValueError, match="mixed_prefill_tokens=0: must be None or a positive"):
+        EngineConfig(mixed_prefill_tokens=0).validate()

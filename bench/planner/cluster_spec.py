@@ -17,6 +17,7 @@ class PoolSpec:
     kv_blocks: int | None = None  # None: as many as the device memory holds (cost model)
     block_size: int = 16
     prefix_caching: bool = True  # its instances reuse cached prefixes (given tokens)
+    mixed_prefill_tokens: int | None = None  # prompt tokens beside decodes (None: no cap)
 
     @property
     def devices(self) -> int:
@@ -79,6 +80,7 @@ class ClusterSpec:
                 "max_batch_size": p.max_batch_size,
                 "kv_blocks": p.kv_blocks or kv_blocks,
                 "block_size": p.block_size,
+                "mixed_prefill_tokens": p.mixed_prefill_tokens,
                 "resources": resources,
             }
 
@@ -109,6 +111,7 @@ def from_cluster_config(config) -> ClusterSpec:
             p.kv_blocks,
             p.block_size,
             p.prefix_caching,
+            p.mixed_prefill_tokens,
         )
 
     return ClusterSpec(

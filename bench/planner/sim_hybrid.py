@@ -16,11 +16,13 @@ def prefill_choice(
     chosen already) or on ``prefill`` (the one the remote path would use). The hits:
     leading prompt tokens each one's prefix cache holds (``bench.planner.prefix``).
     Called before ``r`` counts in either instance's load, as the router does."""
-    cost, n = sim.cost, r.prompt_len
-    chunk = max(1, min(n, decode.pool.max_batch_tokens))
+    cost, n, batch = sim.cost, r.prompt_len, len(decode.batch)
+    budget, mixed = decode.pool.max_batch_tokens, decode.pool.mixed_prefill_tokens
+    if batch and mixed is not None:
+        budget = min(budget, mixed)  # the chunk that rides with the running batch's step
+    chunk = max(1, min(n, budget))
     remote_chunk = max(1, min(n, prefill.pool.max_batch_tokens))
     kv_bytes = n * cost.kv_bytes_per_token  # the transfer's cost per token, at this size
-    batch = len(decode.batch)
     costs = PrefillCosts(  # a step's fixed cost folded into this prompt's chunk's tokens
         local_step_s=cost.decode_s(batch, decode.batch.context, decode.pool.tp) if batch else 0.0,
         local_token_s=cost.prefill_s(chunk, chunk**2, decode.pool.tp) / chunk,
@@ -38,6 +40,7 @@ def prefill_choice(
         local_queue_tokens=decode.queued_tokens,
         running=batch,
         max_batch_tokens=decode.pool.max_batch_tokens,
+        mixed_prefill_tokens=decode.pool.mixed_prefill_tokens,
         remote_max_batch_tokens=prefill.pool.max_batch_tokens,
         tpot_s=math.inf if tpot_ms is None else tpot_ms / 1000,
     )

@@ -195,6 +195,8 @@ class Instance:
         self.joining = []
         decodes = len(self.batch)
         budget = self.pool.max_batch_tokens - decodes
+        if decodes and self.pool.mixed_prefill_tokens is not None:
+            budget = min(budget, self.pool.mixed_prefill_tokens)  # as engine/scheduler.py
         items, sq = self.chunks(budget, admit=self.mixed)
         tokens = sum(n for _, n in items)
         if not decodes and not tokens:

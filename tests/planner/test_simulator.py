@@ -134,3 +134,21 @@ def test_free_decode_steps_run_at_once_with_the_same_records():
         assert a.ttft_ms == pytest.approx(b.ttft_ms, abs=1e-6)
         assert a.e2e_ms == pytest.approx(b.e2e_ms, abs=1e-6)
         assert a.instances == b.instances and a.error == b.error
+
+
+def test_mixed_prefill_tokens_cap_the_chunks_beside_decodes():
+    """As the engine's scheduler does: beside running decodes a step carries at most
+    ``mixed_prefill_tokens`` prompt tokens, so a long prompt arriving mid-decode takes
+    several short steps (steps of 10 + 20 + 20 ms) instead of one long one: the longest
+    token gap of the running request shrinks, its mean grows by each chunk's fixed cost."""
+    reqs = [(0.0, 10, 50), (0.1, 200, 2)]
+    free = simulate(ClusterSpec("colocated", colocated=PoolSpec(instances=1)), LinearCost(), reqs)
+    capped_pool = PoolSpec(instances=1, mixed_prefill_tokens=20)
+    capped = simulate(ClusterSpec("colocated", colocated=capped_pool), LinearCost(), reqs)
+    # the 200-token prompt: 10 chunks of 20 beside r0's decodes, 50 ms each, against one
+    # step of 10 + 200 + 20 ms after the one under way
+    assert capped[1].ttft_ms >= 10 * 50 - 1e-6
+    assert free[1].ttft_ms < 260
+    # r0: 10 steps of 50 ms (a token each) in place of one of 230 ms (one token) and 9
+    # plain decodes of 20 ms: 500 - (230 + 180) = 90 ms more in all, none longer than 50
+    assert capped[0].e2e_ms - free[0].e2e_ms == pytest.approx(90, abs=1e-3)

@@ -77,6 +77,20 @@ def test_tpot_slack_refuses_local_even_when_local_is_sooner():
     assert (idle.where, idle.reason) == (LOCAL, "faster")
 
 
+def test_mixed_prefill_tokens_spread_a_prompt_over_steps_within_tpot():
+    """The decode pool's ``mixed_prefill_tokens`` caps the chunk beside a running batch:
+    the step stays under the objective, and the prompt costs a step per chunk."""
+    tight = inputs(100, running=3, remote_queue_tokens=500, tpot_s=0.1)
+    assert choose_prefill(tight, COSTS).reason == "tpot"
+    c = choose_prefill(PrefillInputs(**{**tight.__dict__, "mixed_prefill_tokens": 40}), COSTS)
+    # chunks of 40: 3 steps of 20 ms + 100 ms of tokens; each step 60 ms < 100 ms
+    assert (c.where, c.reason) == (LOCAL, "faster")
+    assert c.local_s == pytest.approx(0.1 + 3 * 0.02)
+    # idle, the cap does not apply: one step
+    idle = PrefillInputs(**{**tight.__dict__, "running": 0, "mixed_prefill_tokens": 40})
+    assert choose_prefill(idle, COSTS).local_s == pytest.approx(0.1 + 0.02)
+
+
 def test_hits_count_on_their_own_side():
     # the decode instance holds 1984 of 2000 tokens: 16 tokens locally, no TPOT problem
     c = choose_prefill(inputs(2000, running=8, local_hit_tokens=1984), COSTS)
