@@ -115,6 +115,8 @@ def test_bench_against_an_endpoint(chat_model, server, tmp_path):
         assert r["error"] is None and r["finish_reason"] == "length"
         assert r["completion_tokens"] == req.output_len
         assert FIRST_S * 1e3 <= r["ttft_ms"] < FIRST_S * 1e3 + 200
+        # the server sleeps GAP_S between chunks; the client reads them a little late or
+        # early (a late first chunk shortens the mean gap), so the band is generous
         if req.output_len > 1:
-            assert GAP_S * 1e3 <= r["tpot_ms"] < GAP_S * 1e3 + 30
-        assert r["e2e_ms"] >= r["ttft_ms"] + (req.output_len - 1) * GAP_S * 1e3
+            assert GAP_S * 1e3 / 2 <= r["tpot_ms"] < GAP_S * 1e3 + 30
+        assert r["e2e_ms"] >= (FIRST_S + (req.output_len - 1) * GAP_S) * 1e3
