@@ -6,12 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.mla_config import MLA_ARCHITECTURES, MLAConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder."""
+    """The shape of a decoder: the Llama family, or with ``mla`` set DeepSeek-V2/V3's
+    Multi-head Latent Attention (dense layers). For MLA, ``head_dim`` is the RoPE width
+    ``qk_rope_head_dim`` (as HF's config has it) and ``num_kv_heads`` is 1: the one
+    latent every query head shares, replicated on every tensor-parallel rank."""
 
     vocab_size: int
     hidden_size: int
@@ -27,6 +32,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    mla: MLAConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -36,25 +42,35 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
-        """From a HF ``config.json`` dict of a Llama-family model."""
+        """From a HF ``config.json`` dict: its ``architectures`` name MLA
+        (``MLA_ARCHITECTURES``) or else a Llama-family model."""
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # transformers 5 writes rope_parameters (rope_theta inside), older ones rope_scaling
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        mla = None
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if (cfg.get("architectures") or [None])[0] in MLA_ARCHITECTURES:
+            mla = MLAConfig.from_hf(cfg, rope)
+            head_dim = mla.qk_rope_head_dim
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
             max_position=cfg.get("max_position_embeddings", 2048),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(theta),
+            rope_scaling=rope,
             rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            mla=mla,
         )
 
 

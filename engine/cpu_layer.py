@@ -58,7 +58,7 @@ class DecodeStep:
 
 class CpuDecodeLayers:
     """The C decode path of a model's layers; ``build`` returns None where it cannot run
-    (not float32 on CPU, head_dim not a multiple of 16, no compiler)."""
+    (not float32 on CPU, head_dim not a multiple of 16, MLA attention, no compiler)."""
 
     def __init__(self, lib: ctypes.CDLL, model):
         self.model = model
@@ -78,7 +78,7 @@ class CpuDecodeLayers:
     def build(model) -> CpuDecodeLayers | None:
         if model.dtype != torch.float32 or model.embed.device.type != "cpu":
             return None
-        if model.cfg.head_dim % 16:
+        if model.cfg.head_dim % 16 or model.cfg.mla is not None:
             return None
         lib = native.library()
         return None if lib is None else CpuDecodeLayers(lib, model)

@@ -1,4 +1,4 @@
-"""Llama-family decoder over a paged KV cache.
+"""Llama-family and DeepSeek (MLA, engine/mla.py) decoders over a paged KV cache.
 
 Every layer holds its tensor-parallel shard only (local shapes); ``load_weights``
 slices full checkpoint tensors as they arrive. QKV and gate/up are fused
@@ -24,32 +24,40 @@ from engine.cpu_gemm import CpuGemm, PanelWeight, cpu_gemm
 from engine.cpu_layer import CpuDecodeLayers
 from engine.linear import linear, prepare
 from engine.mkl_packed import MklPacker, PackedWeight, mkl_packer
+from engine.mla import MLAAttention
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.rope import rope_tables
 
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
 
 class DecoderLayer(nn.Module):
+    """Attention (Llama's GQA, or with ``cfg.mla`` the ``MLAAttention`` in ``self.mla``)
+    and the SiLU-gated MLP, each behind an RMS norm with a residual."""
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype):
         super().__init__()
-        q0, q1 = tp.shard(cfg.num_heads, "num_heads")
-        k0, k1 = tp.shard(cfg.num_kv_heads, "num_kv_heads")
-        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
         i0, i1 = tp.shard(cfg.intermediate_size, "intermediate_size")
         inter, hidden, d = i1 - i0, cfg.hidden_size, cfg.head_dim
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
 
         def param(*shape):
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
         self.input_norm = param(hidden)
-        self.qkv = param(qkv_rows, hidden)
-        self.o = param(hidden, self.num_heads * d)
         self.post_norm = param(hidden)
         self.gate_up = param(2 * inter, hidden)
         self.down = param(hidden, inter)
         self.eps = cfg.rms_eps
-        self.scale = d**-0.5
+        self.mla = None if cfg.mla is None else MLAAttention(cfg, tp, dtype)
+        if self.mla is None:
+            q0, q1 = tp.shard(cfg.num_heads, "num_heads")
+            k0, k1 = tp.shard(cfg.num_kv_heads, "num_kv_heads")
+            self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, d
+            self.qkv = param((self.num_heads + 2 * self.num_kv_heads) * d, hidden)
+            self.o = param(hidden, self.num_heads * d)
+            self.scale = d**-0.5
+        self.projections = ("gate_up", "down") if self.mla else _PROJECTIONS
         # the projections' twins by name (prepare_weights): packed for MKL's prefill
         # GEMM, and in panels for the small-batch C kernel
         self.packed: dict[str, PackedWeight] = {}
@@ -59,19 +67,27 @@ class DecoderLayer(nn.Module):
         """x @ W.T for the projection ``name`` (qkv, o, gate_up, down)."""
         return linear(x, getattr(self, name), self.packed.get(name), self.panels.get(name))
 
-    def forward(self, h, residual, rope, k_cache, v_cache, meta, attn, ops, tp):
-        if residual is None:
-            residual = h
-            x = ops.rms_norm(h, self.input_norm, self.eps)
-        else:
-            x, residual = ops.add_rms_norm(h, residual, self.input_norm, self.eps)
+    def attention(self, x, rope, cache, meta, attn, ops) -> torch.Tensor:
+        """Normed x [T, hidden] -> this rank's partial sum of the attention output."""
+        if self.mla is not None:
+            return self.mla(x, rope, cache, meta, attn.name, ops)
+        k_cache, v_cache = cache
         t, d = x.shape[0], self.head_dim
         q, k, v = self.project("qkv", x).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
         )
         q, k = ops.rotary(q.view(t, -1, d), k.view(t, -1, d), rope)
         o = attn.forward(q, k, v.view(t, -1, d), k_cache, v_cache, meta, self.scale)
-        h = tp.all_reduce(self.project("o", o.reshape(t, -1)))
+        return self.project("o", o.reshape(t, -1))
+
+    def forward(self, h, residual, rope, cache, meta, attn, ops, tp):
+        """``cache``: this layer's (k_cache, v_cache), or its latent cache for MLA."""
+        if residual is None:
+            residual = h
+            x = ops.rms_norm(h, self.input_norm, self.eps)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, self.input_norm, self.eps)
+        h = tp.all_reduce(self.attention(x, rope, cache, meta, attn, ops))
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, self.eps)
         act = ops.silu_and_mul(self.project("gate_up", x))
         h = tp.all_reduce(self.project("down", act))
@@ -127,13 +143,11 @@ class LlamaModel(nn.Module):
             None if self.cpu_decode is None else self.cpu_decode.begin(positions, kv_caches, meta)
         )
         rope = None if step is not None else self.ops.rope(positions, self.cos, self.sin)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if step is not None:
                 h, residual = self.cpu_decode.forward(i, step, h, residual, self.tp)
             else:
-                h, residual = layer(
-                    h, residual, rope, k_cache, v_cache, meta, self.attn, self.ops, self.tp
-                )
+                h, residual = layer(h, residual, rope, cache, meta, self.attn, self.ops, self.tp)
             if on_layer is not None:
                 on_layer(i)
         h, _ = self.ops.add_rms_norm(h, residual, self.norm, self.cfg.rms_eps)
@@ -159,13 +173,14 @@ class LlamaModel(nn.Module):
         blocks also serve prefill on AMX). Called once after loading."""
         packer, kernel, amx = mkl_packer(), cpu_gemm(), amx_gemm()
         for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                weight = prepare(getattr(layer, name).data)
-                setattr(layer, name, nn.Parameter(weight, False))
-                if packer is not None and MklPacker.supports(weight):
-                    layer.packed[name] = PackedWeight(packer, weight)
-                if kernel is not None and CpuGemm.supports(weight):
-                    layer.panels[name] = PanelWeight(kernel, weight, amx=amx)
+            for owner in (layer,) if layer.mla is None else (layer, layer.mla):
+                for name in owner.projections:
+                    weight = prepare(getattr(owner, name).data)
+                    setattr(owner, name, nn.Parameter(weight, False))
+                    if packer is not None and MklPacker.supports(weight):
+                        owner.packed[name] = PackedWeight(packer, weight)
+                    if kernel is not None and CpuGemm.supports(weight):
+                        owner.panels[name] = PanelWeight(kernel, weight, amx=amx)
         self.lm_head = nn.Parameter(prepare(self.lm_head.data), requires_grad=False)
         self.lm_head_panels = (
             PanelWeight(kernel, self.lm_head, amx=amx)
@@ -177,6 +192,7 @@ class LlamaModel(nn.Module):
         """Pack every projection's panels for the small-batch kernel now: a served
         instance calls this before taking requests, or its first request would wait for
         the packing (~1 s on the embedded model)."""
-        twins = [twin for layer in self.layers for twin in layer.panels.values()]
+        owners = [o for layer in self.layers for o in (layer, layer.mla) if o is not None]
+        twins = [twin for owner in owners for twin in owner.panels.values()]
         for twin in twins + ([self.lm_head_panels] if self.lm_head_panels else []):
             twin.panels  # noqa: B018 (packs on first access)

@@ -34,11 +34,21 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, blocks: BlockManager, seed: int = 0):
         self.model, self.blocks = model, blocks
         cfg, dev = model.cfg, model.embed.device
-        layer = model.layers[0]
-        shape = (blocks.num_blocks, blocks.block_size, layer.num_kv_heads, cfg.head_dim)
-        # [layers, 2 (k, v), blocks, block size, kv heads, head dim], one allocation
-        self.kv_cache = zeros((cfg.num_layers, 2, *shape), model.dtype, dev)
-        self.kv_caches = [(kv[0], kv[1]) for kv in self.kv_cache]
+        blocks_shape = (cfg.num_layers, blocks.num_blocks, blocks.block_size)
+        if cfg.mla is not None:
+            # [layers, blocks, block size, Dc + Dr]: each token's latent then its RoPE key,
+            # the same on every tensor-parallel rank (the latent is replicated)
+            self.kv_cache = zeros((*blocks_shape, cfg.mla.latent_width), model.dtype, dev)
+            self.kv_caches = list(self.kv_cache)
+        else:
+            layer = model.layers[0]
+            shape = (*blocks_shape[1:], layer.num_kv_heads, cfg.head_dim)
+            # [layers, 2 (k, v), blocks, block size, kv heads, head dim], one allocation
+            self.kv_cache = zeros((cfg.num_layers, 2, *shape), model.dtype, dev)
+            self.kv_caches = [(kv[0], kv[1]) for kv in self.kv_cache]
+        # this rank's cache bytes per token, all layers (MLA: the replicated latent row)
+        tokens = blocks.num_blocks * blocks.block_size
+        self.kv_bytes_per_token = self.kv_cache.numel() // tokens * model.dtype.itemsize
         self.sampler = Sampler(seed)
         self.device = dev
 

@@ -2,7 +2,8 @@
 
 Each HF tensor maps to a slice of one of our fused parameters; the part of the
 source that belongs to this tensor-parallel rank is cut here, so no rank keeps
-more than its share after loading.
+more than its share after loading. MLA (DeepSeek) attention tensors go to the
+layer's ``MLAAttention`` (engine/mla.py), their RoPE rows in rotate-half order.
 """
 
 from __future__ import annotations
@@ -13,25 +14,73 @@ from collections.abc import Iterable
 import torch
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_LAYER_PARTS = (
+_COMMON_PARTS = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
-    *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
     *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
 )
+_LLAMA_PARTS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
+_MLA_PARTS = tuple(
+    f"self_attn.{p}.weight" for p in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+)
+
+
+def _layer_parts(cfg) -> tuple[str, ...]:
+    """The HF tensor names (after ``model.layers.N.``) every layer must have."""
+    if cfg.mla is None:
+        return _COMMON_PARTS + _LLAMA_PARTS
+    q = ("q_proj",) if cfg.mla.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
+    return _COMMON_PARTS + _MLA_PARTS + tuple(f"self_attn.{p}.weight" for p in q)
+
+
+def _halves(w: torch.Tensor, rope: int, interleaved: bool) -> torch.Tensor:
+    """Rows [..., rope, in] of interleaved RoPE pairs (x0, x1), (x2, x3) ... reordered
+    to (x0, x2, ..., x1, x3, ...): rotate-half RoPE on those gives the same scores."""
+    if not interleaved:
+        return w
+    return torch.cat([w[..., 0:rope:2, :], w[..., 1:rope:2, :]], dim=-2)
+
+
+def _mla_slot(model, layer, part: str, w: torch.Tensor):
+    """(destination, source slice) for one MLA attention tensor, or None if unknown."""
+    m, mla = model.cfg.mla, layer.mla
+    h0, h1 = model.tp.shard(model.cfg.num_heads, "num_heads")
+    dn, dr, dc = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    heads = lambda w: w.view(model.cfg.num_heads, -1, w.shape[-1])[h0:h1]  # noqa: E731
+    if part in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
+        q = heads(w)
+        q = torch.cat([q[:, :dn], _halves(q[:, dn:], dr, m.rope_interleave)], 1).flatten(0, 1)
+        return (mla.fused_a[: mla.q_a_width], q) if part.endswith("q_proj.weight") else (mla.q_b, q)
+    if part == "self_attn.q_a_proj.weight":
+        return mla.fused_a[: mla.q_a_width], w
+    if part == "self_attn.q_a_layernorm.weight":
+        return mla.q_a_norm, w
+    if part == "self_attn.kv_a_proj_with_mqa.weight":
+        w = torch.cat([w[:dc], _halves(w[dc:], dr, m.rope_interleave)])
+        return mla.fused_a[mla.q_a_width :], w
+    if part == "self_attn.kv_a_layernorm.weight":
+        return mla.kv_a_norm, w
+    if part == "self_attn.kv_b_proj.weight":
+        return mla.kv_b, heads(w).flatten(0, 1)
+    if part == "self_attn.o_proj.weight":
+        dv = m.v_head_dim
+        return mla.o, w[:, h0 * dv : h1 * dv]
+    return None
 
 
 def _layer_slot(model, layer, part: str, w: torch.Tensor):
     """(destination view, source slice) for one decoder-layer tensor, or None if unknown."""
     cfg, tp, d = model.cfg, model.tp, model.cfg.head_dim
     q0, q1 = tp.shard(cfg.num_heads, "num_heads")
-    k0, k1 = tp.shard(cfg.num_kv_heads, "num_kv_heads")
+    k0, k1 = (0, 1) if cfg.mla else tp.shard(cfg.num_kv_heads, "num_kv_heads")
     i0, i1 = tp.shard(cfg.intermediate_size, "intermediate_size")
     nq, nk, inter = (q1 - q0) * d, (k1 - k0) * d, i1 - i0
     if part == "input_layernorm.weight":
         return layer.input_norm, w
     if part == "post_attention_layernorm.weight":
         return layer.post_norm, w
+    if layer.mla is not None and part.startswith("self_attn."):
+        return _mla_slot(model, layer, part, w)
     if part == "self_attn.q_proj.weight":
         return layer.qkv[:nq], w[q0 * d : q1 * d]
     if part == "self_attn.k_proj.weight":
@@ -53,7 +102,8 @@ def assign_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     cfg = model.cfg
     v0, v1 = model.vocab_range
     pending = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    pending |= {f"model.layers.{i}.{part}" for i in range(cfg.num_layers) for part in _LAYER_PARTS}
+    parts = _layer_parts(cfg)
+    pending |= {f"model.layers.{i}.{part}" for i in range(cfg.num_layers) for part in parts}
     embed = None
     for name, w in weights:
         if name == "model.embed_tokens.weight":
@@ -69,7 +119,10 @@ def assign_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         else:
             slot = None
         if slot is None:
-            raise ValueError(f"weight {name}: not a parameter of this {cfg.num_layers}-layer Llama")
+            kind = "Llama" if cfg.mla is None else "MLA model"
+            raise ValueError(
+                f"weight {name}: not a parameter of this {cfg.num_layers}-layer {kind}"
+            )
         _copy(name, *slot)
         pending.discard(name)
     if "lm_head.weight" in pending and embed is not None and cfg.tie_embeddings:

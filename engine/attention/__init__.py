@@ -27,4 +27,24 @@ def get_backend(name: str) -> tuple[AttentionBackend, Ops]:
     raise ValueError(f"attention_backend={name!r}: allowed values are {', '.join(BACKENDS)}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "default_backend_name"]
+def latent_decode_op(name: str):
+    """The ``paged_latent_decode`` of backend ``name``: decode attention over a
+    latent/tied cache, one signature for all (contract: ``latent_torch.py``)."""
+    if name == "torch":
+        from engine.attention.latent_torch import paged_latent_decode
+
+        return paged_latent_decode
+    if name == "triton":
+        from kernels.paged_latent_decode import paged_latent_decode
+
+        return paged_latent_decode
+    raise ValueError(f"attention_backend={name!r}: allowed values are {', '.join(BACKENDS)}")
+
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "get_backend",
+    "default_backend_name",
+    "latent_decode_op",
+]
