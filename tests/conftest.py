@@ -11,7 +11,12 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in the interpreter; it must be on before they load.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.tiny_models import TINY_SHAPES, save_tiny_llama  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    TINY_MLA_SHAPES,
+    TINY_SHAPES,
+    save_tiny_deepseek,
+    save_tiny_llama,
+)
 
 torch.set_num_threads(2)
 
@@ -34,6 +39,21 @@ def tiny_model(tmp_path_factory):
         if name not in made:
             folder = tmp_path_factory.mktemp(f"tiny-{name}")
             save_tiny_llama(folder, **TINY_SHAPES[name])
+            made[name] = str(folder)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model(tmp_path_factory):
+    """A factory: tiny_mla_model("v3") -> path of a saved random HF DeepSeek folder (MLA)."""
+    made: dict[str, str] = {}
+
+    def get(name: str = "v3") -> str:
+        if name not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-mla-{name}")
+            save_tiny_deepseek(folder, **TINY_MLA_SHAPES[name])
             made[name] = str(folder)
         return made[name]
 

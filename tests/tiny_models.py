@@ -1,4 +1,4 @@
-"""Small random-weight Llama models written with HF transformers, for tests."""
+"""Small random-weight Llama and DeepSeek (MLA) models written with HF transformers, for tests."""
 
 from __future__ import annotations
 
@@ -42,6 +42,76 @@ def save_tiny_llama(folder: Path, seed: int = 0, **overrides) -> None:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+# DeepSeek-V3/V2 shapes (dense layers only: first_k_dense_replace = num_hidden_layers)
+TINY_MLA_SHAPES = {
+    # low-rank query, interleaved RoPE (DeepSeek-V3's layout)
+    "v3": dict(q_lora_rank=32),
+    # plain q_proj
+    "v3_q_proj": dict(q_lora_rank=None),
+    # RoPE on the halves
+    "v3_halves": dict(q_lora_rank=32, rope_interleave=False),
+    # yarn: frequencies ramped, cos/sin and the softmax scale corrected by mscale
+    "v3_yarn": dict(
+        q_lora_rank=32,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=128,
+            mscale=0.8,
+            mscale_all_dim=1.0,
+            beta_fast=32,
+            beta_slow=1,
+        ),  # fmt: skip
+    ),
+    # DeepSeek-V2 (RoPE as complex pairs)
+    "v2": dict(q_lora_rank=32, architecture="v2"),
+}
+
+
+def save_tiny_deepseek(folder: Path, seed: int = 0, architecture: str = "v3", **overrides):
+    """A 2-layer random DeepSeek-V3 (or ``architecture="v2"``) with MLA: hidden 64, 4 heads,
+    kv_lora_rank 32, qk_nope 16, qk_rope 8, v_head_dim 16, float32."""
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+    )
+
+    config_class, model_class = {
+        "v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+        "v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+    }[architecture]
+    layers = 2
+    config = config_class(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        first_k_dense_replace=layers,
+        max_position_embeddings=1024,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -1,0 +1,185 @@
+"""MLA (DeepSeek-V2/V3 attention) in the engine against HF transformers on tiny random
+checkpoints: logits of a prompt and of decode steps, greedy outputs over chunk sizes and
+with preemption, tensor parallelism, the absorbed decode against the expanded form, and
+the checkpoints the engine refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.attention import get_backend
+from engine.checkpoint import load_checkpoint
+from engine.config import ModelConfig
+from engine.model import LlamaModel
+from engine.request import Request
+from tests.engine_utils import hf_greedy, prompt_logits
+from tests.tiny_models import TINY_MLA_SHAPES
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def _prompts(lengths=(5, 17, 40), seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def stepwise_logits(engine: LLMEngine, ids: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits [len(ids) - prompt_len + 1, vocab] of positions prompt_len - 1 onwards: the
+    first prompt_len tokens in one pass, then the rest one decode step each."""
+    request = Request("stepwise", ids, SamplingParams(max_tokens=1))
+    engine.blocks.allocate(request.request_id, len(ids))
+    rows = []
+    try:
+        for n in [prompt_len] + [1] * (len(ids) - prompt_len):
+            _, input_ids, positions, meta = engine.runner.prepare([(request, n)])
+            hidden = engine.model(input_ids, positions, engine.runner.kv_caches, meta)
+            rows.append(engine.model.logits(hidden[-1:]))
+            request.num_computed_tokens += n
+    finally:
+        engine.blocks.free(request.request_id)
+    return torch.cat(rows)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(TINY_MLA_SHAPES))
+def test_logits_match_hf_over_prompt_and_decode_steps(tiny_mla_model, name):
+    path = tiny_mla_model(name)
+    hf = _hf(path)
+    llm = LLM(path, max_batch_tokens=64, num_kv_blocks=64)
+    assert llm.engine.model.cpu_decode is None  # the Llama C decode layers stay off
+    decode_steps = 8
+    for ids in _prompts():
+        full = ids + hf_greedy(hf, ids, decode_steps)
+        with torch.no_grad():
+            expected = hf(torch.tensor([full])).logits[0]
+        torch.testing.assert_close(
+            prompt_logits(llm.engine, ids), expected[: len(ids)], atol=1e-4, rtol=1e-4
+        )
+        got = stepwise_logits(llm.engine, full, len(ids))
+        torch.testing.assert_close(got, expected[len(ids) - 1 :], atol=1e-4, rtol=1e-4)
+    llm.engine.blocks.check_integrity()
+    assert llm.engine.blocks.num_free_blocks == 64
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_mla_model):
+    """name -> (path, prompts, HF's greedy continuation of each)."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            path, prompts = tiny_mla_model(name), _prompts()
+            hf = _hf(path)
+            made[name] = path, prompts, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+        return made[name]
+
+    return get
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["v3", "v3_q_proj"])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_greedy_matches_hf_at_every_chunk_size(hf_reference, name, chunk):
+    """Prompts of 5, 17 and 40 tokens together: chunks of ``chunk`` tokens beside the
+    decodes of the others (64: whole prompts)."""
+    path, prompts, expected = hf_reference(name)
+    llm = LLM(path, max_batch_tokens=chunk, num_kv_blocks=64)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    llm.engine.blocks.check_integrity()
+    assert llm.engine.blocks.num_free_blocks == 64
+
+
+@pytest.mark.timeout(120)
+def test_preempted_requests_recompute_to_hf_greedy(hf_reference):
+    """12 blocks of 4 tokens for three requests that need 5, 8 and 12: requests are
+    preempted (their latents dropped) and recomputed, and still match HF."""
+    path, prompts, expected = hf_reference("v3")
+    prompts, expected = prompts[:2] + [prompts[2][:30]], expected[:2]
+    engine = LLMEngine(path, EngineConfig(max_batch_tokens=64, num_kv_blocks=12, block_size=4))
+    requests = [engine.add_request(f"r{i}", ids, GREEDY) for i, ids in enumerate(prompts)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        engine.blocks.check_integrity()
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert [done["r0"], done["r1"]] == expected
+    assert done["r2"] == hf_greedy(_hf(path), prompts[2], GREEDY.max_tokens)
+    assert engine.blocks.num_free_blocks == 12
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_2_equals_one_rank(hf_reference):
+    """Query heads split over two ranks, the latent replicated on both."""
+    path, prompts, expected = hf_reference("v3")
+    with LLM(path, max_batch_tokens=16, num_kv_blocks=64, tensor_parallel=2) as llm:
+        assert llm.engine.model.layers[0].mla.num_heads == 2
+        assert llm.engine.runner.kv_cache.shape == (2, 64, 16, 32 + 8)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_latent_cache_layout_and_bytes_per_token(tiny_mla_model):
+    llm = LLM(tiny_mla_model("v3"), num_kv_blocks=8, block_size=4)
+    runner = llm.engine.runner
+    # [layers, blocks, block size, kv_lora_rank + qk_rope_head_dim], float32
+    assert runner.kv_cache.shape == (2, 8, 4, 40)
+    assert runner.kv_bytes_per_token == 2 * 40 * 4
+
+
+@pytest.mark.timeout(60)
+def test_absorbed_decode_equals_expanded_on_the_same_cache(tiny_mla_model):
+    from engine.attention.latent_torch import paged_latent_decode
+
+    mla = LLM(tiny_mla_model("v3_q_proj"), num_kv_blocks=8).engine.model.layers[1].mla
+    g = torch.Generator().manual_seed(0)
+    block_size, lens = 4, [1, 4, 5, 13]
+    cache = torch.randn(12, block_size, mla.dc + mla.dr, generator=g)
+    tables = torch.randperm(12, generator=g)[:12].view(3, 4)
+    tables = torch.cat([tables, tables[:1].flip(1)]).to(torch.int32)
+    q_nope = torch.randn(len(lens), mla.num_heads, mla.dn, generator=g)
+    q_r = torch.randn(len(lens), mla.num_heads, mla.dr, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    absorbed = mla.absorbed(q_nope, q_r, cache, tables, seq_lens, paged_latent_decode)
+    for b, n in enumerate(lens):
+        expanded = mla.expanded(q_nope[b : b + 1], q_r[b : b + 1], cache, tables[b], n)
+        torch.testing.assert_close(absorbed[b : b + 1], expanded, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mixture_of_experts_layer_is_refused(tiny_mla_model, tmp_path):
+    folder = tmp_path / "moe"
+    shutil.copytree(tiny_mla_model("v3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["first_k_dense_replace"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    refused = (
+        r"first_k_dense_replace=1 with n_routed_experts=8.*"
+        r"layers 1\.\.1 are mixtures of experts; supported are dense layers"
+    )
+    with pytest.raises(ValueError, match=refused):
+        LLM(str(folder))
+    config["first_k_dense_replace"], config["n_routed_experts"] = 0, None
+    assert ModelConfig.from_hf(config).mla.kv_lora_rank == 32  # no experts: all dense
+
+
+def test_an_unexpected_tensor_is_refused_by_name(tiny_mla_model):
+    ckpt = load_checkpoint(tiny_mla_model("v3"))
+    model = LlamaModel(ckpt.config, *get_backend("torch"))
+    extra = ("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64))
+    refused = (
+        r"weight model\.layers\.0\.self_attn\.k_proj\.weight: not a parameter of this 2-layer MLA"
+    )
+    with pytest.raises(ValueError, match=refused):
+        model.load_weights([*ckpt.weights(torch.float32), extra])
