@@ -13,10 +13,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder: the Llama family, or with ``mla`` set DeepSeek-V2/V3's
-    Multi-head Latent Attention (dense layers). For MLA, ``head_dim`` is the RoPE width
-    ``qk_rope_head_dim`` (as HF's config has it) and ``num_kv_heads`` is 1: the one
-    latent every query head shares, replicated on every tensor-parallel rank."""
+    """The shape of a decoder: the Llama family, or with ``mla`` set latent/tied attention
+    (DeepSeek-V2/V3's MLA with dense layers, GLA, GTA: engine/mla_config.py). With
+    ``mla``, ``head_dim`` is the RoPE width ``qk_rope_head_dim`` (as HF's DeepSeek config
+    has it) and ``num_kv_heads`` the cached latent/tied heads (MLA: 1, replicated on every
+    tensor-parallel rank)."""
 
     vocab_size: int
     hidden_size: int
@@ -61,7 +62,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or heads,
+            num_kv_heads=mla.latent_heads if mla else cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             max_position=cfg.get("max_position_embeddings", 2048),
             rope_theta=float(theta),

@@ -36,9 +36,10 @@ class ModelRunner:
         cfg, dev = model.cfg, model.embed.device
         blocks_shape = (cfg.num_layers, blocks.num_blocks, blocks.block_size)
         if cfg.mla is not None:
-            # [layers, blocks, block size, Dc + Dr]: each token's latent then its RoPE key,
-            # the same on every tensor-parallel rank (the latent is replicated)
-            self.kv_cache = zeros((*blocks_shape, cfg.mla.latent_width), model.dtype, dev)
+            # [layers, blocks, block size, Hc * Dc + Dr]: each token's latent/tied heads
+            # (this rank's; MLA's one latent on every rank), then its RoPE key
+            width = model.layers[0].mla.cache_width
+            self.kv_cache = zeros((*blocks_shape, width), model.dtype, dev)
             self.kv_caches = list(self.kv_cache)
         else:
             layer = model.layers[0]

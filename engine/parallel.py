@@ -73,7 +73,7 @@ class TensorParallel:
 def check_degree(cfg, size: int, where: str = "tensor_parallel") -> None:
     """Raise unless a model of shape ``cfg`` (``ModelConfig``) splits over ``size`` ranks
     (an MLA latent is replicated, so only its query heads and MLP split)."""
-    kv = () if cfg.mla is not None else ("num_kv_heads",)
+    kv = () if cfg.mla is not None and cfg.mla.replicated else ("num_kv_heads",)
     for what in ("num_heads", *kv, "intermediate_size"):
         total = getattr(cfg, what)
         if total % size:

@@ -2,8 +2,8 @@
 
 Each HF tensor maps to a slice of one of our fused parameters; the part of the
 source that belongs to this tensor-parallel rank is cut here, so no rank keeps
-more than its share after loading. MLA (DeepSeek) attention tensors go to the
-layer's ``MLAAttention`` (engine/mla.py), their RoPE rows in rotate-half order.
+more than its share after loading. Latent/tied attention tensors (DeepSeek's MLA, GLA,
+GTA) go to the layer's ``MLAAttention`` (engine/mla.py), RoPE rows in rotate-half order.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ _LLAMA_PARTS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
 _MLA_PARTS = tuple(
     f"self_attn.{p}.weight" for p in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 )
+_GTA_PARTS = tuple(f"self_attn.{p}.weight" for p in ("q_proj", "kv_proj", "k_rope_proj", "o_proj"))
 
 
 def _layer_parts(cfg) -> tuple[str, ...]:
     """The HF tensor names (after ``model.layers.N.``) every layer must have."""
     if cfg.mla is None:
         return _COMMON_PARTS + _LLAMA_PARTS
+    if cfg.mla.tied:
+        return _COMMON_PARTS + _GTA_PARTS
     q = ("q_proj",) if cfg.mla.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
     return _COMMON_PARTS + _MLA_PARTS + tuple(f"self_attn.{p}.weight" for p in q)
 
@@ -42,24 +45,32 @@ def _halves(w: torch.Tensor, rope: int, interleaved: bool) -> torch.Tensor:
 
 
 def _mla_slot(model, layer, part: str, w: torch.Tensor):
-    """(destination, source slice) for one MLA attention tensor, or None if unknown."""
+    """(destination, source slice) for one latent/tied attention tensor, or None if
+    unknown: this rank's query heads and latent heads (MLA's one latent whole)."""
     m, mla = model.cfg.mla, layer.mla
+    if part not in _layer_parts(model.cfg):
+        return None
     h0, h1 = model.tp.shard(model.cfg.num_heads, "num_heads")
-    dn, dr, dc = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    (g0, g1), dn, dr, dc = mla.latent_range, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    qa, width = mla.q_a_width, mla.cache_width - dr  # this rank's latent floats per token
     heads = lambda w: w.view(model.cfg.num_heads, -1, w.shape[-1])[h0:h1]  # noqa: E731
     if part in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
         q = heads(w)
         q = torch.cat([q[:, :dn], _halves(q[:, dn:], dr, m.rope_interleave)], 1).flatten(0, 1)
-        return (mla.fused_a[: mla.q_a_width], q) if part.endswith("q_proj.weight") else (mla.q_b, q)
+        return (mla.fused_a[:qa], q) if part.endswith("q_proj.weight") else (mla.q_b, q)
     if part == "self_attn.q_a_proj.weight":
-        return mla.fused_a[: mla.q_a_width], w
+        return mla.fused_a[:qa], w
     if part == "self_attn.q_a_layernorm.weight":
         return mla.q_a_norm, w
     if part == "self_attn.kv_a_proj_with_mqa.weight":
-        w = torch.cat([w[:dc], _halves(w[dc:], dr, m.rope_interleave)])
-        return mla.fused_a[mla.q_a_width :], w
+        rope = _halves(w[m.latent_heads * dc :], dr, m.rope_interleave)
+        return mla.fused_a[qa:], torch.cat([w[g0 * dc : g1 * dc], rope])
+    if part == "self_attn.kv_proj.weight":
+        return mla.fused_a[qa : qa + width], w[g0 * dc : g1 * dc]
+    if part == "self_attn.k_rope_proj.weight":
+        return mla.fused_a[qa + width :], w
     if part == "self_attn.kv_a_layernorm.weight":
-        return mla.kv_a_norm, w
+        return mla.kv_norm, w[g0 * dc : g1 * dc]
     if part == "self_attn.kv_b_proj.weight":
         return mla.kv_b, heads(w).flatten(0, 1)
     if part == "self_attn.o_proj.weight":
