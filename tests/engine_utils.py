@@ -20,6 +20,23 @@ def prompt_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
         engine.blocks.free(request.request_id)
 
 
+def stepwise_logits(engine: LLMEngine, ids: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits [len(ids) - prompt_len + 1, vocab] of positions prompt_len - 1 onwards: the
+    first prompt_len tokens in one pass, then the rest one decode step each."""
+    request = Request("stepwise", ids, SamplingParams(max_tokens=1))
+    engine.blocks.allocate(request.request_id, len(ids))
+    rows = []
+    try:
+        for n in [prompt_len] + [1] * (len(ids) - prompt_len):
+            _, input_ids, positions, meta = engine.runner.prepare([(request, n)])
+            hidden = engine.model(input_ids, positions, engine.runner.kv_caches, meta)
+            rows.append(engine.model.logits(hidden[-1:]))
+            request.num_computed_tokens += n
+    finally:
+        engine.blocks.free(request.request_id)
+    return torch.cat(rows)
+
+
 def run_staggered(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int]]]], params):
     """Add requests at given step numbers; returns {request_id: output token ids}."""
     done: dict[str, list[int]] = {}

@@ -11,14 +11,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.latent_torch import paged_latent_decode
-from tests.engine_utils import prompt_logits
+from tests.engine_utils import prompt_logits, stepwise_logits
 from tests.latent_reference import (
     reference_greedy,
     reference_logits,
     save_tiny_gla,
     save_tiny_gta,
 )
-from tests.test_mla import stepwise_logits
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SAVERS = {

@@ -16,8 +16,7 @@ from engine.attention import get_backend
 from engine.checkpoint import load_checkpoint
 from engine.config import ModelConfig
 from engine.model import LlamaModel
-from engine.request import Request
-from tests.engine_utils import hf_greedy, prompt_logits
+from tests.engine_utils import hf_greedy, prompt_logits, stepwise_logits
 from tests.tiny_models import TINY_MLA_SHAPES
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -32,23 +31,6 @@ def _hf(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def stepwise_logits(engine: LLMEngine, ids: list[int], prompt_len: int) -> torch.Tensor:
-    """Logits [len(ids) - prompt_len + 1, vocab] of positions prompt_len - 1 onwards: the
-    first prompt_len tokens in one pass, then the rest one decode step each."""
-    request = Request("stepwise", ids, SamplingParams(max_tokens=1))
-    engine.blocks.allocate(request.request_id, len(ids))
-    rows = []
-    try:
-        for n in [prompt_len] + [1] * (len(ids) - prompt_len):
-            _, input_ids, positions, meta = engine.runner.prepare([(request, n)])
-            hidden = engine.model(input_ids, positions, engine.runner.kv_caches, meta)
-            rows.append(engine.model.logits(hidden[-1:]))
-            request.num_computed_tokens += n
-    finally:
-        engine.blocks.free(request.request_id)
-    return torch.cat(rows)
 
 
 @pytest.mark.timeout(120)
