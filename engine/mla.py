@@ -106,12 +106,8 @@ class MLAAttention(nn.Module):
         out = x.new_empty(t, h, self.dv)
         start = 0
         for i in range(meta.num_prefills):
-            n = meta.query_lens_host[i]
-            rows_i, table, context = (
-                slice(start, start + n),
-                meta.block_tables[i],
-                meta.seq_lens_host[i],
-            )
+            n, context = meta.query_lens_host[i], meta.seq_lens_host[i]
+            rows_i, table = slice(start, start + n), meta.block_tables[i]
             out[rows_i] = self.expanded(q_nope[rows_i], q_r[rows_i], cache, table, context)
             start += n
         if meta.num_decodes:

@@ -54,6 +54,24 @@ def test_logits_match_hf_over_prompt_and_decode_steps(tiny_mla_model, name):
     assert llm.engine.blocks.num_free_blocks == 64
 
 
+@pytest.mark.timeout(120)
+def test_bfloat16_matches_hf_bfloat16(tiny_mla_model):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_mla_model("v3")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    llm = LLM(path, dtype="bfloat16", max_batch_tokens=64, num_kv_blocks=64)
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    for ids in _prompts():
+        with torch.no_grad():
+            expected = hf(torch.tensor([ids])).logits[0].float()
+        got = prompt_logits(llm.engine, ids)
+        torch.testing.assert_close(got, expected, atol=0.3, rtol=0.05)  # bf16 rounding
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+    out = llm.generate(_prompts()[0], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert len(out.token_ids) == 8
+
+
 @pytest.fixture(scope="module")
 def hf_reference(tiny_mla_model):
     """name -> (path, prompts, HF's greedy continuation of each)."""
