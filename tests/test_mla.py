@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -129,6 +130,30 @@ def test_tensor_parallel_2_equals_one_rank(hf_reference):
         assert llm.engine.model.layers[0].mla.num_heads == 2
         assert llm.engine.runner.kv_cache.shape == (2, 64, 16, 32 + 8)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.timeout(120)
+def test_an_instance_serves_it_and_reports_its_bytes_per_token(hf_reference):
+    """The co-located worker (the pools' base) on an MLA model: ``ready()`` carries the
+    latent cache's bytes per token, and the streamed tokens are HF's greedy ones."""
+    from engine.messages import Attempt
+    from engine.worker import EngineWorker
+
+    path, prompts, expected = hf_reference("v3")
+    worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)
+    try:
+        assert worker.ready()["kv_bytes_per_token"] == 2 * (32 + 8) * 4
+        worker.add(Attempt("r0", tuple(prompts[1]), GREEDY, "test"))
+        got, deadline = [], time.monotonic() + 60
+        while len(got) < GREEDY.max_tokens:
+            assert time.monotonic() < deadline, got
+            for update in worker.poll("test", 1.0).updates:
+                assert update.error is None, update.error
+                got += update.token_ids
+        assert got == expected[1]
+        assert worker.check_integrity()["free_blocks"] == 32
+    finally:
+        worker.stop()
 
 
 def test_latent_cache_layout_and_bytes_per_token(tiny_mla_model):
