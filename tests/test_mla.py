@@ -122,6 +122,22 @@ def test_preempted_requests_recompute_to_hf_greedy(hf_reference):
     assert engine.blocks.num_free_blocks == 12
 
 
+@pytest.mark.timeout(120)
+def test_a_shared_prefix_reuses_cached_latent_blocks(tiny_mla_model):
+    """The second prompt's first two blocks come from the prefix cache (latent rows the
+    first request wrote); its greedy output is still HF's."""
+    path = tiny_mla_model("v3")
+    prefix = _prompts((32,), seed=3)[0]
+    first, second = prefix + [5, 6, 7], prefix + [9, 10]
+    llm = LLM(path, max_batch_tokens=64, num_kv_blocks=16)
+    outs = [llm.generate(ids, GREEDY)[0] for ids in (first, second)]
+    assert outs[1].num_cached_tokens == 32
+    hf = _hf(path)
+    assert [o.token_ids for o in outs] == [
+        hf_greedy(hf, ids, GREEDY.max_tokens) for ids in (first, second)
+    ]
+
+
 @pytest.mark.timeout(180)
 def test_tensor_parallel_2_equals_one_rank(hf_reference):
     """Query heads split over two ranks, the latent replicated on both."""
