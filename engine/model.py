@@ -172,15 +172,14 @@ class LlamaModel(nn.Module):
         use, for MKL's prefill GEMM and for the small-batch C kernel (whose panels of
         blocks also serve prefill on AMX). Called once after loading."""
         packer, kernel, amx = mkl_packer(), cpu_gemm(), amx_gemm()
-        for layer in self.layers:
-            for owner in (layer,) if layer.mla is None else (layer, layer.mla):
-                for name in owner.projections:
-                    weight = prepare(getattr(owner, name).data)
-                    setattr(owner, name, nn.Parameter(weight, False))
-                    if packer is not None and MklPacker.supports(weight):
-                        owner.packed[name] = PackedWeight(packer, weight)
-                    if kernel is not None and CpuGemm.supports(weight):
-                        owner.panels[name] = PanelWeight(kernel, weight, amx=amx)
+        for owner in self._projection_owners():
+            for name in owner.projections:
+                weight = prepare(getattr(owner, name).data)
+                setattr(owner, name, nn.Parameter(weight, False))
+                if packer is not None and MklPacker.supports(weight):
+                    owner.packed[name] = PackedWeight(packer, weight)
+                if kernel is not None and CpuGemm.supports(weight):
+                    owner.panels[name] = PanelWeight(kernel, weight, amx=amx)
         self.lm_head = nn.Parameter(prepare(self.lm_head.data), requires_grad=False)
         self.lm_head_panels = (
             PanelWeight(kernel, self.lm_head, amx=amx)
@@ -188,11 +187,15 @@ class LlamaModel(nn.Module):
             else None
         )
 
+    def _projection_owners(self) -> list[nn.Module]:
+        """The modules holding projections (``projections``, ``packed``, ``panels``):
+        each layer, and its latent attention module when it has one."""
+        return [o for layer in self.layers for o in (layer, layer.mla) if o is not None]
+
     def pack_panels(self) -> None:
         """Pack every projection's panels for the small-batch kernel now: a served
         instance calls this before taking requests, or its first request would wait for
         the packing (~1 s on the embedded model)."""
-        owners = [o for layer in self.layers for o in (layer, layer.mla) if o is not None]
-        twins = [twin for owner in owners for twin in owner.panels.values()]
+        twins = [twin for owner in self._projection_owners() for twin in owner.panels.values()]
         for twin in twins + ([self.lm_head_panels] if self.lm_head_panels else []):
             twin.panels  # noqa: B018 (packs on first access)
