@@ -224,3 +224,39 @@ def test_an_unexpected_tensor_is_refused_by_name(tiny_mla_model):
     )
     with pytest.raises(ValueError, match=refused):
         model.load_weights([*ckpt.weights(torch.float32), extra])
+
+
+def test_deepseek_v3_yarn_config_reads_as_hf_does():
+    """DeepSeek-V3's own config.json keys (old-style ``rope_scaling`` with ``type``, the
+    theta beside it): frequencies, cos/sin factor and softmax scale equal HF's."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from engine.rope import attention_factor, inv_frequencies
+
+    yarn = dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale=1.0,
+                mscale_all_dim=1.0, beta_fast=32, beta_slow=1)  # fmt: skip
+    shape = dict(hidden_size=256, num_attention_heads=2, kv_lora_rank=64, q_lora_rank=None,
+                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                 max_position_embeddings=163840, num_hidden_layers=1, intermediate_size=64,
+                 first_k_dense_replace=1, vocab_size=32)  # fmt: skip
+    ours = ModelConfig.from_hf(
+        {
+            **shape,
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "rope_theta": 10000,
+            "rope_scaling": yarn,
+            "n_routed_experts": 256,
+        }  # fmt: skip
+    )
+    hf_config = DeepseekV3Config(
+        **shape, rope_parameters={**yarn, "rope_type": "yarn", "rope_theta": 10000.0}
+    )
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    torch.testing.assert_close(
+        inv_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling), inv
+    )
+    assert attention_factor(ours.rope_scaling) == pytest.approx(factor)
+    assert ours.mla.softmax_scale == pytest.approx(DeepseekV3Attention(hf_config, 0).scaling)
+    assert ours.mla.softmax_scale != pytest.approx(192**-0.5)  # mscale applied
