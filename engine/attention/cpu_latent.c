@@ -27,6 +27,7 @@
 
 #define MIN_SPAN 256 /* tokens: shorter spans cost more to merge than they save */
 #define MASKED (-1e30f)
+#define WEIGH_TOKENS 16 /* tokens whose latent rows (2 KiB each at dc = 512) stay in L1 */
 
 struct latent {
     const float *c, *r;
@@ -35,22 +36,23 @@ struct latent {
     int64_t group, dk, dc, dr;
 };
 
-/* tokens begin .. begin + len - 1 of sequence b, latent head j; scores rows padded
- * floats apart (len rounded up to LANES) */
+/* A span of one sequence's tokens for one latent head: c[l] and r[l] point at the
+ * latent row (dc floats) and the RoPE key (dr floats) of its token l < len; score rows
+ * are padded floats apart (len rounded up to LANES). */
 struct span {
-    int64_t b, j, begin, len, padded;
+    int64_t len, padded;
+    const float **c, **r;
 };
 
-static inline int64_t block_id(const struct latent *L, const struct span *w, int64_t t) {
-    return L->tables[w->b * L->table_stride + t / L->block_size];
-}
-
-static inline const float *c_row(const struct latent *L, const struct span *w, int64_t t) {
-    return L->c + block_id(L, w, t) * L->c_sb + t % L->block_size * L->c_st + w->j * L->c_sh;
-}
-
-static inline const float *r_row(const struct latent *L, const struct span *w, int64_t t) {
-    return L->r + block_id(L, w, t) * L->r_sb + t % L->block_size * L->r_st;
+/* the rows of tokens begin .. begin + w->len - 1 of sequence b, latent head j */
+static void find_rows(const struct latent *L, int64_t b, int64_t j, int64_t begin,
+                      struct span *w) {
+    const int32_t *table = L->tables + b * L->table_stride;
+    for (int64_t l = 0; l < w->len; l++) {
+        const int64_t t = begin + l, block = table[t / L->block_size], slot = t % L->block_size;
+        w->c[l] = L->c + block * L->c_sb + slot * L->c_st + j * L->c_sh;
+        w->r[l] = L->r + block * L->r_sb + slot * L->r_st;
+    }
 }
 
 /* scores[g] = scale * (q_c[g] . c[:dk] + q_r[g] . r) for the span's tokens, sixteen at a
@@ -61,8 +63,8 @@ static void span_scores(const float *q_c, const float *q_r, const struct latent 
         /* past the span, its token l again: those scores are masked later */
         const float *c[LANES], *r[LANES];
         for (int64_t t = 0; t < LANES; t++) {
-            const int64_t tok = w->begin + l + (l + t < w->len ? t : 0);
-            c[t] = c_row(L, w, tok), r[t] = r_row(L, w, tok);
+            const int64_t tok = l + (l + t < w->len ? t : 0);
+            c[t] = w->c[tok], r[t] = w->r[tok];
         }
         for (int64_t g = 0; g < L->group; g++) {
             const float *qc = q_c + g * L->dk, *qr = q_r + g * L->dr;
@@ -103,16 +105,18 @@ static void exp_rows(float *scores, const struct span *w, int64_t rows, float *t
     }
 }
 
-/* Rows g0 .. g0 + R - 1 (weights p, padded apart) times the latent rows, over column
- * chunks k0 .. k0 + C - 1 of dc: R * C accumulators in registers across the span. */
+/* Rows g0 .. g0 + R - 1 (weights p, padded apart) times the latent rows of tokens
+ * l0 .. l1 - 1, over column chunks k0 .. k0 + C - 1 of dc: R * C accumulators in
+ * registers, added to out (set instead for the first tokens, l0 = 0). */
 static inline __attribute__((always_inline)) void weigh_tile(
-    const float *p, const struct latent *L, const struct span *w, int64_t k0, float *out,
-    const int R, const int C) {
+    const float *p, const struct latent *L, const struct span *w, int64_t l0, int64_t l1,
+    int64_t k0, float *out, const int R, const int C) {
     vf acc[4][4];
     for (int i = 0; i < R; i++)
-        for (int k = 0; k < C; k++) acc[i][k] = (vf){0};
-    for (int64_t l = 0; l < w->len; l++) {
-        const float *c = c_row(L, w, w->begin + l) + k0 * LANES;
+        for (int k = 0; k < C; k++)
+            acc[i][k] = l0 ? load(out + i * L->dc + (k0 + k) * LANES) : (vf){0};
+    for (int64_t l = l0; l < l1; l++) {
+        const float *c = w->c[l] + k0 * LANES;
         vf cv[4];
         for (int k = 0; k < C; k++) cv[k] = load(c + k * LANES);
         for (int i = 0; i < R; i++) {
@@ -125,26 +129,30 @@ static inline __attribute__((always_inline)) void weigh_tile(
 }
 
 #define WEIGH(R, C) \
-    case 4 * (R - 1) + C - 1: weigh_tile(p, L, w, k0, o, R, C); break;
+    case 4 * (R - 1) + C - 1: weigh_tile(p, L, w, l0, l1, k0, o, R, C); break;
 
-/* out[g] (rows dc apart) = sum over the span of weights[g, l] * c[l, :dc], in tiles of up
+/* out[g] (rows dc apart) = sum over the span of weights[g, l] * c[l, :dc], WEIGH_TOKENS
+ * tokens at a time (their latent rows stay in cache for all the tiles), in tiles of up
  * to 4 rows by 4 chunks */
 static void weigh_latent(const float *weights, const struct latent *L, const struct span *w,
                          float *out) {
     const int64_t chunks = L->dc / LANES;
-    for (int64_t g = 0; g < L->group; g += 4)
-        for (int64_t k0 = 0; k0 < chunks; k0 += 4) {
-            const float *p = weights + g * w->padded;
-            float *o = out + g * L->dc;
-            const int R = L->group - g < 4 ? (int)(L->group - g) : 4;
-            const int C = chunks - k0 < 4 ? (int)(chunks - k0) : 4;
-            switch (4 * (R - 1) + C - 1) {
-                WEIGH(1, 1) WEIGH(1, 2) WEIGH(1, 3) WEIGH(1, 4)
-                WEIGH(2, 1) WEIGH(2, 2) WEIGH(2, 3) WEIGH(2, 4)
-                WEIGH(3, 1) WEIGH(3, 2) WEIGH(3, 3) WEIGH(3, 4)
-                WEIGH(4, 1) WEIGH(4, 2) WEIGH(4, 3) WEIGH(4, 4)
+    for (int64_t l0 = 0; l0 < w->len; l0 += WEIGH_TOKENS) {
+        const int64_t l1 = l0 + WEIGH_TOKENS < w->len ? l0 + WEIGH_TOKENS : w->len;
+        for (int64_t g = 0; g < L->group; g += 4)
+            for (int64_t k0 = 0; k0 < chunks; k0 += 4) {
+                const float *p = weights + g * w->padded;
+                float *o = out + g * L->dc;
+                const int R = L->group - g < 4 ? (int)(L->group - g) : 4;
+                const int C = chunks - k0 < 4 ? (int)(chunks - k0) : 4;
+                switch (4 * (R - 1) + C - 1) {
+                    WEIGH(1, 1) WEIGH(1, 2) WEIGH(1, 3) WEIGH(1, 4)
+                    WEIGH(2, 1) WEIGH(2, 2) WEIGH(2, 3) WEIGH(2, 4)
+                    WEIGH(3, 1) WEIGH(3, 2) WEIGH(3, 3) WEIGH(3, 4)
+                    WEIGH(4, 1) WEIGH(4, 2) WEIGH(4, 3) WEIGH(4, 4)
+                }
             }
-        }
+    }
 }
 
 /* out [dc] = one query head's partial sums over its spans merged by their maxima and
@@ -211,20 +219,23 @@ int paged_latent_decode_f32(const float *q_c, const float *q_r, const float *c_c
             for (int64_t g = 0; g < L.group; g++) total[g] = 0;
             continue;
         }
-        struct span w = {pair / num_latent, pair % num_latent, begin, len,
-                         (len + LANES - 1) / LANES * LANES};
+        struct span w = {len, (len + LANES - 1) / LANES * LANES, NULL, NULL};
+        w.c = malloc(sizeof(float *) * 2 * len);
         float *scores = malloc(sizeof(float) * L.group * w.padded);
-        if (scores == NULL) {
+        if (w.c == NULL || scores == NULL) {
+            free(w.c), free(scores);
 #pragma omp atomic write
             failed = 1;
             continue;
         }
+        w.r = w.c + len;
+        find_rows(&L, pair / num_latent, pair % num_latent, begin, &w);
         const int64_t head = pair * L.group; /* b * H + j * G */
         float *o = spans > 1 ? part + i * L.group * dc : out + head * dc;
         span_scores(q_c + head * dk, q_r + head * dr, &L, &w, scale, scores);
         exp_rows(scores, &w, L.group, top, total);
         weigh_latent(scores, &L, &w, o);
-        free(scores);
+        free(w.c), free(scores);
         for (int64_t g = 0; spans == 1 && g < L.group; g++) {
             const vf inv = splat(1.0f / total[g]);
             for (int64_t k = 0; k < dc; k += LANES)
