@@ -47,6 +47,14 @@ def test_context_splits(num_splits):
     _run([1, 31, 100, 161], (20, 1), 256, 256, torch.float32, num_splits)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_long_context_mla_shape(dtype):
+    """DeepSeek-V3's latent (512 + 64) under 128 query heads, long contexts."""
+    _run([2047, 4096, 33], (128, 1), 512, 512, dtype)
+
+
 @pytest.mark.parametrize("dk_part", [1, 2], ids=["dk=dc", "dk=dc/2"])
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=layout_id)
 def test_reference_matches_dense(heads, dk_part):
