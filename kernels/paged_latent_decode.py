@@ -22,7 +22,8 @@ partition of the context. It loads each [BLOCK_N, Dc] latent tile once and uses 
 both as the keys (its first Dk columns, through a query zero-padded to Dc) and as the
 values, with an online softmax in float32. With one split it writes the output;
 otherwise a normalized partial output and its log-sum-exp (base 2), which pass 2,
-``_latent_reduce_kernel``, grid (B, H), merges.
+``_latent_reduce_kernel``, grid (B, H), merges. The partition length and split count
+are runtime arguments: a growing context does not recompile.
 """
 
 from __future__ import annotations

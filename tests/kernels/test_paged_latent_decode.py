@@ -25,7 +25,8 @@ def _run(seq_lens, heads, dc, dk, dtype, num_splits=None):
     q_c, q_r = latent_queries(len(seq_lens), h, dk, DR, dtype, DEVICE)
     scale = (dk + DR) ** -0.5
     args = (q_c, q_r, case.c_cache, case.r_cache, case.block_tables, case.seq_lens, scale)
-    out = nan_like(torch.empty(len(seq_lens), h, dc, dtype=dtype, device=DEVICE))
+    # out: a strided view, as in a wider buffer
+    out = nan_like(torch.empty(len(seq_lens), h, dc + 16, dtype=dtype, device=DEVICE))[..., :dc]
     paged_latent_decode(*args, max(seq_lens), num_splits, out=out)
     torch.testing.assert_close(out, ref_paged_latent_decode(*args), **TOLERANCES[dtype])
 
