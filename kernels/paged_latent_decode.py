@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_index, check_like
+from kernels._checks import check_latent_decode
 from kernels.paged_decode_attention import LOG2E, _num_splits
 
 # Tiling, read at every launch. BLOCK_H query heads share one program's latent tiles.
@@ -186,36 +186,6 @@ def _latent_reduce_kernel(
     res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     o_ptrs = out_ptr + seq * stride_ob + head * stride_oh + offs_c
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=offs_c < DC)
-
-
-def check_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_lens, out=None) -> None:
-    """Shapes of the shared latent decode contract (see the module docstring); raises
-    ValueError naming the argument, its value and what is allowed."""
-    if q_c.dim() != 3 or q_r.dim() != 3 or q_r.shape[:2] != q_c.shape[:2]:
-        raise ValueError(
-            f"q_c, q_r: expected [B, H, Dk] and [B, H, Dr] with the same B, H, got "
-            f"{tuple(q_c.shape)} and {tuple(q_r.shape)}"
-        )
-    b, h, dk = q_c.shape
-    if c_cache.dim() != 4 or h % c_cache.shape[2] != 0 or not 0 < dk <= c_cache.shape[3]:
-        raise ValueError(
-            f"c_cache: expected [num_blocks, block_size, Hc dividing {h}, Dc >= {dk}], "
-            f"got {tuple(c_cache.shape)}"
-        )
-    if r_cache.shape != (*c_cache.shape[:2], q_r.shape[2]):
-        raise ValueError(
-            f"r_cache: expected [{c_cache.shape[0]}, {c_cache.shape[1]}, {q_r.shape[2]}] "
-            f"(c_cache's blocks, q_r's Dr), got {tuple(r_cache.shape)}"
-        )
-    want_out = (b, h, c_cache.shape[3])
-    if out is not None and out.shape != want_out:
-        raise ValueError(f"out: expected shape {want_out}, got {tuple(out.shape)}")
-    extra = {} if out is None else {"out": out}
-    check_like("q_c", q_c, q_r=q_r, c_cache=c_cache, r_cache=r_cache, **extra)
-    check_index("seq_lens", seq_lens, (b,), torch.int32, q_c.device)
-    check_index("block_tables", block_tables, (b, None), torch.int32, q_c.device)
-    if block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables: expected contiguous rows, got {block_tables.stride()}")
 
 
 def paged_latent_decode(

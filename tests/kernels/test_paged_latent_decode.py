@@ -85,3 +85,5 @@ def test_rejects_bad_arguments():
     call(3, case.r_cache.half(), "r_cache")
     call(4, case.block_tables.long(), "block_tables")
     call(5, case.seq_lens.long(), "seq_lens")
+    with pytest.raises(ValueError, match="out"):
+        paged_latent_decode(*args, out=torch.empty(1, 4, 128, device=DEVICE))
