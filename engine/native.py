@@ -36,6 +36,7 @@ SOURCES = (
     _HERE / "amx_gemm.c",
     _HERE / "attention" / "cpu_decode.c",
     _HERE / "attention" / "cpu_prefill.c",
+    _HERE / "attention" / "cpu_latent.c",
     _HERE / "cpu_layer.c",
 )
 HEADERS = (_HERE / "cpu_vec.h", _HERE / "cpu_kernels.h")

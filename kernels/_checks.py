@@ -53,3 +53,34 @@ def check_paged_attention(q, k_cache, v_cache, seq_lens, block_tables, out) -> N
     check_index("block_tables", block_tables, (seq_lens.shape[0], None), torch.int32, q.device)
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables: expected contiguous rows")
+
+
+def check_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_lens, out=None) -> None:
+    """q_c [B, H, Dk], q_r [B, H, Dr]; c_cache [num_blocks, block_size, Hc dividing H,
+    Dc >= Dk] and r_cache [num_blocks, block_size, Dr] (see paged_latent_decode.py);
+    seq_lens [B] and block_tables [B, max_blocks] int32; out, if given, [B, H, Dc]."""
+    if q_c.dim() != 3 or q_r.dim() != 3 or q_r.shape[:2] != q_c.shape[:2]:
+        raise ValueError(
+            f"q_c, q_r: expected [B, H, Dk] and [B, H, Dr] with the same B, H, got "
+            f"{tuple(q_c.shape)} and {tuple(q_r.shape)}"
+        )
+    b, h, dk = q_c.shape
+    if c_cache.dim() != 4 or h % c_cache.shape[2] != 0 or not 0 < dk <= c_cache.shape[3]:
+        raise ValueError(
+            f"c_cache: expected [num_blocks, block_size, Hc dividing {h}, Dc >= {dk}], "
+            f"got {tuple(c_cache.shape)}"
+        )
+    if r_cache.shape != (*c_cache.shape[:2], q_r.shape[2]):
+        raise ValueError(
+            f"r_cache: expected [{c_cache.shape[0]}, {c_cache.shape[1]}, {q_r.shape[2]}] "
+            f"(c_cache's blocks, q_r's Dr), got {tuple(r_cache.shape)}"
+        )
+    want_out = (b, h, c_cache.shape[3])
+    if out is not None and out.shape != want_out:
+        raise ValueError(f"out: expected shape {want_out}, got {tuple(out.shape)}")
+    extra = {} if out is None else {"out": out}
+    check_like("q_c", q_c, q_r=q_r, c_cache=c_cache, r_cache=r_cache, **extra)
+    check_index("seq_lens", seq_lens, (b,), torch.int32, q_c.device)
+    check_index("block_tables", block_tables, (b, None), torch.int32, q_c.device)
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables: expected contiguous rows, got {block_tables.stride()}")
