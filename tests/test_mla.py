@@ -144,7 +144,7 @@ def test_tensor_parallel_2_equals_one_rank(hf_reference):
     path, prompts, expected = hf_reference("v3")
     with LLM(path, max_batch_tokens=16, num_kv_blocks=64, tensor_parallel=2) as llm:
         assert llm.engine.model.layers[0].mla.num_heads == 2
-        assert llm.engine.runner.kv_cache.shape == (2, 64, 16, 32 + 8)
+        assert llm.engine.runner.kv_cache.shape == (2, 64, 16, 32 + 16)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
@@ -158,7 +158,7 @@ def test_an_instance_serves_it_and_reports_its_bytes_per_token(hf_reference):
     path, prompts, expected = hf_reference("v3")
     worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)
     try:
-        assert worker.ready()["kv_bytes_per_token"] == 2 * (32 + 8) * 4
+        assert worker.ready()["kv_bytes_per_token"] == 2 * (32 + 16) * 4
         worker.add(Attempt("r0", tuple(prompts[1]), GREEDY, "test"))
         got, deadline = [], time.monotonic() + 60
         while len(got) < GREEDY.max_tokens:
@@ -176,8 +176,8 @@ def test_latent_cache_layout_and_bytes_per_token(tiny_mla_model):
     llm = LLM(tiny_mla_model("v3"), num_kv_blocks=8, block_size=4)
     runner = llm.engine.runner
     # [layers, blocks, block size, kv_lora_rank + qk_rope_head_dim], float32
-    assert runner.kv_cache.shape == (2, 8, 4, 40)
-    assert runner.kv_bytes_per_token == 2 * 40 * 4
+    assert runner.kv_cache.shape == (2, 8, 4, 48)
+    assert runner.kv_bytes_per_token == 2 * 48 * 4
 
 
 @pytest.mark.timeout(60)

@@ -51,8 +51,10 @@ def save_tiny_llama(folder: Path, seed: int = 0, **overrides) -> None:
 
 # DeepSeek-V3/V2 shapes (dense layers only: first_k_dense_replace = num_hidden_layers)
 TINY_MLA_SHAPES = {
-    # low-rank query, interleaved RoPE (DeepSeek-V3's layout)
-    "v3": dict(q_lora_rank=32),
+    # low-rank query, interleaved RoPE (DeepSeek-V3's layout); RoPE key width 16, so
+    # decode runs the C latent kernel (engine/attention/cpu_latent.py: widths multiples
+    # of 16); the other shapes' 8 take the batched torch path
+    "v3": dict(q_lora_rank=32, qk_rope_head_dim=16),
     # plain q_proj
     "v3_q_proj": dict(q_lora_rank=None),
     # RoPE on the halves
@@ -76,7 +78,9 @@ TINY_MLA_SHAPES = {
 }
 
 
-def save_tiny_deepseek(folder: Path, seed: int = 0, architecture: str = "v3", **overrides):
+def save_tiny_deepseek(
+    folder: Path, seed: int = 0, architecture: str = "v3", qk_rope_head_dim: int = 8, **overrides
+):
     """A 2-layer random DeepSeek-V3 (or ``architecture="v2"``) with MLA: hidden 64, 4 heads,
     kv_lora_rank 32, qk_nope 16, qk_rope 8, v_head_dim 16, float32."""
     from transformers import (
@@ -100,7 +104,7 @@ def save_tiny_deepseek(folder: Path, seed: int = 0, architecture: str = "v3", **
         num_key_value_heads=4,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
+        qk_rope_head_dim=qk_rope_head_dim,
         v_head_dim=16,
         n_routed_experts=8,
         first_k_dense_replace=layers,

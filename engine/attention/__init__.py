@@ -31,9 +31,9 @@ def latent_decode_op(name: str):
     """The ``paged_latent_decode`` of backend ``name``: decode attention over a
     latent/tied cache, one signature for all (contract: ``latent_torch.py``)."""
     if name == "torch":
-        from engine.attention.latent_torch import paged_latent_decode
+        from engine.attention.latent_torch import cpu_or_torch_latent_decode
 
-        return paged_latent_decode
+        return cpu_or_torch_latent_decode
     if name == "triton":
         from kernels.paged_latent_decode import paged_latent_decode
 

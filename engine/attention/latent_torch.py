@@ -57,3 +57,15 @@ def paged_latent_decode(
     probs = scores.masked_fill(~valid, float("-inf")).softmax(-1)
     out = torch.einsum("bkgt,btkd->bkgd", probs, c)
     return out.reshape(b, h, dc).to(q_c.dtype)
+
+
+def cpu_or_torch_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_lens, scale):
+    """The torch backend's op: the C kernel (``cpu_latent.py``) where it takes the inputs
+    (float32 on CPU, widths multiples of 16, a compiler present), else the batched torch
+    path above; both compute the function the module docstring defines."""
+    from engine.attention import cpu_latent
+
+    out = cpu_latent.paged_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_lens, scale)
+    if out is None:
+        out = paged_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_lens, scale)
+    return out
