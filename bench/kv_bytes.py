@@ -3,8 +3,8 @@ at one model width (DeepSeek-V3's attention dims), beside the formulas of "Hardw
 Efficient Attention for Fast Decoding" (Zadouri, Strauss, Dao; arXiv 2505.21487), then
 decode attention time per layout on this CPU (``bench.kv_decode_time``).
 
-    python -m bench.kv_bytes [--tp 1,2,4,8] [--tokens 1024] [--time-tp 8] [--threads 1]
-        [--max-cache-mib 1024] [--no-time]
+    python -m bench.kv_bytes [--tp 1,2,4,8] [--tokens 1024] [--measure-mib 256]
+        [--time-tp 8] [--threads 1] [--max-cache-mib 1024] [--no-measure] [--no-time]
 
 Where each figure comes from (the ``source`` column):
 - ``layout``: the cache the engine allocates, ``kv_transfer.layout.KVLayout.cache_shape``
@@ -17,14 +17,15 @@ Where each figure comes from (the ``source`` column):
   (``latent_transfer_bytes``). The engine's latent cache and transport are not merged
   yet: these are the shapes they are specified to allocate and send, not a run.
 The ``paper`` columns are the paper's formulas in its own symbols (``paper_*``), written
-independently of both.
+independently of both. A second table sends MHA's and GQA's requests through the KV
+transport and compares the bytes it reports with the layout's (``bench.kv_measured``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bench.planner.attention import GroupedAttention, LatentAttention
 from bench.planner.model_shape import ModelShape, get_model
@@ -179,6 +180,35 @@ def format_table(rows: list[Row], tokens: int) -> list[str]:
     return lines
 
 
+def measured_lines(tokens: int, pairs, max_mib: float, variants=VARIANTS) -> list[str]:
+    """Handoffs through the transport (``bench.kv_measured``), each beside the layout's
+    figure for the layers measured: as many of the model's as fit ``max_mib`` a side."""
+    from bench.kv_measured import measurable, measure_handoff
+
+    lines = [
+        f"measured: one {tokens}-token request over the grpc transport (loopback, this "
+        f"process), at most {max_mib:g} MiB of cache a side",
+        "| variant | prefill TP -> decode TP | layers | sent (B) | landed (B) | layout (B) "
+        "| equal |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for v in variants:
+        s = v.shape
+        if not measurable(s):
+            lines.append(f"| {v.name} | - | - | - | - | - | no transport for latent caches yet |")
+            continue
+        per_layer = transfer_bytes(replace(s, num_layers=1), tokens, 1, 1)
+        layers = max(1, min(s.num_layers, int(max_mib * 2**20 // per_layer)))
+        want_shape = replace(s, num_layers=layers)
+        for p, d in pairs:
+            m = measure_handoff(s, tokens, p, d, layers, BLOCK_SIZE)
+            want = transfer_bytes(want_shape, tokens, p, d)
+            ok = "yes" if m.sent == m.landed == want else "NO"
+            cells = f"{m.sent:,} | {m.landed:,} | {want:,} | {ok}"
+            lines.append(f"| {v.name} | {p} -> {d} | {layers} | {cells} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kv_bytes", description=__doc__)
     p.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees")
@@ -186,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-tp", type=int, default=8, help="the rank's share timed (per-rank heads)")
     p.add_argument("--max-cache-mib", type=int, default=1024, help="skip larger timed caches")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the timed part")
-    p.add_argument("--no-time", action="store_true", help="the byte table only")
+    p.add_argument("--measure-mib", type=float, default=256, help="cache a side, measured")
+    p.add_argument("--no-measure", action="store_true", help="no handoff through the transport")
+    p.add_argument("--no-time", action="store_true", help="no decode attention timing")
     args = p.parse_args(argv)
     tps = tuple(int(t) for t in args.tp.split(","))
     first = VARIANTS[0].shape
@@ -195,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{BLOCK_SIZE}; prefill TP = decode TP"
     )
     print("\n".join(format_table(table(tps, args.tokens), args.tokens)))
+    if not args.no_measure:
+        pairs = [(t, t) for t in tps] + [(1, max(tps))]
+        print()
+        print("\n".join(measured_lines(args.tokens, pairs, args.measure_mib)))
     if not args.no_time:
         from bench.kv_decode_time import report
 

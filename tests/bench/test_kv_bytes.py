@@ -1,6 +1,7 @@
 """bench/kv_bytes.py's table against hand-computed bytes, and its timing part on tiny cells."""
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 
@@ -8,12 +9,14 @@ from bench.kv_bytes import (
     VARIANTS,
     bytes_per_token_per_device,
     format_table,
+    measured_lines,
     paper_bytes_per_token_per_device,
     paper_transfer_bytes,
     table,
     transfer_bytes,
 )
 from bench.kv_decode_time import report, time_grouped
+from bench.kv_measured import measure_handoff
 
 L, B = 61, 2  # layers, bf16 bytes
 
@@ -95,3 +98,18 @@ def test_decode_timing_runs_the_engine_path():
     gta = next(line for line in lines if line.startswith("| GTA-8 | 1 | 1024 |"))  # 0.75 MiB
     built = importlib.util.find_spec("kernels.paged_latent_decode") is not None
     assert ("latent op not built" in gta) is not built
+
+
+@pytest.mark.timeout(120)
+def test_measured_handoff_equals_the_layout():
+    gqa, mla = VARIANTS[1].shape, VARIANTS[2].shape
+    one = replace(gqa, num_layers=1)
+    # 40 tokens: 3 blocks, the last one partly filled, sent whole
+    m = measure_handoff(gqa, 40, 2, 4, layers=1)
+    assert m.sent == m.landed == transfer_bytes(one, 40, 2, 4) == 3 * 16 * 2 * 8 * 128 * B
+    with pytest.raises(ValueError, match="latent caches have no transport"):
+        measure_handoff(mla, 40, 1, 1, layers=1)
+    lines = measured_lines(40, [(1, 2)], max_mib=0.5, variants=VARIANTS[1:3])
+    # 196,608 B a layer: 2 layers fit half a MiB
+    assert lines[3] == "| GQA-8 | 1 -> 2 | 2 | 393,216 | 393,216 | 393,216 | yes |"
+    assert lines[4] == "| MLA | - | - | - | - | - | no transport for latent caches yet |"
