@@ -8,9 +8,9 @@ share of the heads, batch 1 and 32 at contexts 1k and 8k (the second part of
   ``-march=native``) where it is built, else torch SDPA over the gathered blocks.
 - MLA / GTA / GLA: issue 22's absorbed decode op, ``paged_latent_decode(q_c, q_r,
   c_cache, r_cache, block_tables, seq_lens, scale)`` over strided views of one latent
-  cache (``latent_decode_op``: the torch reference ``ref_paged_latent_decode`` on CPU,
-  the Triton kernel on CUDA); until ``kernels.paged_latent_decode`` is merged these rows
-  say it is not built.
+  cache, float32: the first of ``LATENT_OPS`` (the engine's C kernel, its torch op, the
+  kernels package's reference) that this tree has and that takes the inputs; until one
+  is merged these rows say the op is not built.
 Caches are filled with a constant (the time does not depend on the values); a cell whose
 cache passes ``max_cache_mib`` is skipped. Times are the median of 3 after a warm-up;
 "GB/s of KV" is the float32 cache read over that time.
@@ -18,7 +18,7 @@ cache passes ``max_cache_mib`` is skipped. Times are the median of 3 after a war
 
 from __future__ import annotations
 
-import math
+import importlib
 import statistics
 import time
 
@@ -55,18 +55,36 @@ def decode_path(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
     return "torch SDPA over gathered blocks"
 
 
-def latent_decode_op(device: torch.device):
-    """(name, fn) of issue 22's absorbed decode op for ``device``, or None (not built)."""
-    try:
-        from kernels import paged_latent_decode as mod
-    except ImportError:
-        return None
-    if device.type == "cuda":
-        return "kernels.paged_latent_decode (Triton)", mod.paged_latent_decode
-    return (
-        "kernels.paged_latent_decode.ref_paged_latent_decode (torch)",
-        mod.ref_paged_latent_decode,
-    )
+# issue 22's CPU latent decode ops, the engine's first: (path, module, function). The C
+# kernel returns None for inputs it does not take; the next one then runs.
+LATENT_OPS = (
+    (
+        "C kernel engine/attention/cpu_latent.c",
+        "engine.attention.cpu_latent",
+        "paged_latent_decode",
+    ),
+    (
+        "torch engine/attention/latent_torch.py",
+        "engine.attention.latent_torch",
+        "paged_latent_decode",
+    ),
+    (
+        "torch kernels/paged_latent_decode.py ref",
+        "kernels.paged_latent_decode",
+        "ref_paged_latent_decode",
+    ),
+)
+
+
+def latent_decode_ops() -> list[tuple[str, object]]:
+    """(path, fn) of the ``LATENT_OPS`` this tree has; empty until they are merged."""
+    ops = []
+    for path, module, name in LATENT_OPS:
+        try:
+            ops.append((path, getattr(importlib.import_module(module), name)))
+        except ImportError:
+            continue
+    return ops
 
 
 def _tables(batch: int, context: int) -> tuple[torch.Tensor, int]:
@@ -111,15 +129,19 @@ def time_grouped(heads: int, kv_heads: int, head_dim: int, batch: int, context: 
     return ms, decode_path(q, k_cache, v_cache)
 
 
-def time_latent(op, heads: int, hc: int, dc: int, dk: int, dr: int, batch: int, context: int):
-    """ms of one absorbed decode step over a [blocks, block_size, hc * dc + dr] cache."""
+def time_latent(ops, heads: int, hc: int, dc: int, dk: int, dr: int, batch: int, context: int):
+    """(ms, path) of one absorbed decode step over a [blocks, block_size, hc * dc + dr]
+    cache by the first of ``ops`` that takes these inputs."""
     tables, blocks = _tables(batch, context)
     latent = torch.full((blocks, BLOCK_SIZE, hc * dc + dr), 0.01)
     c_cache, r_cache = latent[..., : hc * dc].unflatten(-1, (hc, dc)), latent[..., hc * dc :]
     q_c, q_r = torch.full((batch, heads, dk), 0.01), torch.full((batch, heads, dr), 0.01)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
-    scale = (dk + dr) ** -0.5
-    return _median_ms(lambda: op(q_c, q_r, c_cache, r_cache, tables, seq_lens, scale))
+    args = (q_c, q_r, c_cache, r_cache, tables, seq_lens, (dk + dr) ** -0.5)
+    for path, op in ops:
+        if op(*args) is not None:
+            return _median_ms(lambda op=op: op(*args)), path
+    raise ValueError(f"no latent decode op takes these inputs: {[p for p, _ in ops]}")
 
 
 def rank_dims(shape: ModelShape, tp: int) -> dict:
@@ -154,11 +176,11 @@ def report(variants, tp: int, max_cache_mib: float, threads: int = 1) -> list[st
 
 
 def _report(variants, tp: int, max_cache_mib: float) -> list[str]:
-    op = latent_decode_op(torch.device("cpu"))
+    ops = latent_decode_ops()
     lines = [
         f"decode attention, one layer, one rank of TP {tp}, float32, {torch.get_num_threads()} "
         f"threads; CPU: {cpu_isa()}",
-        f"latent op: {op[0] if op else 'not built (kernels.paged_latent_decode is missing)'}",
+        f"latent ops: {', '.join(p for p, _ in ops) or 'not built (none of LATENT_OPS here)'}",
         "| variant | batch | context | cache MiB | ms | GB/s of KV | path |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
@@ -173,11 +195,11 @@ def _report(variants, tp: int, max_cache_mib: float) -> list[str]:
                     continue
                 if "kv_heads" in dims:
                     ms, path = time_grouped(batch=batch, context=context, **dims)
-                elif op is None:
+                elif not ops:
                     lines.append(f"{cell} - | - | latent op not built |")
                     continue
                 else:
-                    ms, path = time_latent(op[1], batch=batch, context=context, **dims), op[0]
-                gbs = mib * 2**20 / (ms / 1000) / 1e9 if math.isfinite(ms) and ms > 0 else 0.0
+                    ms, path = time_latent(ops, batch=batch, context=context, **dims)
+                gbs = mib * 2**20 / (ms / 1000) / 1e9
                 lines.append(f"{cell} {ms:.2f} | {gbs:.1f} | {path} |")
     return lines
