@@ -128,14 +128,17 @@ def paper_transfer_bytes(shape: ModelShape, tokens: int, decode_tp: int) -> floa
 
 @dataclass(frozen=True)
 class Row:
+    """One variant at one degree; ``None``: the engine does not allocate that layout (GLA's
+    latent heads fewer than ranks), only the paper's formula (D copies) is shown."""
+
     variant: str
     tp: int
-    per_device: int
+    per_device: int | None
     per_device_paper: float
-    per_device_vs_mha: float
-    transfer: int
+    per_device_vs_mha: float | None
+    transfer: int | None
     transfer_paper: float
-    transfer_vs_mha: float
+    transfer_vs_mha: float | None
     source: str
 
 
@@ -148,21 +151,31 @@ def table(tps=(1, 2, 4, 8), tokens: int = 1024, variants=VARIANTS) -> list[Row]:
         base_xfer = transfer_bytes(mha, tokens, tp, tp)
         for v in variants:
             s = v.shape
+            paper = paper_bytes_per_token_per_device(s, tp), paper_transfer_bytes(s, tokens, tp)
+            if not s.attention.supports(tp):
+                why = f"paper only: {s.latent.heads} latent heads do not shard over TP {tp}"
+                rows.append(Row(v.name, tp, None, paper[0], None, None, paper[1], None, why))
+                continue
             dev, xfer = bytes_per_token_per_device(s, tp), transfer_bytes(s, tokens, tp, tp)
+            source = cache_shape(s, tp, 1)[1]
             rows.append(
                 Row(
                     v.name,
                     tp,
                     dev,
-                    paper_bytes_per_token_per_device(s, tp),
+                    paper[0],
                     dev / base_dev,
                     xfer,
-                    paper_transfer_bytes(s, tokens, tp),
+                    paper[1],
                     xfer / base_xfer,
-                    cache_shape(s, tp, 1)[1],
+                    source,
                 )
             )
     return rows
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def format_table(rows: list[Row], tokens: int) -> list[str]:
@@ -172,10 +185,11 @@ def format_table(rows: list[Row], tokens: int) -> list[str]:
     )
     lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
+        sent = None if r.transfer is None else r.transfer / 2**20
         lines.append(
-            f"| {r.variant} | {r.tp} | {r.per_device:,} | {r.per_device_paper:,.0f} | "
-            f"{r.per_device_vs_mha:.4f} | {r.transfer / 2**20:,.2f} | "
-            f"{r.transfer_paper / 2**20:,.2f} | {r.transfer_vs_mha:.4f} | {r.source} |"
+            f"| {r.variant} | {r.tp} | {_cell(r.per_device, ',')} | {r.per_device_paper:,.0f} | "
+            f"{_cell(r.per_device_vs_mha, '.4f')} | {_cell(sent, ',.2f')} | "
+            f"{r.transfer_paper / 2**20:,.2f} | {_cell(r.transfer_vs_mha, '.4f')} | {r.source} |"
         )
     return lines
 

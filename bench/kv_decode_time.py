@@ -178,18 +178,20 @@ def report(variants, tp: int, max_cache_mib: float, threads: int = 1) -> list[st
 def _report(variants, tp: int, max_cache_mib: float) -> list[str]:
     ops = latent_decode_ops()
     lines = [
-        f"decode attention, one layer, one rank of TP {tp}, float32, {torch.get_num_threads()} "
-        f"threads; CPU: {cpu_isa()}",
+        f"decode attention, one layer, one rank's share at TP {tp} (or the largest degree "
+        f"that shards its latent heads), float32, {torch.get_num_threads()} threads; CPU: "
+        f"{cpu_isa()}",
         f"latent ops: {', '.join(p for p, _ in ops) or 'not built (none of LATENT_OPS here)'}",
-        "| variant | batch | context | cache MiB | ms | GB/s of KV | path |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| variant | TP | batch | context | cache MiB | ms | GB/s of KV | path |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for v in variants:
-        dims = rank_dims(v.shape, tp)
+        rank_tp = max(v.shape.tp_degrees(tp))
+        dims = rank_dims(v.shape, rank_tp)
         for batch in BATCHES:
             for context in CONTEXTS:
                 mib = cache_mib(dims, batch, context)
-                cell = f"| {v.name} | {batch} | {context} | {mib:,.0f} |"
+                cell = f"| {v.name} | {rank_tp} | {batch} | {context} | {mib:,.0f} |"
                 if mib > max_cache_mib:
                     lines.append(f"{cell} - | - | skipped (over {max_cache_mib} MiB) |")
                     continue

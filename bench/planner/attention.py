@@ -11,9 +11,9 @@ Two kinds, one interface (``AttentionShape``):
   decoupled RoPE key of width ``rope_dim`` (Dr) shared by every query head (issue 22's
   ``latent_cache [layers, blocks, block_size, Hc_local * Dc + Dr]``). Query head h
   reads latent head h // (H / Hc). Under tensor parallelism t the latent heads are
-  sharded, ``Hc / t`` per rank, until there are fewer heads than ranks: then each rank
-  holds the one latent head its query heads read (MLA's single latent replicated on
-  every rank; the paper's duplication factor D = t / Hc). Every rank holds its own Dr.
+  sharded, ``Hc / t`` per rank (GLA, GTA: t must divide Hc, as the engine shards
+  them), except MLA's single latent, replicated whole on every rank (the paper's
+  duplication D = t). Every rank holds its own Dr.
 
 Counts are per layer and per token; ``ModelShape`` multiplies by layers and dtype bytes.
 """
@@ -117,14 +117,14 @@ class LatentAttention(AttentionShape):
             raise ValueError(f"LatentAttention.key_dim={self.key_dim}: allowed 1..dim ({self.dim})")
 
     def supports(self, tp: int) -> bool:
-        return self.heads % tp == 0 or tp % self.heads == 0
+        return self.heads == 1 or self.heads % tp == 0
 
     def local_heads(self, tp: int) -> int:
-        """Latent heads one rank of ``tp`` holds: its share, or 1 when heads < ranks."""
+        """Latent heads one rank of ``tp`` holds: its share, or MLA's one latent."""
         if not self.supports(tp):
             raise ValueError(
                 f"tensor_parallel={tp} with {self.heads} latent heads: allowed degrees divide "
-                "the latent heads or are a multiple of them"
+                "the latent heads (a single latent, MLA's, is replicated on any degree)"
             )
         return max(1, self.heads // tp)
 

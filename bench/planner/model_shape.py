@@ -72,7 +72,7 @@ class ModelShape:
 
     def tp_degrees(self, limit: int = 8) -> list[int]:
         """Tensor-parallel degrees that split the heads, the KV (or latent) heads and the
-        MLP evenly (latent heads fewer than ranks: replicated, one per rank)."""
+        MLP evenly (MLA's single latent: replicated on every rank)."""
         sizes = (self.num_heads, self.intermediate_size)
         return [
             t

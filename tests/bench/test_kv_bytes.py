@@ -50,6 +50,12 @@ def test_table_at_tp2_by_hand():
     assert rows["GLA-2"].per_device_vs_mha == 320 / 16384
     assert rows["GTA-8"].transfer_vs_mha == 2 * 576 / (2 * 128 * 128)
     assert rows["GQA-8"].transfer_vs_mha == 1 / 16
+    # GLA-2 at TP 4: the engine does not shard 2 latent heads over 4 ranks; the paper's
+    # formula duplicates each (D = 2): one 256 head + 64 a rank
+    [gla2] = [r for r in table(tps=(4,)) if r.variant == "GLA-2"]
+    assert gla2.per_device is None and gla2.transfer is None and "do not shard" in gla2.source
+    assert gla2.per_device_paper == L * B * (256 + 64)
+    assert gla2.transfer_paper == 4 * 1024 * L * B * (256 + 64)
     lines = format_table(list(rows.values()), 1024)
     assert len(lines) == 2 + 6 and "| MLA | 2 | 70,272 | 70,272 |" in lines[4]
 
@@ -57,7 +63,7 @@ def test_table_at_tp2_by_hand():
 def test_layouts_agree_with_the_planner_and_the_paper_at_every_degree():
     for v in VARIANTS:
         shape = v.shape
-        for tp in (1, 2, 4, 8):
+        for tp in shape.tp_degrees(8):
             ours = bytes_per_token_per_device(shape, tp)
             assert ours == shape.kv_bytes_per_device(tp), (v.name, tp)
             assert ours == paper_bytes_per_token_per_device(shape, tp), (v.name, tp)
@@ -88,13 +94,15 @@ def test_decode_timing_runs_the_engine_path():
     # at TP 8 GQA-8's batch-1 1k cell holds 1 MiB; MHA's 16 MiB is skipped
     lines = report(VARIANTS, 8, max_cache_mib=2)
     assert "CPU: torch" in lines[0]
-    gqa = next(line for line in lines if line.startswith("| GQA-8 | 1 | 1024 |"))
+    gqa = next(line for line in lines if line.startswith("| GQA-8 | 8 | 1 | 1024 |"))
     assert "cpu_decode.c" in gqa or "SDPA" in gqa
-    assert float(gqa.split("|")[5]) > 0
-    assert next(line for line in lines if line.startswith("| MHA | 1 | 1024 |")).endswith(
+    assert float(gqa.split("|")[6]) > 0
+    # GLA-2's 2 latent heads shard over 2 ranks at most
+    assert any(line.startswith("| GLA-2 | 2 | 1 | 1024 |") for line in lines)
+    assert next(line for line in lines if line.startswith("| MHA | 8 | 1 | 1024 |")).endswith(
         "skipped (over 2 MiB) |"
     )
-    gta = next(line for line in lines if line.startswith("| GTA-8 | 1 | 1024 |"))  # 0.75 MiB
+    gta = next(line for line in lines if line.startswith("| GTA-8 | 8 | 1 | 1024 |"))  # 0.75 MiB
     assert ("latent op not built" in gta) is not bool(latent_decode_ops())
 
 

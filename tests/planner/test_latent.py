@@ -47,20 +47,21 @@ def test_deepseek_v3_dense_presets():
     gla2, gla4 = get_model("deepseek-v3-dense-gla-2"), get_model("deepseek-v3-dense-gla-4")
     assert gla2.kv_bytes_per_token == mla.kv_bytes_per_token  # h_c = 2 of 2 d_h: MLA's size
     assert gla4.kv_bytes_per_token == 61 * (4 * 256 + 64) * 2  # twice the latent
-    assert [gla2.kv_bytes_per_device(t) for t in (1, 2, 4, 8)] == [
-        61 * 2 * s
-        for s in (576, 320, 320, 320)  # one latent head a rank past tp 2
-    ]
+    assert [gla2.kv_bytes_per_device(t) for t in (1, 2)] == [61 * 2 * s for s in (576, 320)]
     assert [gla4.kv_bytes_per_device(t) for t in (1, 2, 4)] == [
         61 * 2 * s for s in (1088, 576, 320)
     ]
+    # latent heads shard as the engine shards them: a degree must divide them
+    assert gla2.tp_degrees(8) == [1, 2] and gla4.tp_degrees(8) == [1, 2, 4]
+    with pytest.raises(ValueError, match="tensor_parallel=4 with 2 latent heads"):
+        gla2.kv_bytes_per_device(4)
     gta, gqa = get_model("deepseek-v3-dense-gta-8"), get_model("deepseek-v3-dense-gqa-8")
     # the paper's discussion: GTA-8 at TP 8 stores 1.5 d_h a token, GQA-8 2 d_h; at TP 4
     # 2.5 d_h against 4 d_h
     assert gta.kv_bytes_per_device(8) == 61 * 2 * 192 and gqa.kv_bytes_per_device(8) == 61 * 2 * 256
     assert gta.kv_bytes_per_device(4) == 61 * 2 * 320 and gqa.kv_bytes_per_device(4) == 61 * 2 * 512
     assert gta.kv_bytes_per_token == gqa.kv_bytes_per_token / 2 + 61 * 2 * 64  # half + RoPE
-    for name in ("deepseek-v3-dense", "deepseek-v3-dense-gla-4", "deepseek-v3-dense-gta-8"):
+    for name in ("deepseek-v3-dense", "deepseek-v3-dense-gta-8", "deepseek-v3-dense-gqa-8"):
         assert PRESETS[name].tp_degrees(8) == [1, 2, 4, 8]
     # the attention dims as published: q_a 7168x1536, q_b 1536x128x192, kv_a 7168x576,
     # kv_b 512x128x256, o 128x128x7168; a dense MLP of 3 x 7168 x 18432 in 61 layers
@@ -78,7 +79,8 @@ def test_transfer_bytes_per_decode_degree():
     assert mla.kv_transfer_bytes(1024, 4) == 4 * 1024 * row * 576
     # GLA-2: each decode rank its own latent heads and one RoPE key
     assert gla2.kv_transfer_bytes(1024, 2) == 1024 * row * (2 * 256 + 2 * 64)
-    assert gla2.kv_transfer_bytes(1024, 8) == 1024 * row * 8 * (256 + 64)
+    gla4 = get_model("deepseek-v3-dense-gla-4")
+    assert gla4.kv_transfer_bytes(1024, 4) == 1024 * row * (4 * 256 + 4 * 64)
     # per-head K/V: every head once, any degree
     assert {mha.kv_transfer_bytes(1024, t) for t in (1, 2, 8)} == {1024 * row * 2 * 128 * 128}
 
