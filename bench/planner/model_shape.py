@@ -173,8 +173,9 @@ def _deepseek_v3_dense(name: str, kv_heads: int = 128, latent: LatentAttention |
     layer: MoE is not modelled, so its params, weights and step times are those of a
     ~36B dense model, not DeepSeek-V3's 671B (37B active). ``latent``: MLA, or its GLA /
     GTA variant as arXiv 2505.21487 defines them (d_h = 128: MLA one 4 d_h latent, GLA
-    latent heads of 2 d_h, GTA tied heads of d_h with a d_h/2 RoPE key, both keeping
-    DeepSeek's low-rank query); else MHA / GQA of the same width (``kv_heads`` x 128)."""
+    latent heads of 2 d_h keeping DeepSeek's low-rank query, GTA tied heads of d_h with a
+    d_h/2 RoPE key and a plain query projection, as the paper's and the engine's GTA);
+    else MHA / GQA of the same width (``kv_heads`` x 128)."""
     head_dim = 192 if latent else 128
     heads = latent.heads if latent else kv_heads
     return ModelShape(name, 61, 7168, 128, heads, head_dim, 18432, 129280, 163840, 2, latent=latent)
@@ -183,7 +184,7 @@ def _deepseek_v3_dense(name: str, kv_heads: int = 128, latent: LatentAttention |
 def _latent(heads: int, dim: int, tied: bool = False) -> LatentAttention:
     """DeepSeek-V3-shaped latent attention: RoPE 64, heads of 128 (GTA: a 64 key half)."""
     if tied:
-        return LatentAttention(heads, dim, 64, dim // 2, 64, 128, 1536, up_projected=False)
+        return LatentAttention(heads, dim, 64, dim // 2, 64, 128, up_projected=False)
     return LatentAttention(heads, dim, 64, dim, 128, 128, 1536)
 
 
