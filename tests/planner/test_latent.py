@@ -68,6 +68,13 @@ def test_deepseek_v3_dense_presets():
     attn = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
     assert mla.layer_params == attn + 3 * 7168 * 18432
     assert mla.params == 61 * mla.layer_params + 129280 * 7168
+    # GLA-2: the same query, a down projection to 2 x 256 + 64, up projections of 256 for
+    # 64 heads each; GTA-8: a plain query, the tied states and the RoPE key, no up
+    q_lora = 7168 * 1536 + 1536 * 128 * 192
+    gla_attn = q_lora + 7168 * 576 + 2 * 256 * 64 * 256 + 128 * 128 * 7168
+    assert gla2.layer_params - 3 * 7168 * 18432 == gla_attn
+    gta_attn = 7168 * 128 * 128 + 7168 * (8 * 128 + 64) + 128 * 128 * 7168
+    assert gta.layer_params - 3 * 7168 * 18432 == gta_attn
 
 
 def test_transfer_bytes_per_decode_degree():
