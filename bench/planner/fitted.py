@@ -70,6 +70,10 @@ class FittedCost:
         a, b = self.transfer
         return a + b * nbytes if nbytes > 0 else 0.0
 
+    def transfer_bytes(self, tokens: int, decode_tp: int) -> int:
+        """The profiled engine's per-head K/V layout: every head moves once, any degree."""
+        return tokens * self.kv_bytes_per_token
+
     def kv_capacity_tokens(self, tp: int) -> int:
         """0 for a degree not profiled: the search skips it."""
         return self.kv_capacity.get(tp, 0) if tp in self.prefill else 0

@@ -4,15 +4,20 @@ Inference"): a step takes max(compute, memory) plus its communication.
 - compute: 2 FLOPs per weight per token, plus attention (QK^T and AV): 2 x heads x
   head_dim FLOPs per (query, key) pair per layer and matmul; a causal prompt of L tokens
   has L^2/2 pairs, so the prompts' attention is 2 x layers x heads x head_dim x sum L^2.
+  Latent attention (``bench.planner.attention``): prompts in the expanded form (keys of
+  qk_nope + rope, values of v_head_dim), decodes in the absorbed form (every query head
+  scores its latent head's first Dk dims and the RoPE key, and sums the Dc-wide rows).
 - memory: every weight once per step, plus the KV the step reads (decode: the whole
-  context) and writes (the new tokens).
+  context) and writes (the new tokens), as every rank holds it: MLA's latent is read
+  by each rank whole, so its per-rank KV bytes do not shrink with tp.
 - communication: with tensor parallelism t, two all-reduces per layer of [tokens,
   hidden] (after attention's output projection and after the MLP), a ring moving
   2 (t-1)/t of the data per device.
 
 Every cost model (this one, ``bench.planner.fitted.FittedCost``) answers the same calls:
 ``prefill_s``, ``decode_s``, ``mixed_s`` (a co-located step: prompt chunks beside
-decodes), ``transfer_s``, ``kv_bytes_per_token``, ``kv_capacity_tokens``.
+decodes), ``transfer_s``, ``transfer_bytes`` (a handoff's bytes to a decode instance of
+a given degree), ``kv_bytes_per_token``, ``kv_capacity_tokens``.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ class RooflineCost:
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token
 
-    def _attn_flops_per_pair(self) -> float:
+    def _prefill_flops_per_pair(self) -> float:
         m = self.model
-        return 2 * 2 * m.num_layers * m.num_heads * m.head_dim
+        return m.num_layers * m.attention.prefill_flops_per_pair(m.num_heads)
+
+    def _decode_flops_per_pair(self) -> float:
+        m = self.model
+        return m.num_layers * m.attention.decode_flops_per_pair(m.num_heads)
 
     def _step(self, tokens: int, flops: float, nbytes: float, tp: int) -> float:
         hw = self.hw
@@ -57,8 +66,8 @@ class RooflineCost:
         if tokens <= 0:
             return 0.0
         m = self.model
-        flops = 2 * m.params * tokens + self._attn_flops_per_pair() * sum_sq / 2
-        nbytes = m.weight_bytes + tokens * m.kv_bytes_per_token
+        flops = 2 * m.params * tokens + self._prefill_flops_per_pair() * sum_sq / 2
+        nbytes = m.weight_bytes + tokens * m.kv_bytes_per_instance(tp)
         return self._step(tokens, flops, nbytes, tp)
 
     def decode_s(self, batch: int, context: int, tp: int = 1) -> float:
@@ -66,8 +75,8 @@ class RooflineCost:
         if batch <= 0:
             return 0.0
         m = self.model
-        flops = 2 * m.params * batch + self._attn_flops_per_pair() * context
-        nbytes = m.weight_bytes + (context + batch) * m.kv_bytes_per_token
+        flops = 2 * m.params * batch + self._decode_flops_per_pair() * context
+        nbytes = m.weight_bytes + (context + batch) * m.kv_bytes_per_instance(tp)
         return self._step(batch, flops, nbytes, tp)
 
     def mixed_s(self, tokens: int, sum_sq: float, batch: int, context: int, tp: int = 1) -> float:
@@ -77,15 +86,20 @@ class RooflineCost:
             return self.prefill_s(tokens, sum_sq, tp) + self.decode_s(batch, context, tp)
         m = self.model
         flops = 2 * m.params * (tokens + batch)
-        flops += self._attn_flops_per_pair() * (sum_sq / 2 + context)
-        nbytes = m.weight_bytes + (tokens + context + batch) * m.kv_bytes_per_token
+        flops += self._prefill_flops_per_pair() * sum_sq / 2
+        flops += self._decode_flops_per_pair() * context
+        nbytes = m.weight_bytes + (tokens + context + batch) * m.kv_bytes_per_instance(tp)
         return self._step(tokens + batch, flops, nbytes, tp)
 
     def transfer_s(self, nbytes: float) -> float:
         return nbytes / self.hw.kv_bandwidth + self.hw.kv_latency_s if nbytes > 0 else 0.0
 
+    def transfer_bytes(self, tokens: int, decode_tp: int) -> int:
+        """What a handoff of ``tokens`` tokens moves to a decode instance of ``decode_tp``."""
+        return self.model.kv_transfer_bytes(tokens, decode_tp)
+
     def kv_capacity_tokens(self, tp: int) -> int:
         """KV tokens an instance of ``tp`` devices holds next to its weights (0: the
         weights alone do not fit)."""
         free = tp * self.hw.mem_bytes * self.hw.mem_util - self.model.weight_bytes
-        return max(0, int(free // self.model.kv_bytes_per_token))
+        return max(0, int(free // self.model.kv_bytes_per_instance(tp)))

@@ -73,6 +73,9 @@ class PhaseOnly:
     def transfer_s(self, nbytes):
         return self.cost.transfer_s(nbytes) if self.phase == "prefill" else 0.0
 
+    def transfer_bytes(self, tokens, decode_tp):
+        return self.cost.transfer_bytes(tokens, decode_tp)
+
     def kv_capacity_tokens(self, tp):
         return self.cost.kv_capacity_tokens(tp)
 

@@ -22,7 +22,7 @@ def prefill_choice(
         budget = min(budget, mixed)  # the chunk that rides with the running batch's step
     chunk = max(1, min(n, budget))
     remote_chunk = max(1, min(n, prefill.pool.max_batch_tokens))
-    kv_bytes = n * cost.kv_bytes_per_token  # the transfer's cost per token, at this size
+    kv_bytes = cost.transfer_bytes(n, decode.pool.tp)  # its cost per token, at this size
     costs = PrefillCosts(  # a step's fixed cost folded into this prompt's chunk's tokens
         local_step_s=cost.decode_s(batch, decode.batch.context, decode.pool.tp) if batch else 0.0,
         local_token_s=cost.prefill_s(chunk, chunk**2, decode.pool.tp) / chunk,

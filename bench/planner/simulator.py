@@ -67,11 +67,14 @@ class SimRequest:
     transfer_tokens: int = 0  # disaggregated: prompt tokens the decode instance lacked
     next: tuple[tuple[float, SimRequest], ...] = ()  # (think time, next turn)
 
-    def record(self, kv_bytes_per_token: float) -> Record:
+    def record(self, cost) -> Record:
         ttft = (self.first_token_s - self.arrival_s) * 1000
         n = self.output_len
         tpot = (self.finish_s - self.first_token_s) * 1000 / (n - 1) if n > 1 else 0.0
         disagg = len(self.instances) == 2
+        kv_bytes = (
+            cost.transfer_bytes(self.transfer_tokens, self.decode_instance.pool.tp) if disagg else 0
+        )
         return Record(
             index=self.index,
             sent_s=self.arrival_s,
@@ -84,7 +87,7 @@ class SimRequest:
             queue_ms=(self.dispatched_s - self.arrival_s) * 1000,
             finish_reason="length",
             instances=list(self.instances),
-            kv_bytes=int(self.transfer_tokens * kv_bytes_per_token) if disagg else 0,
+            kv_bytes=int(kv_bytes),
             cached_tokens=self.cached,
             transfer_ms=self.exposed_transfer_s * 1000,
             phases={"prefill_end": (self.prefill_end_s - self.arrival_s) * 1000},
@@ -274,9 +277,8 @@ class Simulator:
         while self.events:
             self.now, _, fn = heapq.heappop(self.events)
             fn()
-        kvb = self.cost.kv_bytes_per_token
         finished = {r.index for r in self.done}
-        return [r.record(kvb) if r.index in finished else self.lost(r) for r in sims]
+        return [r.record(self.cost) if r.index in finished else self.lost(r) for r in sims]
 
     def lost(self, r: SimRequest) -> Record:
         """The record of a request that never ran."""
@@ -341,11 +343,12 @@ class Simulator:
                 inst.finish(r, self.now)
             return
         exposed = self.cluster.exposed_transfer_s
+        dec = r.decode_instance
         if exposed is None:
-            transfer = self.cost.transfer_s(r.transfer_tokens * self.cost.kv_bytes_per_token)
+            nbytes = self.cost.transfer_bytes(r.transfer_tokens, dec.pool.tp)
+            transfer = self.cost.transfer_s(nbytes)
             exposed = max(0.0, transfer - step_s) if self.cluster.layerwise else transfer
         r.exposed_transfer_s = exposed
-        dec = r.decode_instance
 
         def land():
             r.first_token_s = self.now

@@ -25,5 +25,8 @@ class LinearCost:
     def transfer_s(self, nbytes):
         return self.transfer
 
+    def transfer_bytes(self, tokens, decode_tp):
+        return tokens * self.kv_bytes_per_token
+
     def kv_capacity_tokens(self, tp):
         return self.capacity_tokens
