@@ -119,7 +119,22 @@ class ModelShape:
             mc.vocab_size,
             mc.max_position,
             DTYPE_BYTES[dtype],
+            latent=None if mc.mla is None else _engine_latent(mc.mla),
         )
+
+
+def _engine_latent(m) -> LatentAttention:
+    """The planner's view of the engine's ``MLAConfig`` (engine/mla_config.py)."""
+    return LatentAttention(
+        heads=m.latent_heads,
+        dim=m.kv_lora_rank,
+        rope_dim=m.qk_rope_head_dim,
+        key_dim=m.qk_nope_head_dim if m.tied else m.kv_lora_rank,
+        qk_nope_dim=m.qk_nope_head_dim,
+        v_head_dim=m.v_head_dim,
+        q_lora_rank=m.q_lora_rank or 0,
+        up_projected=not m.tied,
+    )
 
 
 def _opt(name, layers, hidden, heads):

@@ -172,3 +172,25 @@ def test_plan_deepseek_v3_dense(tmp_path, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "winner:" in text and out.exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["mla", "gla-2", "gta-2"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_engines_own_latent_models_plan_with_the_bytes_they_allocate(tmp_path, kind, tp):
+    """``ModelShape.from_model_config`` (how a served profile's model reaches the planner)
+    of the engine's tiny MLA / GLA / GTA checkpoints: per-device KV bytes per token equal
+    the bytes the engine's cache holds per token on one rank."""
+    from engine.llm import LLM
+    from tests.latent_reference import save_tiny_gla, save_tiny_gta
+    from tests.tiny_models import save_tiny_deepseek
+
+    {"mla": lambda: save_tiny_deepseek(tmp_path, q_lora_rank=32),
+     "gla-2": lambda: save_tiny_gla(tmp_path, 2),
+     "gta-2": lambda: save_tiny_gta(tmp_path, 2)}[kind]()  # fmt: skip
+    with LLM(str(tmp_path), num_kv_blocks=4, tensor_parallel=tp) as llm:
+        cache = llm.engine.runner.kv_cache  # rank 0's [layers, blocks, block size, row]
+        shape = ModelShape.from_model_config(llm.engine.model.cfg, dtype="float32")
+        assert shape.latent is not None
+        per_token = cache.shape[0] * cache.shape[-1] * cache.element_size()
+        assert shape.kv_bytes_per_device(tp) == per_token
