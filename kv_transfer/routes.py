@@ -34,9 +34,10 @@ class HeadRoute:
         return self.heads[1] - self.heads[0]
 
 
-def _check_tp(num_heads: int, src_tp: int, dst_tp: int) -> None:
+def _check_tp(num_heads: int | None, src_tp: int, dst_tp: int) -> None:
+    """Both degrees positive, and dividing ``num_heads`` (None: replicated, any degree)."""
     for side, tp in (("source", src_tp), ("destination", dst_tp)):
-        if tp < 1 or num_heads % tp:
+        if tp < 1 or (num_heads is not None and num_heads % tp):
             raise KVLayoutError(f"{side} tensor_parallel={tp} does not divide {num_heads} heads")
 
 
@@ -66,7 +67,7 @@ def latent_routes(lay: KVLayout, src_tp: int, dst_tp: int) -> list[HeadRoute]:
     by source, destination, then units."""
     if lay.replicated:  # the whole row to each decode rank, from one prefill rank
         row = (0, lay.units)
-        _check_tp(1, src_tp, dst_tp)
+        _check_tp(None, src_tp, dst_tp)
         by_source = sorted(range(dst_tp), key=lambda d: (d % src_tp, d))
         return [HeadRoute(d % src_tp, d, row, row, row) for d in by_source]
     _check_tp(lay.num_kv_heads, src_tp, dst_tp)
