@@ -249,9 +249,13 @@ class KVLayout:
 def cache_layout(engine) -> KVLayout:
     """The layout of one rank's cache, from its engine (``engine.LLMEngine`` or a rank's
     ``RankEngine``: the model shard's config, dtype and tensor-parallel place, and the
-    block size of its runner's block manager)."""
+    block size of its runner's block manager). A model with ``cfg.mla`` (DeepSeek's MLA,
+    ``engine/mla_config.py``) caches one replicated latent row per token."""
     m, cfg, size = engine.model, engine.model.cfg, engine.runner.blocks.block_size
-    dtype = dtype_name(m.dtype)
+    dtype, mla = dtype_name(m.dtype), getattr(cfg, "mla", None)
+    if mla is not None:
+        return KVLayout(cfg.num_layers, size, 1, mla.kv_lora_rank, dtype, m.tp.size, m.tp.rank,
+                        "latent", mla.qk_rope_head_dim, replicated=True)  # fmt: skip
     return KVLayout(
         cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim, dtype, m.tp.size, m.tp.rank
     )
