@@ -3,9 +3,9 @@ GLA-2 row sharded by latent head (float32), prefill TP 1/2 -> decode TP 1/2, eac
 decode rank's reserved blocks equal, byte for byte, its shard of the reference rows at
 the source blocks, nothing else is written, and the bytes the senders report and the
 receivers land equal ``KVLayout.transfer_bytes``. gloo crosses processes (the senders in
-the peer process, layer by layer out of order), grpc runs in this process (whole
-caches); then a cached prefix (only the blocks past it move) and a corrupted segment
-(caught by the checksum) on both backends."""
+the peer process, layer by layer out of order, whole-row runs unpacked), grpc runs in
+this process (whole caches); then a cached prefix (only the blocks past it move) and a
+corrupted segment (caught by the checksum) on both backends."""
 
 from __future__ import annotations
 
@@ -77,11 +77,12 @@ class Decode:
             r.close()
 
 
-def _send_in_peer(peer, name: str, src_tp: int, tid: str, dst, src_ids, layers) -> int:
+def _send_in_peer(peer, name: str, src_tp: int, tid: str, dst, src_ids, layers,
+                  **options) -> int:  # fmt: skip
     spec, dtype = SPECS[name]
     key = f"latent-{name}-tp{src_tp}"
     reply = peer.ask(op="senders", key=key, backend="gloo", tp=src_tp, checksum=True, layers=3,
-                     name=f"prefill-{key}", latent=spec, dtype=dtype)  # fmt: skip
+                     name=f"prefill-{key}", latent=spec, dtype=dtype, **options)  # fmt: skip
     assert reply["ok"], reply
     reply = peer.ask(op="send", key=key, tid=tid, seed=SEED, num_blocks=NUM_BLOCKS,
                      src_ids=src_ids, dst=dst.to_bytes().hex(), send_layers=layers)  # fmt: skip
@@ -115,7 +116,8 @@ def test_gloo_latent_across_processes(peer, name, src_tp, dst_tp):
     side, tid = Decode("gloo", name, dst_tp), f"lat-gloo-{name}-{src_tp}-{dst_tp}"
     try:
         dst = side.expect(tid, src_tp)
-        sent = _send_in_peer(peer, name, src_tp, tid, dst, SRC_IDS, [1, 0, 2])
+        # every run of whole rows (MLA) straight from the cache into the cache, unpacked
+        sent = _send_in_peer(peer, name, src_tp, tid, dst, SRC_IDS, [1, 0, 2], pack_below=0)
         side.check(tid, SRC_IDS, DST_IDS, sent)
     finally:
         side.close()
