@@ -93,8 +93,8 @@ class KVLayout:
         if self.kind not in KINDS:
             raise KVLayoutError(f"KVLayout.kind={self.kind!r}: allowed {list(KINDS)}")
         latent = self.kind == "latent"
-        rope, (low, high) = self.rope_dim, (1, 1 << 20) if latent else (0, 0)
-        if not isinstance(rope, int) or isinstance(rope, bool) or not low <= rope <= high:
+        rope = self.rope_dim
+        if not isinstance(rope, int) or isinstance(rope, bool) or (rope < 1 if latent else rope):
             raise KVLayoutError(f"KVLayout.rope_dim={rope!r}: allowed "
                                 f"{'a positive integer' if latent else '0'} for kind "
                                 f"{self.kind!r}")  # fmt: skip

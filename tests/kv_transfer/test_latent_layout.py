@@ -50,6 +50,8 @@ def test_latent_shapes_and_units():
         (dict(kind="mla"), ["kind='mla'", "'kv', 'latent'"]),
         (dict(kind="latent", rope_dim=0), ["rope_dim=0", "positive integer", "'latent'"]),
         (dict(rope_dim=64), ["rope_dim=64", "allowed 0 for kind 'kv'"]),
+        (dict(rope_dim=-1), ["rope_dim=-1", "allowed 0 for kind 'kv'"]),
+        (dict(kind="latent", rope_dim=-8), ["rope_dim=-8", "positive integer"]),
         (dict(replicated=True), ["replicated=True", "False for 'kv'"]),
         (dict(kind="latent", rope_dim=8, num_kv_heads=3, tp_size=2),
          ["num_kv_heads=3", "tensor_parallel=2", "latent heads"]),
