@@ -14,7 +14,8 @@ import itertools
 import pytest
 import torch
 
-from kv_transfer import KVChecksumError, KVDestination, KVLayoutError, get_transport
+from kv_transfer import KVChecksumError, KVDestination, KVLayout, KVLayoutError, get_transport
+from kv_transfer.routes import routes
 from tests.kv_transfer.faults import ENV, write_plan
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard, tokened
 
@@ -205,3 +206,48 @@ def test_sending_a_layer_of_the_other_kind_is_refused():
     finally:
         latent.close()
         kv.close()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "grpc"])
+@pytest.mark.parametrize(
+    "spec, src_tp, dst_tp",
+    [
+        ({"heads": 1, "dim": 512, "rope": 64, "replicated": True}, 1, 2),  # DeepSeek-V3's row
+        ({"heads": 2, "dim": 256, "rope": 64, "replicated": False}, 2, 2),  # GLA-2, 256 wide
+    ],
+    ids=["mla-512", "gla2-256"],
+)
+def test_full_size_rows_split_into_many_segments(backend, spec, src_tp, dst_tp):
+    """Rows of real widths in bfloat16, blocks of 16, 60 blocks (a run of 40, 20 strays):
+    the segments are cut at the transport's part limits (gRPC's 512 KiB cuts the run),
+    and still land byte for byte, the bytes equal to the formula."""
+    tr, blocks, bs = get_transport(backend), 80, 16
+    lays = {(tp, r): KVLayout(2, bs, spec["heads"], spec["dim"], "bfloat16", tp, r, "latent",
+                              spec["rope"], spec["replicated"])
+            for tp in {src_tp, dst_tp} for r in range(tp)}  # fmt: skip
+    src_ids = list(range(3, 43)) + list(range(79, 59, -1))
+    dst_ids = list(range(20, 80))
+    g = torch.Generator().manual_seed(9)
+    full = torch.randn(2, blocks, bs, lays[src_tp, 0].units, generator=g).to(torch.bfloat16)
+    dst_lays = [lays[dst_tp, r] for r in range(dst_tp)]
+    caches = [torch.zeros(x.cache_shape(blocks), dtype=torch.bfloat16) for x in dst_lays]
+    receivers = [tr.receiver(x, c, secret=SECRET) for x, c in zip(dst_lays, caches, strict=True)]
+    senders = [tr.sender(lays[src_tp, r], secret=SECRET, checksum=True) for r in range(src_tp)]
+    try:
+        dst = KVDestination([r.address for r in receivers], dst_ids, dst_lays[0], backend, "big")
+        for r in receivers:
+            r.expect("big", dst_ids, lays[src_tp, 0], lease_s=30, token="big")
+        for s in senders:
+            s.send_all("big", shard(full, s.layout), src_ids, dst)
+        acks = [s.finish("big", timeout=60) for s in senders]
+        landed = [r.wait("big", timeout=60).bytes for r in receivers]
+        assert sum(a.bytes for a in acks) == sum(landed)
+        assert sum(landed) == dst_lays[0].transfer_bytes(len(src_ids), dst_tp)
+        assert sum(a.segments for a in acks) > 2 * len(routes(dst_lays[0], src_tp, dst_tp))
+        for x, c in zip(dst_lays, caches, strict=True):
+            want = shard(full, x)[:, src_ids]
+            assert torch.equal(c[:, dst_ids].view(torch.int16), want.view(torch.int16))
+            assert not c[:, :20].any()
+    finally:
+        for x in senders + receivers:
+            x.close()
