@@ -12,7 +12,7 @@ sender, ``routes_into`` on the receiver): no mapping travels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kv_transfer.layout import KVLayout, KVLayoutError
 
@@ -71,8 +71,8 @@ def latent_routes(lay: KVLayout, src_tp: int, dst_tp: int) -> list[HeadRoute]:
         by_source = sorted(range(dst_tp), key=lambda d: (d % src_tp, d))
         return [HeadRoute(d % src_tp, d, row, row, row) for d in by_source]
     _check_tp(lay.num_kv_heads, src_tp, dst_tp)
-    src = [_rank(lay, src_tp, s) for s in range(src_tp)]
-    dst = [_rank(lay, dst_tp, d) for d in range(dst_tp)]
+    src = [replace(lay, tp_size=src_tp, tp_rank=s) for s in range(src_tp)]
+    dst = [replace(lay, tp_size=dst_tp, tp_rank=d) for d in range(dst_tp)]
     width, rope = lay.head_dim, (lay.num_kv_heads * lay.head_dim, lay.units)
     out = []
     for s, d, lo, hi in _intersections(lay.num_kv_heads, src_tp, dst_tp):
@@ -81,11 +81,6 @@ def latent_routes(lay: KVLayout, src_tp: int, dst_tp: int) -> list[HeadRoute]:
         if lo == dst[d].head_range[0]:  # the source holding d's first head: its RoPE key
             out.append(HeadRoute(s, d, rope, src[s].local(rope), dst[d].local(rope)))
     return out
-
-
-def _rank(lay: KVLayout, tp: int, rank: int) -> KVLayout:
-    return KVLayout(lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype,
-                    tp, rank, lay.kind, lay.rope_dim, lay.replicated)  # fmt: skip
 
 
 def routes(lay: KVLayout, src_tp: int, dst_tp: int) -> list[HeadRoute]:
