@@ -62,12 +62,13 @@ class DecodeWorker(EngineWorker):
 
     def ready(self) -> dict:
         """Also the KV receivers' addresses and the KV bytes of one token (all layers,
-        K and V, every head: what a handoff moves per token, hybrid mode's cost)."""
-        per_token = 2 * self.layout.num_layers * self.layout.block_bytes(self.layout.num_kv_heads)
+        every rank's share: what a handoff into this instance moves per token, hybrid
+        mode's cost; ``KVLayout.transfer_bytes``)."""
+        per_block = self.layout.transfer_bytes(1, self.layout.tp_size)
         return {
             **super().ready(),
             "kv_addresses": self.addresses,
-            "kv_bytes_per_token": per_token // self.layout.block_size,
+            "kv_bytes_per_token": per_block // self.layout.block_size,
         }
 
     def reserve(self, attempt: Attempt) -> bytes | None:

@@ -31,14 +31,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from kv_transfer.layout import (
-    HeadRoute,
-    KVLayout,
-    KVLayoutError,
-    all_routes,
-    routes_from,
-    routes_into,
-)
+from kv_transfer.layout import KVLayout, KVLayoutError
 from kv_transfer.protocol import (
     Handoff,
     KVChecksumError,
@@ -49,6 +42,7 @@ from kv_transfer.protocol import (
     Status,
 )
 from kv_transfer.receiver import KVReceiver, Outcome, State
+from kv_transfer.routes import HeadRoute, all_routes, routes_from, routes_into
 from kv_transfer.sender import Ack, KVSender, TransferAck
 
 

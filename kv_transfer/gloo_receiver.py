@@ -207,12 +207,12 @@ class GlooReceiver(KVReceiver):
         """Check a DATA header, post its pack's receive, then claim the direct segments and
         post their K and V receives, in the order the sender sends them."""
         lay = self.layout
-        rows = wire.rows(h, lay.num_layers, self.kv_cache.shape[2], lay.num_kv_heads)
-        size, per = h[wire.H_AUX], lay.block_bytes(1)
+        rows = wire.rows(h, lay.num_layers, self.num_blocks, lay.units)
+        size, per, parts = h[wire.H_AUX], lay.block_bytes(1), lay.parts
         for seg, _, offset in rows:  # rows() bounded each segment's blocks and heads
             if (
                 offset != NOT_PACKED
-                and not 0 <= offset <= size - 2 * seg.count * seg.num_heads * per
+                and not 0 <= offset <= size - parts * seg.count * seg.num_heads * per
             ):
                 raise RuntimeError(f"segment at {offset} outside a pack of {size} bytes")
         if not 0 <= size <= self.pack_bytes:
@@ -232,10 +232,10 @@ class GlooReceiver(KVReceiver):
                 buf = None
                 if targets is None:  # scattered blocks, or nowhere to go: into staging
                     n = seg.count * seg.num_heads * per
-                    buf = self.pool.take(2 * n)
-                    shape = (seg.count, self.layout.block_size, seg.num_heads, self.layout.head_dim)
-                    targets = (typed(buf, self.layout.torch_dtype, shape),
-                               typed(buf[n:], self.layout.torch_dtype, shape))  # fmt: skip
+                    buf = self.pool.take(parts * n)
+                    shape = (seg.count, lay.block_size, seg.num_heads, lay.unit_dim)
+                    targets = tuple(typed(buf[p * n :], lay.torch_dtype, shape)
+                                    for p in range(parts))  # fmt: skip
                 works = [pair.pg.recv([x], 0, wire.TAG_DATA) for x in targets]
                 items.append((claim, total, targets, buf, works))
         return h, rows, pack, items
@@ -279,11 +279,11 @@ class GlooReceiver(KVReceiver):
             ok = not broken and self._waited(items[-1][4][-1])
             broken = broken or not ok
             landed, failed = [], []
-            for claim, total, (k, v), buf, _ in items:
+            for claim, total, parts, buf, _ in items:
                 if claim is not None:
-                    good = ok and (total is None or self.verify(claim, total, k, v))
+                    good = ok and (total is None or self.verify(claim, total, *parts))
                     if good and buf is not None:
-                        self.write(claim, k, v)
+                        self.write(claim, *parts)
                     (landed if good else failed).append(claim)
                 if buf is not None:
                     self.pool.give(buf)
@@ -296,16 +296,17 @@ class GlooReceiver(KVReceiver):
     def _land_pack(self, pair: RecvPair, h, rows, buf: torch.Tensor) -> None:
         """Claim, check and copy the packed segments; consecutive layers at one position
         are claimed together and copied with one (indexed) copy."""
-        per, dtype = self.layout.block_bytes(1), self.layout.torch_dtype
+        lay = self.layout
+        per, dtype, parts = lay.block_bytes(1), lay.torch_dtype, lay.parts
         packed = [(seg, off, seg.count * seg.num_heads * per, total)
                   for seg, total, off in rows if off != NOT_PACKED]  # fmt: skip
-        for i, j in wire.layer_spans([p[:3] for p in packed]):
+        for i, j in wire.layer_spans([p[:3] for p in packed], parts):
             segs = [p[0] for p in packed[i:j]]
             claims, _, _ = self.claim(h[wire.H_KEY], h[wire.H_SRC_RANK], pair.layout, segs, pair)
             if not claims:
                 continue  # not expected (any more): dropped
-            shape = (segs[0].count, self.layout.block_size, segs[0].num_heads, self.layout.head_dim)
-            data = typed(buf[packed[i][1] :], dtype, (j - i, 2, *shape))
+            shape = (segs[0].count, lay.block_size, segs[0].num_heads, lay.unit_dim)
+            data = typed(buf[packed[i][1] :], dtype, (j - i, parts, *shape))
             sums = [p[3] for p in packed[i:j]]
             ok = all(total is None or self.verify(c, total, *data[r].unbind(0))
                      for r, (c, total) in enumerate(zip(claims, sums, strict=True)))  # fmt: skip

@@ -1,6 +1,7 @@
 """Prefill side of the ``gloo`` and ``nccl`` backends: one two-rank group per decode rank,
 formed on first contact through the receiver's store (this side is rank 0), and batches
-of segments sent as a header, then the batch's pack and its direct K and V messages.
+of segments sent as a header, then the batch's pack and its direct messages (one per
+part of a segment: K and V, or a latent cache's row).
 
 A pair is rebuilt when it broke, and, on a transfer's first use of a pair idle for
 ``verify_idle_s``, when the receiver behind the address restarted (its card in the store
@@ -186,9 +187,9 @@ class GlooSender(KVSender):
 
     def _post(self, t: GlooOutgoing, route, address: str, source: Source, segments) -> None:
         pair = self._transfer_pair(t, address, route.dst_rank)
-        per = self.layout.block_bytes(1)
+        per, parts = self.layout.block_bytes(1), self.layout.parts
         for batch in wire.plan_batches(segments, source, per, pair.pack_bytes, self.pack_below,
-                                       self.batch_bytes):  # fmt: skip
+                                       self.batch_bytes, parts):  # fmt: skip
             self._post_batch(t, route, address, source, batch)
 
     def _post_batch(self, t: GlooOutgoing, route, address, source: Source, batch) -> None:
@@ -198,14 +199,14 @@ class GlooSender(KVSender):
         h = wire.header(Kind.DATA, t.key, self.layout.tp_rank, batch.pack_bytes)
         pack = self._take_pack(t, batch.pack_bytes) if batch.pack_bytes else None
         if pack is not None:
-            wire.fill_pack(pack, batch, source, self.layout.torch_dtype)
+            wire.fill_pack(pack, batch, source, self.layout.torch_dtype, self.layout.parts)
         direct: list[torch.Tensor] = []
         for i, (seg, nbytes, offset) in enumerate(batch.rows):
             total = None
             if offset == NOT_PACKED or self.checksum:
-                k, v = self._parts(t, source, seg, pack, offset, nbytes)
-                total = self._sum(t, seg, k, v) if self.checksum else None
-                direct += [k, v] if offset == NOT_PACKED else []
+                parts = self._parts(t, source, seg, pack, offset, nbytes)
+                total = self._sum(t, seg, *parts) if self.checksum else None
+                direct += list(parts) if offset == NOT_PACKED else []
             wire.put_row(h, i, seg, total, offset)
         hdr = torch.tensor(h, dtype=torch.int64, device=self.device_type)
         messages = [(hdr, wire.TAG_HDR, None)]
@@ -227,16 +228,16 @@ class GlooSender(KVSender):
         t.used.add(address)
 
     def _parts(self, t, source: Source, seg, pack, offset: int, nbytes: int):
-        """A segment's K and V as sent: in the pack, views of the cache, or (too large
-        for a pack) gathered on their own."""
-        dtype, shape = self.layout.torch_dtype, source.shape(seg)
+        """A segment's parts (K and V, or the latent row) as sent: in the pack, views of
+        the cache, or (too large for a pack) gathered on their own."""
+        dtype, shape, parts = self.layout.torch_dtype, source.shape(seg), self.layout.parts
         if offset != NOT_PACKED:
-            return typed(pack[offset:], dtype, shape), typed(pack[offset + nbytes :], dtype, shape)
+            return tuple(typed(pack[offset + p * nbytes :], dtype, shape) for p in range(parts))
         if (views := source.views(seg)) is not None:
             return views
-        k, v = (typed(self._buffer(t, nbytes), dtype, shape) for _ in range(2))
-        source.gather(seg, k, v)
-        return k, v
+        out = tuple(typed(self._buffer(t, nbytes), dtype, shape) for _ in range(parts))
+        source.gather(seg, out)
+        return out
 
     def _end(self, t: GlooOutgoing, address: str, handoff: bytes) -> None:
         pair = t.pairs[address]

@@ -1,18 +1,20 @@
 """What both ends of a gloo/nccl pair share: message tags, the int64 header and its
 ``Segment`` rows, the two-rank groups, and how a sender packs segments into batches.
+A segment's parts (K and V, or a latent cache's row: ``KVLayout.parts``) travel one
+after the other.
 
 A header is ``HDR_LEN`` int64 words: ``HEAD`` fields (``H_*``), then up to ``MAX_SEGS``
 rows of ``ROW`` words (``S_*``), one per segment. Kinds: ``DATA`` (segments follow: a
-pack of ``H_AUX`` bytes, tag ``TAG_PACK``, then K and V of each segment not packed,
+pack of ``H_AUX`` bytes, tag ``TAG_PACK``, then each part of each segment not packed,
 tag ``TAG_DATA``), ``END`` (a transfer's last header from one source rank; ``H_AUX``
 bytes of handoff follow, tag ``TAG_END``), ``ACK`` (the receiver's answer to an END:
 a ``Status`` and ``H_AUX`` bytes of UTF-8 text in place of the rows) and ``BYE`` (the
 sender closes). No pickle, no strings but the ACK's text.
 
 gloo pays per message (a rendezvous, wake-ups on both sides), a pack per byte (a gather
-here, a copy out of staging there). So a segment whose K and V are each one region of
-the cache, of at least ``direct_from`` bytes, goes straight from the cache as two
-messages; the others are gathered into packs of at most ``pack_limit`` bytes, one per
+here, a copy out of staging there). So a segment whose parts are each one region of
+the cache, of at least ``direct_from`` bytes, goes straight from the cache as a message
+per part; the others are gathered into packs of at most ``pack_limit`` bytes, one per
 batch, so a batch goes out as soon as its pack is full and the next is gathered while
 the transport moves this one.
 """
@@ -77,8 +79,9 @@ def rows(h: list[int], num_layers: int, max_blocks: int,
          num_heads: int) -> list[tuple[Segment, int | None, int]]:  # fmt: skip
     """The (segment, checksum or None, pack offset) rows of a DATA header, each checked
     against the receiver's cache before anything is allocated for it: a layer of its
-    ``num_layers``, 1 to ``max_blocks`` blocks (its cache's), heads inside the model's
-    ``num_heads``. A RuntimeError names the row, the field, its value and the bound."""
+    ``num_layers``, 1 to ``max_blocks`` blocks (its cache's), units inside the model's
+    ``num_heads`` (``KVLayout.units``). A RuntimeError names the row, the field, its
+    value and the bound."""
     n = h[H_NSEGS]
     if not 0 < n <= MAX_SEGS:
         raise RuntimeError(f"header announces {n} segments; allowed: 1 to {MAX_SEGS}")
@@ -114,16 +117,16 @@ def ack_text(h: list[int]) -> str:
     return struct.pack(f"<{words}q", *h[HEAD : HEAD + words])[:n].decode("utf-8", "replace")
 
 
-def layer_spans(keys: list[tuple]) -> list[tuple[int, int]]:
-    """``[i, j)`` ranges of packed rows (``(segment, offset, nbytes)``, in table order)
-    that lie in the pack as one ``[layers, 2, count, ...]`` tensor: consecutive layers at
-    one position and head range, each K then V."""
+def layer_spans(keys: list[tuple], parts: int) -> list[tuple[int, int]]:
+    """``[i, j)`` ranges of packed rows (``(segment, offset, nbytes)``, ``nbytes`` per
+    part, in table order) that lie in the pack as one ``[layers, parts, count, ...]``
+    tensor: consecutive layers at one position and unit range, each its parts in turn."""
     spans: list[tuple[int, int]] = []
     for i, (seg, off, _) in enumerate(keys):
         if spans and spans[-1][1] == i:
             prev, prev_off, prev_n = keys[i - 1]
             same = (seg.start, seg.count, seg.heads) == (prev.start, prev.count, prev.heads)
-            if same and seg.layer == prev.layer + 1 and off == prev_off + 2 * prev_n:
+            if same and seg.layer == prev.layer + 1 and off == prev_off + parts * prev_n:
                 spans[-1] = (spans[-1][0], i + 1)
                 continue
         spans.append((i, i + 1))
@@ -132,48 +135,49 @@ def layer_spans(keys: list[tuple]) -> list[tuple[int, int]]:
 
 @dataclass
 class Batch:
-    """One header's segments: (segment, bytes of its K, pack offset or ``NOT_PACKED``)."""
+    """One header's segments: (segment, bytes of one part, pack offset or ``NOT_PACKED``)."""
 
     rows: list[tuple[Segment, int, int]] = field(default_factory=list)
     pack_bytes: int = 0
 
 
 def plan_batches(segs, source: Source, per_head_block: int, pack_limit: int, direct_from: int,
-                 most_bytes: int | None) -> list[Batch]:  # fmt: skip
-    """Batches of up to ``MAX_SEGS`` segments, one pack, and ``most_bytes`` of data."""
+                 most_bytes: int | None, parts: int) -> list[Batch]:  # fmt: skip
+    """Batches of up to ``MAX_SEGS`` segments, one pack, and ``most_bytes`` of data;
+    ``per_head_block``: bytes of one unit of one block of one part."""
     out, batch, data = [], Batch(), 0
     for seg in segs:
         nbytes = seg.count * seg.num_heads * per_head_block
         direct = (
             nbytes >= direct_from and source.views(seg) is not None
-        ) or 2 * nbytes > pack_limit
+        ) or parts * nbytes > pack_limit
         full = len(batch.rows) == MAX_SEGS or bool(
-            most_bytes and batch.rows and data + 2 * nbytes > most_bytes
+            most_bytes and batch.rows and data + parts * nbytes > most_bytes
         )
-        if full or (not direct and batch.pack_bytes and batch.pack_bytes + 2 * nbytes > pack_limit):
+        grows = batch.pack_bytes + parts * nbytes
+        if full or (not direct and batch.pack_bytes and grows > pack_limit):
             out.append(batch)
             batch, data = Batch(), 0
-        data += 2 * nbytes
+        data += parts * nbytes
         batch.rows.append((seg, nbytes, NOT_PACKED if direct else batch.pack_bytes))
-        batch.pack_bytes += 0 if direct else 2 * nbytes
+        batch.pack_bytes += 0 if direct else parts * nbytes
     return out + ([batch] if batch.rows else [])
 
 
-def fill_pack(pack: torch.Tensor, batch: Batch, source: Source, dtype: torch.dtype) -> None:
+def fill_pack(pack: torch.Tensor, batch: Batch, source: Source, dtype: torch.dtype,
+              parts: int) -> None:  # fmt: skip
     """Gather the batch's packed segments into ``pack``: consecutive layers at one
     position with one copy when they come from one cache."""
     packed = [(seg, off, n) for seg, n, off in batch.rows if off != NOT_PACKED]
-    for i, j in layer_spans(packed):
+    for i, j in layer_spans(packed, parts):
         seg, off, n = packed[i]
         shape = source.shape(seg)
         if source.gather_layers(
-            [s for s, _, _ in packed[i:j]], typed(pack[off:], dtype, (j - i, 2, *shape))
+            [s for s, _, _ in packed[i:j]], typed(pack[off:], dtype, (j - i, parts, *shape))
         ):
             continue
         for seg, off, n in packed[i:j]:
-            source.gather(
-                seg, typed(pack[off:], dtype, shape), typed(pack[off + n :], dtype, shape)
-            )
+            source.gather(seg, [typed(pack[off + p * n :], dtype, shape) for p in range(parts)])
 
 
 class GlooGroup:

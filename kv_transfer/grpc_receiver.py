@@ -165,21 +165,19 @@ class GrpcReceiver(KVReceiver):
             return  # not expected (any more), or refused: dropped
         lay, ok = self.layout, False
         try:
-            shape = (2, seg.count, lay.block_size, seg.num_heads, lay.head_dim)
-            size = (
-                lay.torch_dtype.itemsize * seg.count * lay.block_size * seg.num_heads * lay.head_dim
-            )
-            raw = data[meta.offset : meta.offset + 2 * size]
-            if len(raw) != 2 * size:
-                raise ValueError(f"{len(raw)} bytes where the segment needs {2 * size}")
-            k, v = (
+            shape = (lay.parts, seg.count, lay.block_size, seg.num_heads, lay.unit_dim)
+            size = lay.parts * seg.count * lay.block_bytes(seg.num_heads)
+            raw = data[meta.offset : meta.offset + size]
+            if len(raw) != size:
+                raise ValueError(f"{len(raw)} bytes where the segment needs {size}")
+            parts = (
                 torch.frombuffer(raw, dtype=torch.uint8).view(lay.torch_dtype).view(shape).unbind(0)
             )
-            if meta.has_checksum and not self.verify(claims[0], meta.checksum, k, v):
+            if meta.has_checksum and not self.verify(claims[0], meta.checksum, *parts):
                 return
             if self.kv_cache.device.type != "cpu":
-                k, v = k.to(self.kv_cache.device), v.to(self.kv_cache.device)
-            self.write(claims[0], k, v)
+                parts = [p.to(self.kv_cache.device) for p in parts]
+            self.write(claims[0], *parts)
             if self.kv_cache.device.type != "cpu":
                 torch.cuda.current_stream(self.kv_cache.device).synchronize()
             ok = True

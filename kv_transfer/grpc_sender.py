@@ -160,9 +160,9 @@ class GrpcSender(KVSender):
 
     def _post(self, t: GrpcOutgoing, route, address: str, source: Source, segments) -> None:
         stream = self._stream(t, address)
-        per = self.layout.block_bytes(1)
+        per = self.layout.parts * self.layout.block_bytes(1)
         for seg in segments:
-            stream.put((source, seg), 2 * seg.count * seg.num_heads * per)
+            stream.put((source, seg), seg.count * seg.num_heads * per)
 
     def _end(self, t: GrpcOutgoing, address: str, handoff: bytes) -> None:
         stream = self._stream(t, address)
@@ -188,11 +188,11 @@ class GrpcSender(KVSender):
             if pieces is None or pieces[0].device.type != "cpu" or pieces[0][0].nbytes % 8:
                 # partial heads, device memory, or blocks whose checksum words would not
                 # add up across pieces: gather first, then copy into bytes
-                k = torch.empty(source.shape(seg), dtype=self.layout.torch_dtype,
-                                device=source.layers[seg.layer][0].device)  # fmt: skip
-                v = torch.empty_like(k)
-                source.gather(seg, k, v)
-                pieces = [k.cpu(), v.cpu()]
+                device = source.layers[seg.layer][0].device
+                pieces = [torch.empty(source.shape(seg), dtype=self.layout.torch_dtype,
+                                      device=device) for _ in range(self.layout.parts)]  # fmt: skip
+                source.gather(seg, pieces)
+                pieces = [p.cpu() for p in pieces]
             meta = pb.KVChunkMeta(layer=seg.layer, block_offset=seg.start, num_blocks=seg.count,
                                   head_start=seg.heads[0], head_end=seg.heads[1])  # fmt: skip
             meta.offset = offset

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from kv_transfer.auth import check_secret, new_token
-from kv_transfer.layout import HeadRoute, KVLayout, KVLayoutError, routes_into
+from kv_transfer.layout import KVLayout, KVLayoutError
 from kv_transfer.protocol import (
     Handoff,
     KVChecksumError,
@@ -50,6 +50,7 @@ from kv_transfer.protocol import (
     status_of,
     transfer_key,
 )
+from kv_transfer.routes import HeadRoute, routes_into
 from kv_transfer.segment import Segment, checksum, runs, scatter
 
 log = logging.getLogger(__name__)
@@ -77,14 +78,14 @@ class Outcome:
 
 @dataclass(eq=False)
 class Transfer:
-    """One expected transfer; ``have[source row, layer, position]`` says which segments
-    (K and V of one block, all of a route's heads) have landed."""
+    """One expected transfer; ``have[route row, layer, position]`` says which segments
+    (every part of one block, all of a route's units) have landed."""
 
     transfer_id: str
     key: int
     dst_block_ids: tuple[int, ...]
     src_tp: int
-    routes: dict[int, HeadRoute]  # by source rank
+    routes: dict[tuple[int, tuple[int, int]], HeadRoute]  # by (source rank, global units)
     have: np.ndarray
     lease_s: float | None
     others: int  # other ranks still to report (rank 0)
@@ -101,7 +102,14 @@ class Transfer:
     error: KVTransferError | None = None
 
     def __post_init__(self):
-        self.rows = {src: i for i, src in enumerate(sorted(self.routes))}
+        self.rows = {key: i for i, key in enumerate(sorted(self.routes))}
+        self.sources = {src: [] for src, _ in sorted(self.routes)}  # source rank -> its rows
+        for (src, _), row in self.rows.items():
+            self.sources[src].append(row)
+
+    def share_landed(self, src_rank: int) -> bool:
+        """Whether every segment of every route from ``src_rank`` landed."""
+        return bool(self.have[self.sources[src_rank]].all())
 
     @property
     def live(self) -> bool:
@@ -109,8 +117,8 @@ class Transfer:
 
     def describe_missing(self) -> str:
         parts = []
-        for src, row in self.rows.items():
-            v = np.flatnonzero(~self.have[row].all(axis=1)).tolist()
+        for src, rows in self.sources.items():
+            v = np.flatnonzero(~self.have[rows].all(axis=(0, 2))).tolist()
             if v or src not in self.ended:
                 spans = ",".join(
                     f"{v[i]}" + (f"-{v[i + n - 1]}" if n > 1 else "") for i, n in runs(v)
@@ -119,7 +127,7 @@ class Transfer:
         return "; ".join(parts) + (f"; {self.others} other rank(s)" if self.others else "")
 
     def complete(self) -> bool:
-        return bool(self.have.all()) and len(self.ended) == len(self.routes) and not self.others
+        return bool(self.have.all()) and len(self.ended) == len(self.sources) and not self.others
 
 
 @dataclass(eq=False)
@@ -137,7 +145,7 @@ class Claim:
 
     @property
     def dst_heads(self) -> tuple[int, int]:
-        return self.transfer.routes[self.src_rank].dst_heads
+        return self.transfer.routes[self.src_rank, self.seg.heads].dst_heads
 
 
 class KVReceiver:
@@ -151,8 +159,10 @@ class KVReceiver:
         layout.check_cache(kv_cache)
         self.secret = check_secret(secret)
         self.bind, self.advertise = endpoint(bind, advertise)
-        self.layout, self.kv_cache = layout, kv_cache
-        self.layer_caches = [layer.unbind(0) for layer in kv_cache.unbind(0)]  # [layer][kv]
+        self.layout, self.kv_cache = layout, kv_cache  # the cache as the engine holds it
+        self.units = layout.unit_view(kv_cache)  # [layers, parts, blocks, bs, units, dim]
+        self.num_blocks = self.units.shape[2]
+        self.layer_caches = [layer.unbind(0) for layer in self.units.unbind(0)]  # [layer][part]
         self.stuck_s = stuck_s  # how long a release waits for a write in progress
         self.on_event: Callable[[Outcome], None] | None = None
         lock = threading.RLock()
@@ -186,12 +196,12 @@ class KVReceiver:
         token = token or new_token()
         src_layout.check_compatible(self.layout)
         ids = tuple(int(b) for b in dst_block_ids)
-        if bad := [b for b in ids if not 0 <= b < self.kv_cache.shape[2]]:
+        if bad := [b for b in ids if not 0 <= b < self.num_blocks]:
             raise KVLayoutError(f"transfer {transfer_id!r}: destination blocks {bad[:5]} are "
-                                f"outside the cache's {self.kv_cache.shape[2]} blocks")  # fmt: skip
+                                f"outside the cache's {self.num_blocks} blocks")  # fmt: skip
         if len(set(ids)) != len(ids):
             raise KVLayoutError(f"transfer {transfer_id!r}: destination blocks repeat: {ids}")
-        routes = {r.src_rank: r for r in routes_into(self.layout, src_layout.tp_size)}
+        routes = {(r.src_rank, r.heads): r for r in routes_into(self.layout, src_layout.tp_size)}
         have = np.zeros((len(routes), self.layout.num_layers, len(ids)), dtype=bool)
         t = Transfer(transfer_id, transfer_key(token), ids, src_layout.tp_size, routes,
                      have, lease_s, ranks - 1, sender)  # fmt: skip
@@ -276,24 +286,25 @@ class KVReceiver:
             self._progress(t)
             return claims, Status.OK, ""
 
-    def targets(self, c: Claim) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K's and V's regions of the cache a claimed segment fills, when each is one
-        contiguous tensor (consecutive blocks, all of this rank's heads): receive there."""
+    def targets(self, c: Claim) -> tuple[torch.Tensor, ...] | None:
+        """The regions of the cache (one per part, in the unit view) a claimed segment
+        fills, when each is one contiguous tensor (consecutive blocks, all of this rank's
+        units): receive there."""
         ids = c.dst_ids
-        if c.dst_heads != (0, self.layout.heads_per_rank) or runs(ids) != [(0, len(ids))]:
+        if c.dst_heads != (0, self.layout.units_per_rank) or runs(ids) != [(0, len(ids))]:
             return None
         return tuple(x[ids[0] : ids[0] + len(ids)] for x in self.layer_caches[c.seg.layer])
 
-    def write(self, c: Claim, k: torch.Tensor, v: torch.Tensor) -> None:
-        caches = self.layer_caches[c.seg.layer]
-        scatter(caches[0], c.dst_ids, c.dst_heads, k)
-        scatter(caches[1], c.dst_ids, c.dst_heads, v)
+    def write(self, c: Claim, *parts: torch.Tensor) -> None:
+        """Write a claimed segment's parts (K and V, or the latent row's columns)."""
+        for cache, data in zip(self.layer_caches[c.seg.layer], parts, strict=True):
+            scatter(cache, c.dst_ids, c.dst_heads, data)
 
     def write_layers(self, claims: Sequence[Claim], data: torch.Tensor) -> None:
-        """``data`` ``[layers, 2, count, block_size, heads, dim]``: the claims are
+        """``data`` ``[layers, parts, count, block_size, units, dim]``: the claims are
         consecutive layers at one block position."""
         c = claims[0]
-        scatter(self.kv_cache[c.seg.layer : c.seg.layer + len(claims)], c.dst_ids,
+        scatter(self.units[c.seg.layer : c.seg.layer + len(claims)], c.dst_ids,
                 c.dst_heads, data)  # fmt: skip
 
     def verify(self, c: Claim, expected: int, *parts: torch.Tensor) -> bool:
@@ -317,8 +328,9 @@ class KVReceiver:
                 t.inflight.discard(c)
                 if ok and t.state == State.RECEIVING:
                     s = c.seg
-                    t.have[t.rows[c.src_rank], s.layer, s.start : s.start + s.count] = True
-                    t.bytes += 2 * s.count * self.layout.block_bytes(s.num_heads)
+                    row = t.rows[c.src_rank, s.heads]
+                    t.have[row, s.layer, s.start : s.start + s.count] = True
+                    t.bytes += self.layout.parts * s.count * self.layout.block_bytes(s.num_heads)
                     landed[id(t)] = t
             for t in landed.values():  # once per transfer, after all its claims ended
                 self._progress(t)
@@ -333,12 +345,12 @@ class KVReceiver:
                 return Status.REJECTED, problem
             if t is not None and t.live:
                 t.links.add(link)
-                if src_rank not in t.routes:
+                if src_rank not in t.sources:
                     return Status.REJECTED, f"source rank {src_rank} has no heads for this rank"
                 t.ended.add(src_rank)
                 if handoff and src_rank == 0:
                     t.handoff = Handoff.from_bytes(handoff)
-                if not t.have[t.rows[src_rank]].all():
+                if not t.share_landed(src_rank):
                     self._finish(t, State.FAILED, KVTransferError(
                         f"KV transfer {t.transfer_id!r}: source rank {src_rank} ended with "
                         f"{t.describe_missing()} missing"))  # fmt: skip
@@ -381,12 +393,12 @@ class KVReceiver:
         if src_layout.tp_size != t.src_tp:
             return (f"sender has tensor_parallel={src_layout.tp_size}, the transfer was "
                     f"expected from tensor_parallel={t.src_tp}")  # fmt: skip
-        route = t.routes.get(src_rank)
-        if route is None:
+        if src_rank not in t.sources:
             return f"source rank {src_rank} holds no heads of this decode rank"
         for s in segs:
-            if s.heads != route.heads:
-                return f"source rank {src_rank} sent heads {s.heads}, expected {route.heads}"
+            if (src_rank, s.heads) not in t.routes:
+                expected = [h for src, h in t.routes if src == src_rank]
+                return f"source rank {src_rank} sent heads {s.heads}, expected one of {expected}"
             if not 0 <= s.layer < self.layout.num_layers:
                 return f"layer {s.layer} is outside the cache"
             if s.start < 0 or s.count < 1 or s.start + s.count > len(t.dst_block_ids):
@@ -429,9 +441,9 @@ class KVReceiver:
             return self._recent.get(key, (Status.UNKNOWN, "transfer not expected"))
         if t.error is not None:
             return status_of(t.error), str(t.error)
-        if src_rank not in t.rows:
+        if src_rank not in t.sources:
             return Status.REJECTED, f"source rank {src_rank} has no heads for this rank"
-        if not t.have[t.rows[src_rank]].all():
+        if not t.share_landed(src_rank):
             return Status.INCOMPLETE, f"missing {t.describe_missing()}"
         return Status.OK, ""
 
@@ -454,7 +466,7 @@ class KVReceiver:
         if t.live:
             self._recent[t.key] = (Status.UNKNOWN, "released before it completed")
         else:
-            self._recent[t.key] = self._status(t, t.key, min(t.rows, default=0))
+            self._recent[t.key] = self._status(t, t.key, min(t.sources, default=0))
         while len(self._recent) > 4096:
             self._recent.popitem(last=False)
 

@@ -2,10 +2,13 @@
 
 A request's KV is a list of blocks in each pool; the i-th source block lands in the
 i-th destination block (same token positions), whatever their physical ids. A
-``Segment`` is K and V of positions ``[start, start + count)`` of that list, for one
-layer and one range of global KV heads: the one record both sides and both wires speak
-of (gloo encodes it as an int64 header row, grpc as a ``KVChunkMeta``). A sender reads
-segments out of its cache through a ``Source``; a receiver writes them with ``scatter``.
+``Segment`` is every part (K and V, or a latent cache's row) of positions ``[start,
+start + count)`` of that list, for one layer and one range of global units (KV heads,
+or latent row columns: ``KVLayout.unit_view``): the one record both sides and both
+wires speak of (gloo encodes it as an int64 header row, grpc as a ``KVChunkMeta``). A
+sender reads segments out of its cache through a ``Source``; a receiver writes them
+with ``scatter``. Every tensor here is in the unit view: ``[..., blocks, block_size,
+units, unit_dim]``.
 
 The checksum (``checksum``) is a wrapping 64-bit sum of a segment's bytes read as
 int64 words: one read at memory bandwidth, on the device for device tensors, and it
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kv_transfer.layout import KVLayout
+
 _MASK = (1 << 64) - 1
 _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -29,8 +34,8 @@ _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """K and V of block positions ``[start, start + count)``, one layer, global KV heads
-    ``heads``."""
+    """Every part of block positions ``[start, start + count)``, one layer, global units
+    ``heads`` (KV heads, or latent row columns)."""
 
     layer: int
     start: int
@@ -91,8 +96,8 @@ def _heads(cache: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
 
 
 def gather(cache: torch.Tensor, ids: Sequence[int], heads: tuple[int, int], out: torch.Tensor):
-    """Copy blocks ``ids``, local heads ``[h0, h1)`` of a K (or V) cache ``[..., blocks,
-    block_size, heads, dim]`` (one layer's, or several layers' K and V) into ``out``
+    """Copy blocks ``ids``, local units ``[h0, h1)`` of one part's cache ``[..., blocks,
+    block_size, units, dim]`` (one layer's, or several layers' parts) into ``out``
     ``[..., len(ids), block_size, h1-h0, dim]``."""
     dim, src = cache.dim() - 4, _heads(cache, heads)
     if is_run(ids):
@@ -103,7 +108,7 @@ def gather(cache: torch.Tensor, ids: Sequence[int], heads: tuple[int, int], out:
 
 def scatter(cache: torch.Tensor, ids: Sequence[int], heads: tuple[int, int], data: torch.Tensor):
     """Write ``data`` ``[..., len(ids), block_size, h1-h0, dim]`` into blocks ``ids``, local
-    heads ``[h0, h1)`` of a K (or V) cache ``[..., blocks, block_size, heads, dim]``."""
+    units ``[h0, h1)`` of one part's cache ``[..., blocks, block_size, units, dim]``."""
     dim, dst = cache.dim() - 4, _heads(cache, heads)
     if is_run(ids):
         dst.narrow(dim, ids[0], len(ids)).copy_(data)
@@ -117,22 +122,23 @@ def scatter(cache: torch.Tensor, ids: Sequence[int], heads: tuple[int, int], dat
 
 @dataclass(eq=False)
 class Source:
-    """Where one send call's segments are read from: ``layers`` (layer -> this rank's K
-    and V cache views ``[blocks, block_size, local heads, dim]``), the rank's whole cache
-    when they are its layers (several layers are then copied at once), the call's source
-    block ids (positions ``offset`` on) and the global head this rank's first holds."""
+    """Where one send call's segments are read from: ``layers`` (layer -> this rank's
+    part views ``[blocks, block_size, local units, unit_dim]``: K and V, or the latent
+    row), the rank's whole cache in the unit view when they are its layers (several
+    layers are then copied at once), the call's source block ids (positions ``offset``
+    on) and the rank's layout (global units to its own)."""
 
-    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    layers: dict[int, tuple[torch.Tensor, ...]]
     kv_cache: torch.Tensor | None
     ids: list[int]
     offset: int
-    head0: int
+    layout: KVLayout
 
     def ids_of(self, seg: Segment) -> list[int]:
         return self.ids[seg.start - self.offset : seg.start - self.offset + seg.count]
 
     def local(self, seg: Segment) -> tuple[int, int]:
-        return seg.heads[0] - self.head0, seg.heads[1] - self.head0
+        return self.layout.local(seg.heads)
 
     def full(self, seg: Segment) -> bool:
         return self.local(seg) == (0, self.layers[seg.layer][0].shape[-2])
@@ -141,17 +147,16 @@ class Source:
         k = self.layers[seg.layer][0]
         return (seg.count, k.shape[1], seg.num_heads, k.shape[-1])
 
-    def views(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K and V as views of the cache, when each is one region of it."""
+    def views(self, seg: Segment) -> tuple[torch.Tensor, ...] | None:
+        """Each part as a view of the cache, when each is one region of it."""
         ids = self.ids_of(seg)
         if not (self.full(seg) and is_run(ids)):
             return None
-        k, v = self.layers[seg.layer]
-        return k[ids[0] : ids[0] + seg.count], v[ids[0] : ids[0] + seg.count]
+        return tuple(part[ids[0] : ids[0] + seg.count] for part in self.layers[seg.layer])
 
     def pieces(self, seg: Segment) -> list[torch.Tensor] | None:
-        """K's then V's bytes as contiguous views of the cache, one per run of
-        consecutive ids (None when heads are partial)."""
+        """Each part's bytes in turn (K's then V's) as contiguous views of the cache, one
+        per run of consecutive ids (None when units are partial)."""
         if not self.full(seg):
             return None
         ids, out = self.ids_of(seg), []
@@ -159,15 +164,15 @@ class Source:
             out += [cache[ids[i] : ids[i] + n] for i, n in runs(ids)]
         return out
 
-    def gather(self, seg: Segment, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        k, v = self.layers[seg.layer]
+    def gather(self, seg: Segment, outs: Sequence[torch.Tensor]) -> None:
+        """Copy the segment's parts into ``outs``, one ``shape(seg)`` tensor per part."""
         ids, heads = self.ids_of(seg), self.local(seg)
-        gather(k, ids, heads, k_out)
-        gather(v, ids, heads, v_out)
+        for part, out in zip(self.layers[seg.layer], outs, strict=True):
+            gather(part, ids, heads, out)
 
     def gather_layers(self, segs: Sequence[Segment], out: torch.Tensor) -> bool:
-        """Copy consecutive layers at one position into ``out`` ``[layers, 2, count,
-        block_size, heads, dim]`` with one copy; False when they are not one cache's."""
+        """Copy consecutive layers at one position into ``out`` ``[layers, parts, count,
+        block_size, units, dim]`` with one copy; False when they are not one cache's."""
         if self.kv_cache is None or len(segs) < 2:
             return False
         first = segs[0].layer

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer.auth import check_secret
-from kv_transfer.layout import HeadRoute, KVLayout, KVLayoutError, routes_from
+from kv_transfer.layout import KVLayout, KVLayoutError
 from kv_transfer.protocol import (
     Handoff,
     KVDestination,
@@ -31,6 +31,7 @@ from kv_transfer.protocol import (
     endpoint,
     transfer_key,
 )
+from kv_transfer.routes import HeadRoute, routes_from
 from kv_transfer.segment import BufferPool, Segment, Source, checksum, plan_positions
 
 
@@ -91,30 +92,53 @@ class KVSender(ABC):
 
     # -- public ------------------------------------------------------------------------
     def send_layer(self, transfer_id, layer, k_cache, v_cache, src_block_ids, dst, block_offset=0):
-        """This rank's share of one layer (``[blocks, block_size, local heads, dim]`` views
-        of K and V), for the source blocks ``src_block_ids`` at ``block_offset`` of the
-        request's block list; returns the bytes handed to the transport."""
+        """A KV layout's share of one layer (``[blocks, block_size, local heads, dim]``
+        views of K and V), for the source blocks ``src_block_ids`` at ``block_offset`` of
+        the request's block list; returns the bytes handed to the transport."""
         layers = [(layer, k_cache, v_cache)]
         return self.send_layers(transfer_id, layers, src_block_ids, dst, block_offset)
 
+    def send_latent_layer(self, transfer_id, layer, latent_cache, src_block_ids, dst,
+                          block_offset=0):  # fmt: skip
+        """A latent layout's ``send_layer``: ``latent_cache`` is the layer's ``[blocks,
+        block_size, local latent heads * head_dim + rope_dim]`` view of the rank's cache."""
+        layers = [(layer, latent_cache)]
+        return self.send_layers(transfer_id, layers, src_block_ids, dst, block_offset)
+
     def send_all(self, transfer_id, kv_cache: torch.Tensor, src_block_ids, dst) -> int:
-        """Every layer of this rank's ``[layers, 2, ...]`` cache at once: backends then
-        copy several layers together."""
-        self._check_tensor("kv_cache", kv_cache, 6)
-        layers = [(i, *kv.unbind(0)) for i, kv in enumerate(kv_cache.unbind(0))]
-        return self.send_layers(transfer_id, layers, src_block_ids, dst, kv_cache=kv_cache)
+        """Every layer of this rank's cache (``KVLayout.cache_shape``, either kind) at
+        once: backends then copy several layers together."""
+        self._check_cache(kv_cache)
+        units = self.layout.unit_view(kv_cache)
+        layers = [(i, *parts.unbind(0)) for i, parts in enumerate(units.unbind(0))]
+        return self._send_units(transfer_id, layers, src_block_ids, dst, 0, units)
 
     def send_layers(
         self, transfer_id, layers, src_block_ids, dst, block_offset=0, *, kv_cache=None
     ):
-        """``send_layer`` for several ``(layer, k_cache, v_cache)``; ``kv_cache``: the
-        ``[layers, 2, ...]`` cache they are layers of."""
+        """``send_layer`` for several ``(layer, k_cache, v_cache)`` (``(layer,
+        latent_cache)`` for a latent layout); ``kv_cache``: the rank's cache they are
+        layers of."""
+        if kv_cache is not None:
+            self._check_cache(kv_cache)
+        want = 1 + self.layout.parts
+        if bad := [len(entry) for entry in layers if len(entry) != want]:
+            raise KVLayoutError(f"a layer to send has {bad[0] - 1} cache tensors; a "
+                                f"{self.layout.kind!r} layout sends {want - 1} per layer "
+                                "(send_layer for kv, send_latent_layer for latent)")  # fmt: skip
+        units = [(n, *(self._unit_part(c) for c in caches)) for n, *caches in layers]
+        cache = None if kv_cache is None else self.layout.unit_view(kv_cache)
+        return self._send_units(transfer_id, units, src_block_ids, dst, block_offset, cache)
+
+    def _send_units(self, transfer_id, layers, src_block_ids, dst, block_offset, cache) -> int:
+        """``layers``: ``(layer, *parts)`` in the unit view; ``cache``: the rank's whole
+        cache in the unit view when the parts are its layers."""
         t = self._outgoing(transfer_id, dst)
         ids = [int(b) for b in src_block_ids]
-        kv_cache = self._check_layers(t, layers, block_offset, kv_cache)
+        cache = self._check_layers(t, layers, block_offset, cache)
         self._check_blocks(t, ids, block_offset, layers)
-        head0 = self.layout.head_range[0]
-        source = Source({n: (k, v) for n, k, v in layers}, kv_cache, ids, block_offset, head0)
+        parts = {n: tuple(p) for n, *p in layers}
+        source = Source(parts, cache, ids, block_offset, self.layout)
         sent = 0
         for route in routes_from(self.layout, dst.layout.tp_size):
             address = dst.addresses[route.dst_rank]
@@ -124,13 +148,13 @@ class KVSender(ABC):
             segments = [
                 Segment(layer, block_offset + start, count, route.heads)
                 for start, count in plan_positions(ids, max_blocks, self.min_run)
-                for layer, _, _ in layers
+                for layer in parts
             ]
             self._post(t, route, address, source, segments)
             t.segments[address] = t.segments.get(address, 0) + len(segments)
-            sent += 2 * per_block * sum(s.count for s in segments)
+            sent += self.layout.parts * per_block * sum(s.count for s in segments)
         t.bytes += sent
-        t.layers.update(layer for layer, _, _ in layers)
+        t.layers.update(parts)
         return sent
 
     def finish(self, transfer_id: str, handoff: Handoff | None = None, timeout=60.0) -> TransferAck:
@@ -226,40 +250,45 @@ class KVSender(ABC):
             raise KVLayoutError(
                 f"transfer {t.transfer_id!r}: blocks [{offset}, {end}), {have} reserved"
             )
-        num_blocks = min(min(k.shape[0], v.shape[0]) for _, k, v in layers)
+        num_blocks = min(p.shape[0] for _, *parts in layers for p in parts)
         if bad := [b for b in ids if not 0 <= b < num_blocks]:
             raise KVLayoutError(f"source blocks {bad[:5]} outside the cache's {num_blocks}")
 
-    def _check_layers(self, t: Outgoing, layers: Sequence, offset: int, kv_cache):
-        """Check each layer sent; returns ``kv_cache`` when the layers are views of it
-        (then checked once), else None."""
-        if kv_cache is not None:
-            self._check_tensor("kv_cache", kv_cache, 6)
-            base, (step, kv_step) = kv_cache.data_ptr(), kv_cache.stride()[:2]
-            size = kv_cache.element_size()
-        for layer, k_cache, v_cache in layers:
+    def _check_layers(self, t: Outgoing, layers: Sequence, offset: int, cache):
+        """Check each layer sent (its parts in the unit view); returns ``cache`` when the
+        layers are views of it (then checked once), else None."""
+        if cache is not None:
+            base, (step, part_step) = cache.data_ptr(), cache.stride()[:2]
+            size = cache.element_size()
+        for layer, *parts in layers:
             if not 0 <= layer < self.layout.num_layers:
                 raise KVLayoutError(f"layer={layer}: the model has {self.layout.num_layers}")
             if layer in t.layers and offset == 0:
                 raise KVTransferError(f"transfer {t.transfer_id!r}: layer {layer} sent twice")
-            if kv_cache is not None:
+            if cache is not None:
                 at = base + layer * step * size
-                if k_cache.data_ptr() == at and v_cache.data_ptr() == at + kv_step * size:
+                if all(p.data_ptr() == at + i * part_step * size for i, p in enumerate(parts)):
                     continue
-                kv_cache = None  # not its layers: each is checked, and copied on its own
-            self._check_tensor("k_cache", k_cache, 4)
-            self._check_tensor("v_cache", v_cache, 4)
-        return kv_cache
+                cache = None  # not its layers: each was checked, and is copied on its own
+        return cache
 
-    def _check_tensor(self, name: str, c: torch.Tensor, dim: int) -> None:
-        """A layer's K or V cache (``dim`` 4), or the rank's whole cache (6)."""
+    def _unit_part(self, c: torch.Tensor) -> torch.Tensor:
+        """One layer's K, V or latent row cache, checked, in the unit view."""
         lay = self.layout
-        want = (lay.block_size, lay.heads_per_rank, lay.head_dim)
-        lead = ("blocks",) if dim == 4 else (lay.num_layers, 2, "blocks")
-        shape = (*c.shape[:-3], *c.shape[-3:]) if c.dim() == dim else ()
-        if shape[-3:] != want or c.dtype != lay.torch_dtype or (dim == 6 and shape[:2] != lead[:2]):
-            raise KVLayoutError(f"{name} is {tuple(c.shape)} {c.dtype}; this rank's cache is "
-                                f"{[*lead, *want]} {lay.dtype}")  # fmt: skip
+        want = lay.cache_shape(1)[3:] if lay.kind == "kv" else lay.cache_shape(1)[2:]
+        what = "k_cache / v_cache" if lay.kind == "kv" else "latent_cache"
+        if c.dim() != 1 + len(want) or tuple(c.shape[1:]) != want or c.dtype != lay.torch_dtype:
+            raise KVLayoutError(f"{what} is {tuple(c.shape)} {c.dtype}; this rank's layer "
+                                f"cache is {['blocks', *want]} {lay.dtype}")  # fmt: skip
+        self._check_memory(what, c)
+        return c if lay.kind == "kv" else c.unsqueeze(-1)
+
+    def _check_cache(self, cache: torch.Tensor) -> None:
+        """The rank's whole cache (``KVLayout.cache_shape``)."""
+        self.layout.check_cache(cache)
+        self._check_memory("kv_cache", cache)
+
+    def _check_memory(self, name: str, c: torch.Tensor) -> None:
         if not c.is_contiguous():
             raise KVLayoutError(f"{name} must be contiguous (the cache or a layer view of it)")
         if self.device_type is not None and c.device.type != self.device_type:

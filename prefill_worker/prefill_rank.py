@@ -43,9 +43,11 @@ class PrefillRank(RankActor):
                     errors[tid] = f"{self.name}: {type(e).__name__}: {e}"
 
         def on_layer(layer: int) -> None:
-            k, v = caches[layer]
+            # (layer, k, v), or (layer, latent row) for a latent layout
+            parts = caches[layer] if self.layout.kind == "kv" else (caches[layer],)
+            entry = [(layer, *parts)]
             for tid, ids, dst in jobs:
-                send(tid, lambda t=tid, i=ids, d=dst: self.sender.send_layer(t, layer, k, v, i, d))
+                send(tid, lambda t=tid, i=ids, d=dst: self.sender.send_layers(t, entry, i, d))
 
         def after() -> None:
             kv = self.engine.runner.kv_cache

@@ -140,14 +140,14 @@ class PrefillWorker(EngineWorker):
         caches = self.engine.runner.kv_caches
 
         def on_layer(layer: int) -> None:
-            k, v = caches[layer]
+            # (layer, k, v), or (layer, latent row) for a latent layout
+            parts = caches[layer] if self.layout.kind == "kv" else (caches[layer],)
+            entry = [(layer, *parts)]
             for j in jobs:
                 ids, dst = tables[j.attempt.id], j.destination
                 self._send(
                     j,
-                    lambda t=j.attempt.id, i=ids, d=dst: self.sender.send_layer(
-                        t, layer, k, v, i, d
-                    ),
+                    lambda t=j.attempt.id, i=ids, d=dst: self.sender.send_layers(t, entry, i, d),
                 )
 
         extra = b""

@@ -1,5 +1,6 @@
 """Shared by the KV transfer tests and their peer process: a reference cache that both
-processes rebuild from a seed, its per-rank shards, and the peer process handle."""
+processes rebuild from a seed (KV heads, or latent rows), its per-rank shards, and the
+peer process handle."""
 
 from __future__ import annotations
 
@@ -28,8 +29,14 @@ WORKER_KV = {
 H, D, BS = 4, 8, 4  # 4 KV heads (the acceptance's tiny model), head dim 8, blocks of 4
 
 
-def layout(tp: int = 1, rank: int = 0, layers: int = 3, dtype: str = "float32") -> KVLayout:
-    return KVLayout(layers, BS, H, D, dtype, tp, rank)
+def layout(tp: int = 1, rank: int = 0, layers: int = 3, dtype: str = "float32",
+           latent: dict | None = None) -> KVLayout:  # fmt: skip
+    """A KV layout, or with ``latent`` (``heads``, ``dim``, ``rope``, ``replicated``) a
+    latent one of ``heads`` latent heads of width ``dim`` and a RoPE key of ``rope``."""
+    if latent is None:
+        return KVLayout(layers, BS, H, D, dtype, tp, rank)
+    return KVLayout(layers, BS, latent["heads"], latent["dim"], dtype, tp, rank, "latent",
+                    latent["rope"], latent["replicated"])  # fmt: skip
 
 
 def tokened(dst, tid: str):
@@ -41,15 +48,23 @@ def tokened(dst, tid: str):
 
 
 def reference(lay: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
-    """The full (all heads) cache a 1-rank prefill would compute: random, from ``seed``."""
+    """The full (all heads) cache a 1-rank prefill would compute: random, from ``seed``
+    (latent: the model-wide rows ``[layers, blocks, block_size, Hc*Dc + Dr]``)."""
     g = torch.Generator().manual_seed(seed)
     shape = (lay.num_layers, 2, num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    if lay.kind == "latent":
+        shape = (lay.num_layers, num_blocks, lay.block_size, lay.units)
     return torch.randn(shape, generator=g).to(lay.torch_dtype)
 
 
 def shard(full: torch.Tensor, lay: KVLayout) -> torch.Tensor:
-    """Rank ``lay.tp_rank``'s own cache tensor: its heads of ``full``, contiguous."""
+    """Rank ``lay.tp_rank``'s own cache tensor: its heads of ``full``, contiguous (latent:
+    its latent heads' columns, then the RoPE columns)."""
     h0, h1 = lay.head_range
+    if lay.kind == "latent":
+        latent = lay.num_kv_heads * lay.head_dim
+        mine = full[..., h0 * lay.head_dim : h1 * lay.head_dim]
+        return torch.cat([mine, full[..., latent:]], dim=-1).contiguous()
     return full[..., h0:h1, :].contiguous()
 
 

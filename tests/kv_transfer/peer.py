@@ -32,18 +32,16 @@ class PeerState:
         self.outcomes: dict[str, object] = {}  # transfer id -> the receiver's Outcome
 
     def senders_(self, key: str, backend: str, tp: int, name: str, checksum: bool,
-                 layers: int, device: str = "cpu", **options):  # fmt: skip
+                 layers: int, device: str = "cpu", latent: dict | None = None,
+                 dtype: str = "float32", **options):  # fmt: skip
         if device != "cpu":
             torch.cuda.set_device(torch.device(device))
         for s in self.senders.pop(key, []):
             s.close()
         tr = get_transport(backend)
-        self.senders[key] = [
-            tr.sender(
-                layout(tp, r, layers), secret=SECRET, checksum=checksum, name=name, **options
-            )  # fmt: skip
-            for r in range(tp)
-        ]
+        lays = [layout(tp, r, layers, dtype, latent) for r in range(tp)]
+        opts = dict(secret=SECRET, checksum=checksum, name=name, **options)
+        self.senders[key] = [tr.sender(lay, **opts) for lay in lays]
         return {}
 
     def send(self, key, tid, seed, num_blocks, src_ids, dst, send_layers=None, finish=True,
@@ -58,6 +56,9 @@ class PeerState:
                     s.send_all(tid, cache, src_ids, destination)
                 else:
                     for layer in send_layers:
+                        if s.layout.kind == "latent":
+                            s.send_latent_layer(tid, layer, cache[layer], src_ids, destination)
+                            continue
                         k, v = cache[layer, 0], cache[layer, 1]
                         s.send_layer(tid, layer, k, v, src_ids, destination)
         except KVTransferError:  # as a prefill instance does: no END from any rank
@@ -71,7 +72,8 @@ class PeerState:
             return {}
         handoff = Handoff(first_token=seed)
         acks = [s.finish(tid, handoff if s.layout.tp_rank == 0 else None, timeout) for s in senders]
-        return {"acks": [[a.status.name for a in ack.acks] for ack in acks]}
+        return {"acks": [[a.status.name for a in ack.acks] for ack in acks],
+                "bytes": [ack.bytes for ack in acks]}  # fmt: skip
 
     # -- the handoff table (tests/kv_transfer/test_handoff.py): each side's block pool --
     def pool(self, num_blocks: int):

@@ -73,3 +73,40 @@ def test_nccl_across_processes():
     finally:
         peer.close()
         receiver.close()
+
+
+def _latent_round_trip(device: str, spec: dict, dtype: str, src_tp: int, dst_tp: int) -> None:
+    """A latent cache (``spec``, tests/kv_transfer/helpers.py's ``layout``) over grpc
+    between ``device`` caches: byte-exact rows, the bytes equal to the layout's formula."""
+    tr = get_transport("grpc")
+
+    def lat(tp=1, r=0):
+        return layout(tp, r, dtype=dtype, latent=spec)
+
+    full = reference(lat(), NUM_BLOCKS, 6).to(device)
+    dl = [lat(dst_tp, r) for r in range(dst_tp)]
+    caches = [torch.zeros(x.cache_shape(NUM_BLOCKS), dtype=x.torch_dtype, device=device)
+              for x in dl]  # fmt: skip
+    receivers = [tr.receiver(x, c, secret=SECRET) for x, c in zip(dl, caches, strict=True)]
+    senders = [tr.sender(lat(src_tp, r), secret=SECRET, checksum=True) for r in range(src_tp)]
+    try:
+        dst = KVDestination([r.address for r in receivers], DST_IDS, dl[0], "grpc", "t")
+        for r in receivers:
+            r.expect("t", DST_IDS, lat(src_tp), lease_s=30, token="t")
+        for s in senders:
+            s.send_all("t", shard(full, s.layout), SRC_IDS, dst)
+        sent = sum(s.finish("t", timeout=30).bytes for s in senders)
+        landed = sum(r.wait("t", timeout=30).bytes for r in receivers)
+        assert sent == landed == lat().transfer_bytes(len(SRC_IDS), dst_tp)
+        for x, c in zip(dl, caches, strict=True):
+            assert torch.equal(c[:, DST_IDS], shard(full, x)[:, SRC_IDS])
+    finally:
+        for x in senders + receivers:
+            x.close()
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", list(itertools.product((1, 2), repeat=2)))
+@pytest.mark.parametrize("replicated", [True, False], ids=["mla", "gla2"])
+def test_grpc_between_device_latent_caches(src_tp, dst_tp, replicated):
+    spec = {"heads": 1 if replicated else 2, "dim": 32, "rope": 8, "replicated": replicated}
+    _latent_round_trip("cuda", spec, "bfloat16", src_tp, dst_tp)

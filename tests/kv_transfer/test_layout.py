@@ -10,7 +10,7 @@ import torch
 
 from kv_transfer import Handoff, KVDestination, KVLayout, KVLayoutError, get_transport
 from kv_transfer.gloo_wire import layer_spans
-from kv_transfer.layout import all_routes, routes_from, routes_into
+from kv_transfer.routes import all_routes, routes_from, routes_into
 from kv_transfer.segment import Segment, checksum, gather, is_run, plan_positions, scatter
 from tests.kv_transfer.helpers import SECRET
 
@@ -131,7 +131,7 @@ def test_pack_spans_group_consecutive_layers():
     rows = [row(0, 0, 2, 0, n), row(1, 0, 2, 2 * n, n), row(2, 0, 2, 4 * n, n)]
     rows += [row(3, 2, 1, 6 * n, n // 2), row(5, 2, 1, 7 * n, n // 2)]  # a layer skipped
     rows += [row(6, 2, 1, 9 * n, n // 2)]  # not right after the previous row in the pack
-    assert layer_spans(rows) == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    assert layer_spans(rows, 2) == [(0, 3), (3, 4), (4, 5), (5, 6)]
 
 
 def test_destination_and_handoff_round_trip_through_protobuf():
