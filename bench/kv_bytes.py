@@ -6,18 +6,16 @@ decode attention time per layout on this CPU (``bench.kv_decode_time``).
     python -m bench.kv_bytes [--tp 1,2,4,8] [--tokens 1024] [--measure-mib 256]
         [--time-tp 8] [--threads 1] [--max-cache-mib 1024] [--no-measure] [--no-time]
 
-Where each figure comes from (the ``source`` column):
+Where each figure comes from (the ``source`` column; ``paper only`` where the engine
+does not shard a layout's latent heads over that degree):
 - ``layout``: the cache the engine allocates, ``kv_transfer.layout.KVLayout.cache_shape``
-  (``[layers, 2, blocks, block_size, kv_heads / tp, head_dim]``), its bytes over its
-  tokens; the handoff sums the head routes the transport sends
-  (``kv_transfer.layout.all_routes``: each route's heads, K and V, every block).
-- ``interface``: issue 22's latent cache, ``[layers, blocks, block_size, Hc_local * Dc +
-  Dr]`` per rank (``latent_cache_shape``), and its handoff rule: each decode rank
-  receives its own row, so MLA's latent travels once per decode rank
-  (``latent_transfer_bytes``). The engine's latent cache and transport are not merged
-  yet: these are the shapes they are specified to allocate and send, not a run.
+  (``[layers, 2, blocks, block_size, kv_heads / tp, head_dim]``, or for a latent cache
+  ``[layers, blocks, block_size, Hc_local * Dc + Dr]``), its bytes over its tokens; the
+  handoff sums the routes the transport sends (``kv_transfer.routes.routes``: each
+  route's heads or row columns, every part, every block; MLA's row once per decode
+  rank).
 The ``paper`` columns are the paper's formulas in its own symbols (``paper_*``), written
-independently of both. A second table sends MHA's and GQA's requests through the KV
+independently of both. A second table sends every layout's request through the KV
 transport and compares the bytes it reports with the layout's (``bench.kv_measured``).
 """
 
@@ -29,7 +27,8 @@ from dataclasses import dataclass, replace
 
 from bench.planner.attention import GroupedAttention, LatentAttention
 from bench.planner.model_shape import ModelShape, get_model
-from kv_transfer.layout import DTYPES, KVLayout, all_routes
+from kv_transfer.layout import DTYPES, KVLayout
+from kv_transfer.routes import routes
 
 BLOCK_SIZE = 16
 DTYPE = "bfloat16"
@@ -57,49 +56,33 @@ VARIANTS = (
 )
 
 
-def latent_cache_shape(shape: ModelShape, tp: int, num_blocks: int) -> tuple[int, ...]:
-    """Issue 22's per-rank latent cache: [layers, blocks, block_size, Hc_local*Dc + Dr]."""
+def layout(shape: ModelShape, tp: int, rank: int = 0) -> KVLayout:
+    """The engine's cache layout of ``shape`` on rank ``rank`` of ``tp``: per-head K/V, or
+    a latent row (MLA's single latent replicated, GLA/GTA heads sharded)."""
     lat = shape.latent
-    row = lat.local_heads(tp) * lat.dim + lat.rope_dim
-    return (shape.num_layers, num_blocks, BLOCK_SIZE, row)
-
-
-def grouped_layout(shape: ModelShape, tp: int, rank: int = 0) -> KVLayout:
-    return KVLayout(
-        shape.num_layers, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, DTYPE, tp, rank
-    )
-
-
-def cache_shape(shape: ModelShape, tp: int, num_blocks: int) -> tuple[tuple[int, ...], str]:
-    """(rank 0's cache shape for ``num_blocks`` blocks, where the shape comes from)."""
-    if shape.latent is None:
-        return grouped_layout(shape, tp).cache_shape(num_blocks), "layout"
-    return latent_cache_shape(shape, tp, num_blocks), "interface"
+    if lat is None:
+        return KVLayout(
+            shape.num_layers, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, DTYPE, tp, rank
+        )
+    return KVLayout(shape.num_layers, BLOCK_SIZE, lat.heads, lat.dim, DTYPE, tp, rank,
+                    "latent", lat.rope_dim, lat.heads == 1)  # fmt: skip
 
 
 def bytes_per_token_per_device(shape: ModelShape, tp: int) -> int:
     """A rank's cache bytes over the tokens it holds (every rank holds the same)."""
     blocks = 4
-    dims, _ = cache_shape(shape, tp, blocks)
+    dims = layout(shape, tp).cache_shape(blocks)
     return math.prod(dims) * DTYPES[DTYPE].itemsize // (blocks * BLOCK_SIZE)
 
 
-def latent_transfer_bytes(shape: ModelShape, tokens: int, decode_tp: int) -> int:
-    """Issue 22's handoff rule for a latent cache: every decode rank receives its own row
-    (its latent heads and one RoPE key) for every block of the request."""
-    blocks = -(-tokens // BLOCK_SIZE)
-    row_bytes = math.prod(latent_cache_shape(shape, decode_tp, blocks)) * DTYPES[DTYPE].itemsize
-    return decode_tp * row_bytes
-
-
 def transfer_bytes(shape: ModelShape, tokens: int, prefill_tp: int, decode_tp: int) -> int:
-    """Bytes one request of ``tokens`` tokens moves from a prefill to a decode instance."""
-    if shape.latent is not None:
-        return latent_transfer_bytes(shape, tokens, decode_tp)
+    """Bytes one request of ``tokens`` tokens moves from a prefill to a decode instance:
+    the routes the transport sends (each route's units, every part, every block)."""
     blocks = -(-tokens // BLOCK_SIZE)
-    layout = grouped_layout(shape, prefill_tp)
-    routes = all_routes(shape.num_kv_heads, prefill_tp, decode_tp)
-    per_block = sum(2 * layout.block_bytes(r.num_heads) for r in routes)  # K and V
+    lay = layout(shape, prefill_tp)
+    per_block = sum(
+        lay.parts * lay.block_bytes(r.num_heads) for r in routes(lay, prefill_tp, decode_tp)
+    )
     return shape.num_layers * blocks * per_block
 
 
@@ -157,7 +140,7 @@ def table(tps=(1, 2, 4, 8), tokens: int = 1024, variants=VARIANTS) -> list[Row]:
                 rows.append(Row(v.name, tp, None, paper[0], None, None, paper[1], None, why))
                 continue
             dev, xfer = bytes_per_token_per_device(s, tp), transfer_bytes(s, tokens, tp, tp)
-            source = cache_shape(s, tp, 1)[1]
+            source = "layout"
             rows.append(
                 Row(
                     v.name,
@@ -197,7 +180,7 @@ def format_table(rows: list[Row], tokens: int) -> list[str]:
 def measured_lines(tokens: int, pairs, max_mib: float, variants=VARIANTS) -> list[str]:
     """Handoffs through the transport (``bench.kv_measured``), each beside the layout's
     figure for the layers measured: as many of the model's as fit ``max_mib`` a side."""
-    from bench.kv_measured import measurable, measure_handoff
+    from bench.kv_measured import measure_handoff
 
     lines = [
         f"measured: one {tokens}-token request over the grpc transport (loopback, this "
@@ -208,13 +191,13 @@ def measured_lines(tokens: int, pairs, max_mib: float, variants=VARIANTS) -> lis
     ]
     for v in variants:
         s = v.shape
-        if not measurable(s):
-            lines.append(f"| {v.name} | - | - | - | - | - | no transport for latent caches yet |")
-            continue
         per_layer = transfer_bytes(replace(s, num_layers=1), tokens, 1, 1)
         layers = max(1, min(s.num_layers, int(max_mib * 2**20 // per_layer)))
         want_shape = replace(s, num_layers=layers)
         for p, d in pairs:
+            if not (s.attention.supports(p) and s.attention.supports(d)):
+                lines.append(f"| {v.name} | {p} -> {d} | - | - | - | - | not sharded so |")
+                continue
             m = measure_handoff(s, tokens, p, d, layers, BLOCK_SIZE)
             want = transfer_bytes(want_shape, tokens, p, d)
             ok = "yes" if m.sent == m.landed == want else "NO"

@@ -5,8 +5,7 @@ cache to every decode rank's over the ``grpc`` backend on loopback, in this proc
 ``measure_handoff`` counts both ends: the bytes each prefill rank's ``finish`` reports
 handed to the transport (``TransferAck.bytes``) and the bytes each decode rank reports
 landed (``Outcome.bytes``); ``bench.kv_bytes`` puts them beside the layout's figure for
-the same layers. Per-head K/V caches only: the transport of a latent cache (issue 22)
-is not merged yet, and ``measurable`` says so for those shapes.
+the same layers; per-head K/V and latent caches alike (``KVLayout.kind``).
 """
 
 from __future__ import annotations
@@ -29,13 +28,14 @@ class Measured:
     landed: int  # bytes the decode ranks wrote
 
 
-def measurable(shape: ModelShape) -> bool:
-    """Whether this tree's transport can carry ``shape``'s cache (per-head K/V)."""
-    return shape.latent is None
-
-
 def _layout(shape: ModelShape, layers: int, block_size: int, tp: int, rank: int) -> KVLayout:
-    return KVLayout(layers, block_size, shape.num_kv_heads, shape.head_dim, "bfloat16", tp, rank)
+    lat = shape.latent
+    if lat is None:
+        return KVLayout(
+            layers, block_size, shape.num_kv_heads, shape.head_dim, "bfloat16", tp, rank
+        )
+    return KVLayout(layers, block_size, lat.heads, lat.dim, "bfloat16", tp, rank, "latent",
+                    lat.rope_dim, lat.heads == 1)  # fmt: skip
 
 
 def measure_handoff(
@@ -49,8 +49,6 @@ def measure_handoff(
 ) -> Measured:
     """Send ``tokens`` tokens' blocks of ``layers`` layers of ``shape`` (bfloat16, zeros)
     from a prefill instance of ``prefill_tp`` ranks to a decode one of ``decode_tp``."""
-    if not measurable(shape):
-        raise ValueError(f"{shape.name}: latent caches have no transport in this tree yet")
     grpc = get_transport("grpc")
     blocks = -(-tokens // block_size)
     ids = list(range(blocks))

@@ -249,13 +249,15 @@ class KVLayout:
 def cache_layout(engine) -> KVLayout:
     """The layout of one rank's cache, from its engine (``engine.LLMEngine`` or a rank's
     ``RankEngine``: the model shard's config, dtype and tensor-parallel place, and the
-    block size of its runner's block manager). A model with ``cfg.mla`` (DeepSeek's MLA,
-    ``engine/mla_config.py``) caches one replicated latent row per token."""
+    block size of its runner's block manager). A model with ``cfg.mla``
+    (``engine/mla_config.py``) caches a latent row per token: MLA's one latent replicated
+    on every rank, GLA's latent heads and GTA's tied states sharded across them."""
     m, cfg, size = engine.model, engine.model.cfg, engine.runner.blocks.block_size
-    dtype, mla = dtype_name(m.dtype), getattr(cfg, "mla", None)
+    dtype, mla = dtype_name(m.dtype), cfg.mla
     if mla is not None:
-        return KVLayout(cfg.num_layers, size, 1, mla.kv_lora_rank, dtype, m.tp.size, m.tp.rank,
-                        "latent", mla.qk_rope_head_dim, replicated=True)  # fmt: skip
+        return KVLayout(cfg.num_layers, size, mla.latent_heads, mla.kv_lora_rank, dtype,
+                        m.tp.size, m.tp.rank, "latent", mla.qk_rope_head_dim,
+                        replicated=mla.replicated)  # fmt: skip
     return KVLayout(
         cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim, dtype, m.tp.size, m.tp.rank
     )

@@ -45,7 +45,7 @@ def test_table_at_tp2_by_hand():
         assert r.per_device == L * B * per_rank[name], name
         assert r.transfer == 1024 * L * B * sent[name], name
         assert r.per_device_paper == r.per_device and r.transfer_paper == r.transfer, name
-        assert r.source == ("layout" if name in ("MHA", "GQA-8") else "interface")
+        assert r.source == "layout"
     assert rows["MLA"].per_device_vs_mha == (512 + 64) / (2 * 64 * 128)
     assert rows["GLA-2"].per_device_vs_mha == 320 / 16384
     assert rows["GTA-8"].transfer_vs_mha == 2 * 576 / (2 * 128 * 128)
@@ -108,14 +108,17 @@ def test_decode_timing_runs_the_engine_path():
 
 @pytest.mark.timeout(120)
 def test_measured_handoff_equals_the_layout():
-    gqa, mla = VARIANTS[1].shape, VARIANTS[2].shape
-    one = replace(gqa, num_layers=1)
+    gqa, mla, gla2 = VARIANTS[1].shape, VARIANTS[2].shape, VARIANTS[4].shape
     # 40 tokens: 3 blocks, the last one partly filled, sent whole
     m = measure_handoff(gqa, 40, 2, 4, layers=1)
+    one = replace(gqa, num_layers=1)
     assert m.sent == m.landed == transfer_bytes(one, 40, 2, 4) == 3 * 16 * 2 * 8 * 128 * B
-    with pytest.raises(ValueError, match="latent caches have no transport"):
-        measure_handoff(mla, 40, 1, 1, layers=1)
-    lines = measured_lines(40, [(1, 2)], max_mib=0.5, variants=VARIANTS[1:3])
+    # MLA: its whole row to each of 2 decode ranks; GLA-2: each latent head once, 2 RoPE keys
+    m = measure_handoff(mla, 40, 1, 2, layers=1)
+    assert m.sent == m.landed == 2 * 3 * 16 * 576 * B
+    m = measure_handoff(gla2, 40, 2, 2, layers=1)
+    assert m.sent == m.landed == 3 * 16 * (2 * 256 + 2 * 64) * B
+    lines = measured_lines(40, [(1, 2), (4, 4)], max_mib=0.5, variants=VARIANTS[1:5:3])
     # 196,608 B a layer: 2 layers fit half a MiB
     assert lines[3] == "| GQA-8 | 1 -> 2 | 2 | 393,216 | 393,216 | 393,216 | yes |"
-    assert lines[4] == "| MLA | - | - | - | - | - | no transport for latent caches yet |"
+    assert lines[6] == "| GLA-2 | 4 -> 4 | - | - | - | - | not sharded so |"
