@@ -23,7 +23,8 @@ from engine.mla_config import MLA_ARCHITECTURES
 
 @dataclass(frozen=True)
 class Family:
-    """How a family's block differs from Llama's (every flag False is Llama).
+    """How a family's block differs from Llama's (every flag False is Llama); ``name`` is
+    how messages call it.
 
     qkv_bias         q/k/v projections carry a bias (sharded with their heads)
     qk_norm          RMS norm of every q and k head (one weight of head_dim, replicated
@@ -61,20 +62,20 @@ class Family:
     cpu_decode: bool = False
 
 
-LLAMA = Family("llama", ("LlamaForCausalLM",), cpu_decode=True)
+LLAMA = Family("Llama", ("LlamaForCausalLM",), cpu_decode=True)
 _GEMMA = dict(
     sandwich_norms=True, norm_plus_one=True, scaled_embedding=True, activation="gelu_tanh",
     window_layers="typed",
 )  # fmt: skip
 FAMILIES = (
     LLAMA,
-    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, window_layers="typed"),
-    Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True, window_layers="typed"),
-    Family("mistral", ("MistralForCausalLM",), window_layers="all"),
-    Family("gemma2", ("Gemma2ForCausalLM",), default_sliding="alternate", **_GEMMA),
-    Family("gemma3", ("Gemma3ForCausalLM",), qk_norm=True, default_sliding="pattern", **_GEMMA),
-    Family("phi3", ("Phi3ForCausalLM",), fused_weights=True, window_layers="all"),
-    Family("mla", MLA_ARCHITECTURES, latent=True),
+    Family("Qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, window_layers="typed"),
+    Family("Qwen3", ("Qwen3ForCausalLM",), qk_norm=True, window_layers="typed"),
+    Family("Mistral", ("MistralForCausalLM",), window_layers="all"),
+    Family("Gemma 2", ("Gemma2ForCausalLM",), default_sliding="alternate", **_GEMMA),
+    Family("Gemma 3", ("Gemma3ForCausalLM",), qk_norm=True, default_sliding="pattern", **_GEMMA),
+    Family("Phi-3", ("Phi3ForCausalLM",), fused_weights=True, window_layers="all"),
+    Family("MLA", MLA_ARCHITECTURES, latent=True),
 )
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 
@@ -149,7 +150,7 @@ def family_fields(family: Family, cfg: dict) -> dict:
         layer_windows=layer_windows(family, cfg),
         attn_softcap=cfg.get("attn_logit_softcapping"),
         final_softcap=cfg.get("final_logit_softcapping"),
-        attn_scale=None if scalar is None or family.name == "llama" else float(scalar) ** -0.5,
+        attn_scale=None if scalar is None else float(scalar) ** -0.5,
         local_rope=local,
     )
 
