@@ -8,7 +8,6 @@ import torch
 
 from engine.families import LLAMA, Family, check_family, family_fields, rope_parameters
 from engine.mla_config import MLAConfig
-from engine.rope import inv_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,15 +78,13 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # transformers 5 writes rope_parameters (rope_theta inside), older ones rope_scaling
-        rope, local = rope_parameters(cfg)
+        rope, _ = rope_parameters(cfg)
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         mla = None
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         if family.latent:
             mla = MLAConfig.from_hf(cfg, rope)
             head_dim = mla.qk_rope_head_dim
-        for scaling in (rope, local):  # an unknown rope_type is refused here, by name
-            inv_frequencies(head_dim, float(theta), scaling)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],

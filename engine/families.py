@@ -78,6 +78,8 @@ FAMILIES = (
     Family("MLA", MLA_ARCHITECTURES, latent=True),
 )
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
+# RoPE frequency scalings engine/rope.py computes (``rope_type``, or ``type`` in older configs)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def family_of(cfg: dict) -> Family:
@@ -171,7 +173,13 @@ def _refuse_unsupported(family: Family, cfg: dict) -> None:
             f"hidden_act={act!r}: {family.name} is served with "
             f"{', '.join(allowed[family.activation])} only"
         )
-    rope, _ = rope_parameters(cfg)
+    rope, local = rope_parameters(cfg)
+    for scaling in (rope, local):
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if kind not in (None, *ROPE_TYPES):
+            raise ValueError(
+                f"rope_scaling.rope_type={kind!r}: supported are {', '.join(ROPE_TYPES)}"
+            )
     partial = (rope or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):
         raise ValueError(

@@ -257,7 +257,8 @@ def test_an_unknown_architecture_fails_before_ray_naming_the_families(
     tmp_path, monkeypatch, chat_model
 ):
     """launch() and ``pdserve up`` on a model folder of an architecture the engine does
-    not serve: a ConfigError on ``model`` naming the supported ones, and no Ray."""
+    not serve: a ConfigError on ``model`` naming the supported ones, and no Ray; a
+    supported one with a RoPE scaling the engine does not compute likewise."""
     import json
     import shutil
 
@@ -285,3 +286,9 @@ def test_an_unknown_architecture_fails_before_ray_naming_the_families(
     )
     assert run.returncode == 2
     assert "model: " in run.stderr and "Qwen3ForCausalLM" in run.stderr
+    config["architectures"] = ["Phi3ForCausalLM"]
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rope_type='longrope': supported are default"):
+        load_config(path)
