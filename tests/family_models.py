@@ -26,6 +26,7 @@ FAMILY_SHAPES = {
     "phi3": ("Phi3", {}),
 }
 _GEMMA = dict(
+    tie_word_embeddings=True,  # as Gemma ships: the LM head is the unscaled embedding
     head_dim=16,
     query_pre_attn_scalar=24,
     final_logit_softcapping=5.0,
@@ -46,6 +47,7 @@ def save_tiny_family(folder: Path, name: str, seed: int = 0) -> None:
     )
     model_class = getattr(transformers, f"{prefix}ForCausalLM")
     kwargs = dict(
+        tie_word_embeddings=False,
         vocab_size=256,
         hidden_size=64,
         intermediate_size=96,
@@ -54,7 +56,6 @@ def save_tiny_family(folder: Path, name: str, seed: int = 0) -> None:
         num_key_value_heads=2,
         max_position_embeddings=1024,
         initializer_range=0.15,
-        tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

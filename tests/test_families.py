@@ -125,6 +125,32 @@ def test_tensor_parallel_2_matches_hf(hf_reference, name):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
+@pytest.mark.timeout(120)
+def test_an_instance_serves_gemma3_with_its_bytes_per_token(hf_reference):
+    """The co-located worker (the pools' base) on Gemma 3: ``ready()`` carries the KV
+    bytes per token of its 4 layers, and the streamed tokens are HF's greedy ones."""
+    import time
+
+    from engine.messages import Attempt
+    from engine.worker import EngineWorker
+
+    path, prompts, expected = hf_reference("gemma3")
+    worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)
+    try:
+        assert worker.ready()["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 4  # layers K/V heads D
+        worker.add(Attempt("r0", tuple(prompts[1]), GREEDY, "test"))
+        got, deadline = [], time.monotonic() + 60
+        while len(got) < GREEDY.max_tokens:
+            assert time.monotonic() < deadline, got
+            for update in worker.poll("test", 1.0).updates:
+                assert update.error is None, update.error
+                got += update.token_ids
+        assert got == expected[1]
+        assert worker.check_integrity()["free_blocks"] == 32
+    finally:
+        worker.stop()
+
+
 @WINDOW_PENDING
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["mistral_w8", "gemma2_w8", "gemma3_w8"])
