@@ -69,6 +69,14 @@ class ModelConfig:
         """Layer ``layer``'s sliding window, None for full attention."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    @property
+    def cache_window(self) -> int | None:
+        """The window no layer reads beyond: the largest layer window when every layer
+        has one, None when any layer attends to the whole context (what a cache may
+        drop: positions before p - cache_window + 1 for a token at p)."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        return None if None in windows else max(windows)
+
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """From a HF ``config.json`` dict; its ``architectures`` name the family

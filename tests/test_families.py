@@ -190,6 +190,7 @@ def test_family_config_reads_as_hf_builds_the_layers(tiny_family_model):
     assert (gemma2.attn_scale, gemma2.final_softcap, gemma2.attn_softcap) == (24**-0.5, 5.0, None)
     assert gemma3.rope_theta == 1e6 and gemma3.local_rope["rope_theta"] == 1e4
     assert mistral.layer_windows == (64, 64)
+    assert (mistral.cache_window, gemma2.cache_window, gemma3.cache_window) == (64, None, None)
     qwen2 = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3}
     old = dict(qwen2, sliding_window=4, use_sliding_window=True, max_window_layers=1)
     from engine.families import family_of, layer_windows
