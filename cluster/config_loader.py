@@ -215,8 +215,15 @@ def model_folder_if_cheap(model: str) -> Path | None:
 
 
 def check_model_shape(config: ClusterConfig, folder: Path) -> None:
-    """Attention heads and KV heads must split evenly over each pool's tensor_parallel."""
+    """The model's family must be one the engine serves (engine/families.py), and its
+    attention heads and KV heads must split evenly over each pool's tensor_parallel."""
+    from engine.families import check_family
+
     hf = json.loads((folder / "config.json").read_text())
+    try:
+        check_family(hf)
+    except ValueError as e:
+        raise ConfigError("model", f"{str(folder)!r}: {e}") from e
     heads = hf.get("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
     inter = hf.get("intermediate_size") or kv_heads

@@ -6,18 +6,31 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.mla_config import MLA_ARCHITECTURES, MLAConfig
+from engine.families import LLAMA, Family, check_family, family_fields, rope_parameters
+from engine.mla_config import MLAConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder: the Llama family, or with ``mla`` set latent/tied attention
+    """The shape of a decoder: a family of engine/families.py (``family``: Llama, Qwen2,
+    Qwen3, Mistral, Gemma 2/3, Phi-3), or with ``mla`` set latent/tied attention
     (DeepSeek-V2/V3's MLA with dense layers, GLA, GTA: engine/mla_config.py). With
     ``mla``, ``head_dim`` is the RoPE width ``qk_rope_head_dim`` (as HF's DeepSeek config
     has it) and ``num_kv_heads`` the cached latent/tied heads (MLA: 1, replicated on every
-    tensor-parallel rank)."""
+    tensor-parallel rank).
+
+    The family's per-checkpoint values:
+      layer_windows  each layer's sliding window W (None: full attention); empty: all
+                     None. Position p attends to max(0, p - W + 1) .. p (HF's mask)
+      attn_softcap   attention scores become c * tanh(score / c) before the softmax
+      final_softcap  the logits likewise
+      attn_scale     the softmax scale (None: head_dim ** -0.5; Gemma's
+                     query_pre_attn_scalar ** -0.5)
+      local_rope     RoPE parameters of the sliding layers (Gemma 3's local base);
+                     None: every layer uses rope_theta and rope_scaling
+    """
 
     vocab_size: int
     hidden_size: int
@@ -34,26 +47,50 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mla: MLAConfig | None = None
+    family: Family = LLAMA
+    layer_windows: tuple[int | None, ...] = ()
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    attn_scale: float | None = None
+    local_rope: dict | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"layer_windows has {len(self.layer_windows)} entries: "
+                f"need num_layers={self.num_layers}"
+            )
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def cache_window(self) -> int | None:
+        """The window no layer reads beyond: the largest layer window when every layer
+        has one, None when any layer attends to the whole context (what a cache may
+        drop: positions before p - cache_window + 1 for a token at p)."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        return None if None in windows else max(windows)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
-        """From a HF ``config.json`` dict: its ``architectures`` name MLA
-        (``MLA_ARCHITECTURES``) or else a Llama-family model."""
+        """From a HF ``config.json`` dict; its ``architectures`` name the family
+        (engine/families.py), and an unsupported one is refused listing the others."""
+        family = check_family(cfg)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # transformers 5 writes rope_parameters (rope_theta inside), older ones rope_scaling
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        rope, _ = rope_parameters(cfg)
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         mla = None
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        if (cfg.get("architectures") or [None])[0] in MLA_ARCHITECTURES:
+        if family.latent:
             mla = MLAConfig.from_hf(cfg, rope)
             head_dim = mla.qk_rope_head_dim
         return cls(
@@ -72,6 +109,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             mla=mla,
+            **family_fields(family, cfg),
         )
 
 

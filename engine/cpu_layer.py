@@ -58,7 +58,8 @@ class DecodeStep:
 
 class CpuDecodeLayers:
     """The C decode path of a model's layers; ``build`` returns None where it cannot run
-    (not float32 on CPU, head_dim not a multiple of 16, MLA attention, no compiler)."""
+    (not float32 on CPU, head_dim not a multiple of 16, no compiler, or a family whose
+    block the C layer does not compute: every one but Llama, engine/families.py)."""
 
     def __init__(self, lib: ctypes.CDLL, model):
         self.model = model
@@ -78,7 +79,7 @@ class CpuDecodeLayers:
     def build(model) -> CpuDecodeLayers | None:
         if model.dtype != torch.float32 or model.embed.device.type != "cpu":
             return None
-        if model.cfg.head_dim % 16 or model.cfg.mla is not None:
+        if model.cfg.head_dim % 16 or not model.cfg.family.cpu_decode:
             return None
         lib = native.library()
         return None if lib is None else CpuDecodeLayers(lib, model)

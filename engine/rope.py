@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from engine.families import ROPE_TYPES
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -29,9 +31,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         return torch.where(mid, smoothed, out)
     if kind == "yarn":
         return _yarn_frequencies(inv, head_dim, theta, scaling)
-    raise ValueError(
-        f"rope_scaling.rope_type={kind!r}: supported are default, linear, llama3, yarn"
-    )
+    raise ValueError(f"rope_scaling.rope_type={kind!r}: supported are {', '.join(ROPE_TYPES)}")
 
 
 def _yarn_frequencies(inv: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:

@@ -4,6 +4,10 @@ Each HF tensor maps to a slice of one of our fused parameters; the part of the
 source that belongs to this tensor-parallel rank is cut here, so no rank keeps
 more than its share after loading. Latent/tied attention tensors (DeepSeek's MLA, GLA,
 GTA) go to the layer's ``MLAAttention`` (engine/mla.py), RoPE rows in rotate-half order.
+The family (engine/families.py) adds its tensors: q/k/v biases (sliced with their heads),
+per-head q/k norms (replicated), Gemma's four norms a layer, Phi-3's fused qkv_proj and
+gate_up_proj (this rank's q, k, v and gate, up rows cut from each); a ``norm_plus_one``
+family's norm weights are stored as 1 + w.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ _COMMON_PARTS = (
     *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
 )
 _LLAMA_PARTS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
+_FUSED_PARTS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    *(f"self_attn.{p}_proj.weight" for p in ("qkv", "o")),
+    *(f"mlp.{p}_proj.weight" for p in ("gate_up", "down")),
+)
 _MLA_PARTS = tuple(
     f"self_attn.{p}.weight" for p in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 )
@@ -29,7 +39,15 @@ _GTA_PARTS = tuple(f"self_attn.{p}.weight" for p in ("q_proj", "kv_proj", "k_rop
 def _layer_parts(cfg) -> tuple[str, ...]:
     """The HF tensor names (after ``model.layers.N.``) every layer must have."""
     if cfg.mla is None:
-        return _COMMON_PARTS + _LLAMA_PARTS
+        family = cfg.family
+        parts = _FUSED_PARTS if family.fused_weights else _COMMON_PARTS + _LLAMA_PARTS
+        if family.qkv_bias:
+            parts += tuple(f"self_attn.{p}_proj.bias" for p in "qkv")
+        if family.qk_norm:
+            parts += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        if family.sandwich_norms:
+            parts += ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+        return parts
     if cfg.mla.tied:
         return _COMMON_PARTS + _GTA_PARTS
     q = ("q_proj",) if cfg.mla.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
@@ -89,9 +107,30 @@ def _layer_slot(model, layer, part: str, w: torch.Tensor):
     if part == "input_layernorm.weight":
         return layer.input_norm, w
     if part == "post_attention_layernorm.weight":
-        return layer.post_norm, w
+        return (layer.post_norm if layer.attn_out_norm is None else layer.attn_out_norm), w
     if layer.mla is not None and part.startswith("self_attn."):
         return _mla_slot(model, layer, part, w)
+    if part not in _layer_parts(cfg):
+        return None
+    if part == "pre_feedforward_layernorm.weight":
+        return layer.post_norm, w
+    if part == "post_feedforward_layernorm.weight":
+        return layer.mlp_out_norm, w
+    if part in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        return (layer.q_norm if part.startswith("self_attn.q") else layer.k_norm), w
+    if part.endswith("_proj.bias"):
+        bias = layer.qkv_bias
+        if part == "self_attn.q_proj.bias":
+            return bias[:nq], w[q0 * d : q1 * d]
+        rows = bias[nq : nq + nk] if part == "self_attn.k_proj.bias" else bias[nq + nk :]
+        return rows, w[k0 * d : k1 * d]
+    if part == "self_attn.qkv_proj.weight":
+        full_q, full_k = cfg.num_heads * d, cfg.num_kv_heads * d
+        q, k, v = w[:full_q], w[full_q : full_q + full_k], w[full_q + full_k :]
+        return layer.qkv, torch.cat([q[q0 * d : q1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]])
+    if part == "mlp.gate_up_proj.weight":
+        gate, up = w.chunk(2)
+        return layer.gate_up, torch.cat([gate[i0:i1], up[i0:i1]])
     if part == "self_attn.q_proj.weight":
         return layer.qkv[:nq], w[q0 * d : q1 * d]
     if part == "self_attn.k_proj.weight":
@@ -130,10 +169,12 @@ def assign_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         else:
             slot = None
         if slot is None:
-            kind = "Llama" if cfg.mla is None else "MLA model"
             raise ValueError(
-                f"weight {name}: not a parameter of this {cfg.num_layers}-layer {kind}"
+                f"weight {name}: not a parameter of this {cfg.num_layers}-layer "
+                f"{cfg.family.name} model"
             )
+        if cfg.family.norm_plus_one and name.endswith("norm.weight"):
+            slot = (slot[0], slot[1] + 1)
         _copy(name, *slot)
         pending.discard(name)
     if "lm_head.weight" in pending and embed is not None and cfg.tie_embeddings:

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in the interpreter; it must be on before they load.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.family_models import save_tiny_family  # noqa: E402
 from tests.tiny_models import (  # noqa: E402
     TINY_MLA_SHAPES,
     TINY_SHAPES,
@@ -54,6 +55,22 @@ def tiny_mla_model(tmp_path_factory):
         if name not in made:
             folder = tmp_path_factory.mktemp(f"tiny-mla-{name}")
             save_tiny_deepseek(folder, **TINY_MLA_SHAPES[name])
+            made[name] = str(folder)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_family_model(tmp_path_factory):
+    """A factory: tiny_family_model("qwen3") -> path of a saved random HF folder of that
+    family (tests/family_models.py)."""
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{name}")
+            save_tiny_family(folder, name)
             made[name] = str(folder)
         return made[name]
 

@@ -210,6 +210,16 @@ PRESETS: dict[str, ModelShape] = {
     "opt-66b": _opt("opt-66b", 64, 9216, 72),
     "opt-175b": _opt("opt-175b", 96, 12288, 96),
     "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 8192, 4),
+    # one representative size of each family of engine/families.py, the shapes as their
+    # published config.json files state them (written from those, not read here); the
+    # planner counts every layer's KV in full, so sliding-window layers (Mistral's 4096,
+    # Gemma's local layers) are charged more KV than they keep
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, 32768),
+    "qwen3-8b": ModelShape("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, 40960),
+    "mistral-7b": ModelShape("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32000, 32768),
+    "gemma-2-9b": ModelShape("gemma-2-9b", 42, 3584, 16, 8, 256, 14336, 256000, 8192),
+    "gemma-3-12b": ModelShape("gemma-3-12b", 48, 3840, 16, 8, 256, 15360, 262208, 131072),
+    "phi-3-mini": ModelShape("phi-3-mini", 32, 3072, 32, 32, 96, 8192, 32064, 4096),
     "deepseek-v3-dense": _deepseek_v3_dense("deepseek-v3-dense", latent=_latent(1, 512)),
     "deepseek-v3-dense-gla-2": _deepseek_v3_dense(
         "deepseek-v3-dense-gla-2", latent=_latent(2, 256)

@@ -35,7 +35,10 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, use_kernel: bool = True):
         self.use_kernel = use_kernel
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None,
+        softcap=None,
+    ):  # fmt: skip
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_prefills == 0:
             return self._decode(q, k_cache, v_cache, meta, scale)

@@ -38,6 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

@@ -251,3 +251,44 @@ def test_pdserve_up_reports_a_broken_config(tmp_path, chat_model):
     )
     assert run.returncode == 2
     assert "router.polcy: unknown key" in run.stderr
+
+
+def test_an_unknown_architecture_fails_before_ray_naming_the_families(
+    tmp_path, monkeypatch, chat_model
+):
+    """launch() and ``pdserve up`` on a model folder of an architecture the engine does
+    not serve: a ConfigError on ``model`` naming the supported ones, and no Ray; a
+    supported one with a RoPE scaling the engine does not compute likewise."""
+    import json
+    import shutil
+
+    from engine.families import SUPPORTED_ARCHITECTURES
+
+    folder = tmp_path / "mixtral"
+    shutil.copytree(chat_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["MixtralForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    path = write(tmp_path, "model: MODEL\n", str(folder))
+    monkeypatch.setenv("PDSERVE_RAY_TMPDIR", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        launch(path)
+    assert err.value.key == "model"
+    assert "architectures='MixtralForCausalLM'" in str(err.value)
+    assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
+    assert not ray.is_initialized() and ray_temp_dirs(tmp_path) == []
+    run = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "up", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "model: " in run.stderr and "Qwen3ForCausalLM" in run.stderr
+    config["architectures"] = ["Phi3ForCausalLM"]
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rope_type='longrope': supported are default"):
+        load_config(path)
