@@ -84,7 +84,7 @@ int decode_attention_f32(const struct decode_layer *l, const struct decode_batch
     }
     if (paged_decode_f32(q, l->k_cache, l->v_cache, b->block_tables, b->seq_lens, o, B,
                          l->num_heads, l->num_kv_heads, D, l->block_size, b->table_stride,
-                         l->scale, b->num_threads) != 0)
+                         l->scale, 0, 0.0f, b->num_threads) != 0)
         return -1;
     gemm_panel_f32(o, q_width, l->o, l->o_format, out, H, B, H, q_width, g, b->num_threads);
     return 0;
