@@ -38,6 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -53,6 +55,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_query_len=max(meta.query_lens_host[:p]),
                 out=out[:p_rows],
+                window=window,
+                softcap=softcap,
             )
         if meta.num_decodes:
             paged_decode_attention(
@@ -64,6 +68,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=max(meta.seq_lens_host[p:]),
                 out=out[p_rows:],
+                window=window,
+                softcap=softcap,
             )
         return out
 
