@@ -25,7 +25,7 @@ KV transfer does: a run of consecutive blocks moves as one slice per layer, with
 gather at the sender and no scatter at the receiver (docs/kv_transfer.md).
 
 Sliding windows (``window``: set when every layer of the model attends within the last
-W positions, None when any layer is global): a request whose next token sits at
+W positions, the largest W where they differ; None when any layer is global): a request whose next token sits at
 position p reads positions p - W + 1 .. p only, so after each step ``release_outside``
 drops its blocks wholly before p - W + 1, as ``free`` drops a table's blocks, oldest
 first. Their entries stay in the table as placeholders (a table's index is still the
