@@ -105,6 +105,7 @@ class WindowedAttention(AttentionBackend):
 
     def __init__(self, inner: AttentionBackend, window: int):
         self.inner, self.window, self.name = inner, window, inner.name
+        self.use_kernel = inner.use_kernel  # the C decode layers run beside C kernels only
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):
         return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, window=self.window)
@@ -125,17 +126,25 @@ def _hf_mistral(path: str, window: int):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("chunk", [7, 512])
-def test_engine_under_a_window_matches_hf_mistral_with_released_blocks_poisoned(tiny_model, chunk):
-    """Prompts longer than the window, chunked or whole, decoded far past it: every
-    request holds at most ceil(W / block_size) + 1 blocks between steps, every block
-    nobody holds is NaN after each step, and the greedy tokens are HF's."""
+@pytest.mark.parametrize("chunk, c_layers", [(7, False), (512, False), (512, True)])
+def test_engine_under_a_window_matches_hf_mistral_with_released_blocks_poisoned(
+    tiny_model, chunk, c_layers
+):
+    """Prompts longer than the window, chunked or whole, decoded far past it (by the
+    per-op layers or the C decode layers, engine/cpu_layer.py): every request holds at
+    most ceil(W / block_size) + 1 blocks between steps, every block nobody holds is NaN
+    after each step, and the greedy tokens are HF's."""
     path, window, bs = tiny_model("gqa2"), 10, 4
     llm = LLM(path, block_size=bs, num_kv_blocks=40, max_batch_tokens=chunk,
               enable_prefix_caching=False)  # fmt: skip
     engine = llm.engine
     engine.model.attn = WindowedAttention(engine.model.attn, window)
-    engine.model.cpu_decode = None  # its C decode layer attends without a window
+    for layer in engine.model.layers:
+        layer.window = window  # what the C decode layers read
+    if not c_layers:
+        engine.model.cpu_decode = None
+    elif engine.model.cpu_decode is None:
+        pytest.skip("no C compiler: no C decode layers")
     engine.blocks.window = window
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (23, 41, 4)]
