@@ -25,18 +25,19 @@ KV transfer does: a run of consecutive blocks moves as one slice per layer, with
 gather at the sender and no scatter at the receiver (docs/kv_transfer.md).
 
 Sliding windows (``window``: set when every layer of the model attends within the last
-W positions, the largest W where they differ; None when any layer is global): a request whose next token sits at
-position p reads positions p - W + 1 .. p only, so after each step ``release_outside``
-drops its blocks wholly before p - W + 1, as ``free`` drops a table's blocks, oldest
-first. Their entries stay in the table as placeholders (a table's index is still the
-block of positions i * block_size ..), counted by ``released``; nothing reads them
-(the attention backends' contract, engine/attention/backend.py) and nothing here counts
-them as held. A released block that was registered becomes CACHED like any freed one:
-its KV is a function of the token prefix its hash names (each layer's KV at position p
-depends on tokens 0 .. p only, window or not), and ``match`` takes only runs from a
-sequence's first block, so a request that reuses it reads exactly what it would have
-computed. A request keeps at most ceil((W - 1) / block_size) + 1 blocks between steps,
-plus those of the tokens a step adds.
+W positions, the largest W where they differ; None when any layer is global): a
+request whose next token sits at position p reads positions p - W + 1 .. p only, so
+after each step ``release_outside`` drops its blocks wholly before p - W + 1, as
+``free`` drops a table's blocks, oldest first. Their entries stay in the table as
+placeholders (index i is still the block of positions i * block_size ..), counted by
+``released``; nothing reads them (the attention backends' contract,
+engine/attention/backend.py), nothing here counts them as held, and ``commit`` never
+registers one. A released block that was registered becomes CACHED like any freed
+one: its KV is a function of the token prefix its hash names (each layer's KV at
+position p depends on tokens 0 .. p only, window or not), and ``match`` takes only
+runs from a sequence's first block, so a request that reuses it reads exactly what it
+would have computed. A request keeps at most ceil((W - 1) / block_size) + 1 blocks
+between steps, plus those of the tokens a step adds.
 """
 
 from __future__ import annotations
@@ -153,7 +154,9 @@ class BlockManager:
     def commit(self, owner: str, token_ids: list[int], num_tokens: int) -> None:
         """``owner``'s first ``num_tokens`` tokens (``token_ids[:num_tokens]``) have their
         KV in its blocks: register its full blocks among them in the prefix cache. A
-        block whose content another block already holds stays unregistered."""
+        block whose content another block already holds stays unregistered, and so does
+        a released placeholder (its KV may never have been there: a prefilled request
+        whose transfer sent only the window)."""
         if not self.enable_caching or owner not in self.tables:
             return
         done = self.hashes.setdefault(owner, [])
@@ -163,10 +166,10 @@ class BlockManager:
         bs = self.block_size
         parent = done[-1] if done else None
         new = block_hashes(token_ids[len(done) * bs : full * bs], bs, parent)
-        table = self.tables[owner]
+        table, released = self.tables[owner], self.released.get(owner, 0)
         for i, h in enumerate(new, start=len(done)):
             block = table[i]
-            if h not in self.cached and block not in self.hash_of:
+            if i >= released and h not in self.cached and block not in self.hash_of:
                 self.cached[h], self.hash_of[block] = block, h
                 self._events.stored.append(h)
         done.extend(new)

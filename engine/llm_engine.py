@@ -131,6 +131,7 @@ class LLMEngine:
             )
         request = self._admit(request_id, prompt_ids, params, delivered, delivered_chars)
         request.num_computed_tokens = cached
+        self.blocks.release_outside(request_id, cached)  # before commit registers them
         self.blocks.commit(request_id, request.token_ids, cached)
         self.scheduler.add_running(request)
         return self._append(Sample(request, first_token, first_logprobs))

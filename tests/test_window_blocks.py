@@ -53,6 +53,23 @@ def test_no_window_releases_nothing():
     assert bm.release_outside("a", 30) == 0 and bm.num_held("a") == 8
 
 
+def test_released_placeholders_are_never_registered():
+    """A prefilled request released before its commit (its transfer sent the window
+    only): the placeholders' blocks hold no KV of its prefix, so none is registered and
+    the prefix cache finds nothing from its first block."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_caching=True, window=6)
+    tokens = list(range(3, 23))
+    bm.allocate("a", 20)
+    assert bm.release_outside("a", 20) == 3  # reads 15 .. 20: blocks 0-2 (0-11) go
+    bm.commit("a", tokens, 20)
+    held = bm.block_table("a")[3:]
+    assert sorted(bm.hash_of) == sorted(held[:2])  # the full blocks still held
+    assert bm.match(tokens + [1]) == []
+    bm.check_integrity()
+    bm.free("a")
+    bm.check_integrity()
+
+
 @pytest.mark.parametrize("window", [0, -1, 2.0])
 def test_bad_window_is_refused(window):
     with pytest.raises(ValueError, match="window"):
