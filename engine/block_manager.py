@@ -23,6 +23,21 @@ first run of EMPTY blocks long enough to hold them (lowest ids when none is), ev
 CACHED blocks only when EMPTY ones run out. The attention kernels do not care, but the
 KV transfer does: a run of consecutive blocks moves as one slice per layer, with no
 gather at the sender and no scatter at the receiver (docs/kv_transfer.md).
+
+Sliding windows (``window``: set when every layer of the model attends within the last
+W positions, the largest W where they differ; None when any layer is global): a
+request whose next token sits at position p reads positions p - W + 1 .. p only, so
+after each step ``release_outside`` drops its blocks wholly before p - W + 1, as
+``free`` drops a table's blocks, oldest first. Their entries stay in the table as
+placeholders (index i is still the block of positions i * block_size ..), counted by
+``released``; nothing reads them (the attention backends' contract,
+engine/attention/backend.py), nothing here counts them as held, and ``commit`` never
+registers one. A released block that was registered becomes CACHED like any freed
+one: its KV is a function of the token prefix its hash names (each layer's KV at
+position p depends on tokens 0 .. p only, window or not), and ``match`` takes only
+runs from a sequence's first block, so a request that reuses it reads exactly what it
+would have computed. A request keeps at most ceil((W - 1) / block_size) + 1 blocks
+between steps, plus those of the tokens a step adds.
 """
 
 from __future__ import annotations
@@ -45,13 +60,22 @@ class CacheEvents:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        window: int | None = None,
+    ):
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window!r}: allowed values are None or an int >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_caching = enable_caching
+        self.enable_caching, self.window = enable_caching, window
         self.ref_counts = [0] * num_blocks
         self.state = bytearray([EMPTY]) * num_blocks  # EMPTY, CACHED or USED per block id
         self.num_free_blocks = num_blocks
         self.tables: dict[str, list[int]] = {}
+        self.released: dict[str, int] = {}  # owner -> leading table entries released
         # the prefix cache: content hash <-> block, and CACHED blocks by when they were freed
         self.cached: dict[int, int] = {}
         self.hash_of: dict[int, int] = {}
@@ -130,7 +154,9 @@ class BlockManager:
     def commit(self, owner: str, token_ids: list[int], num_tokens: int) -> None:
         """``owner``'s first ``num_tokens`` tokens (``token_ids[:num_tokens]``) have their
         KV in its blocks: register its full blocks among them in the prefix cache. A
-        block whose content another block already holds stays unregistered."""
+        block whose content another block already holds stays unregistered, and so does
+        a released placeholder (its KV may never have been there: a prefilled request
+        whose transfer sent only the window)."""
         if not self.enable_caching or owner not in self.tables:
             return
         done = self.hashes.setdefault(owner, [])
@@ -140,10 +166,10 @@ class BlockManager:
         bs = self.block_size
         parent = done[-1] if done else None
         new = block_hashes(token_ids[len(done) * bs : full * bs], bs, parent)
-        table = self.tables[owner]
+        table, released = self.tables[owner], self.released.get(owner, 0)
         for i, h in enumerate(new, start=len(done)):
             block = table[i]
-            if h not in self.cached and block not in self.hash_of:
+            if i >= released and h not in self.cached and block not in self.hash_of:
                 self.cached[h], self.hash_of[block] = block, h
                 self._events.stored.append(h)
         done.extend(new)
@@ -194,26 +220,59 @@ class BlockManager:
         holds become CACHED when registered (the table's last block most recently, so a
         prefix's tail is evicted before its head), else EMPTY."""
         self.hashes.pop(owner, None)
-        for b in reversed(self.tables.pop(owner, [])):
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self.num_free_blocks += 1
-                if b in self.hash_of:
-                    self.state[b] = CACHED
-                    self.lru[b] = None
-                else:
-                    self.state[b] = EMPTY
+        released = self.released.pop(owner, 0)
+        for b in reversed(self.tables.pop(owner, [])[released:]):
+            self._drop(b)
+
+    def release_outside(self, owner: str, num_computed: int) -> int:
+        """With a window W, ``owner``'s next token sits at position ``num_computed`` and
+        reads from position num_computed - W + 1 on: drop its blocks wholly before that
+        (oldest first), leaving their table entries as placeholders. Returns how many
+        were released now; none without a window or blocks."""
+        table = self.tables.get(owner)
+        if self.window is None or not table:
+            return 0
+        done = self.released.get(owner, 0)
+        upto = min(max(0, num_computed - self.window + 1) // self.block_size, len(table))
+        for b in table[done:upto]:
+            self._drop(b)
+        if upto > done:
+            self.released[owner] = upto
+        return max(0, upto - done)
+
+    def num_held(self, owner: str) -> int:
+        """Blocks ``owner``'s table holds (its released placeholders not counted)."""
+        return len(self.block_table(owner)) - self.released.get(owner, 0)
+
+    def _drop(self, b: int) -> None:
+        """One reference less on block ``b``: unheld, it becomes CACHED when registered
+        (most recently freed), else EMPTY."""
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            self.num_free_blocks += 1
+            if b in self.hash_of:
+                self.state[b] = CACHED
+                self.lru[b] = None
+            else:
+                self.state[b] = EMPTY
 
     def check_integrity(self) -> None:
-        """Each block is counted once per table holding it; a block nobody holds is CACHED
+        """Each block is counted once per table holding it (a table's released placeholders
+        hold nothing; only a windowed manager releases); a block nobody holds is CACHED
         exactly when registered (and then in the LRU), else EMPTY; ``num_free_blocks``
         counts both; the cache's two maps agree, and each owner's hashes are those of
-        its table's leading blocks."""
+        its table's leading blocks still held."""
         counts = [0] * self.num_blocks
+        for owner, released in self.released.items():
+            table = self.tables.get(owner, [])
+            if self.window is None or not 0 < released <= len(table):
+                window = self.window
+                raise AssertionError(f"{owner!r}: {released} of {len(table)} released, {window=}")
         for owner, table in self.tables.items():
-            if len(set(table)) != len(table):
-                raise AssertionError(f"table of {owner!r} repeats a block: {table}")
-            for b in table:
+            held = table[self.released.get(owner, 0) :]
+            if len(set(held)) != len(held):
+                raise AssertionError(f"table of {owner!r} repeats a block: {held}")
+            for b in held:
                 counts[b] += 1
         if counts != self.ref_counts:
             bad = [b for b in range(self.num_blocks) if counts[b] != self.ref_counts[b]]
@@ -233,6 +292,7 @@ class BlockManager:
             table = self.tables.get(owner, [])
             if len(hashes) > len(table):
                 raise AssertionError(f"{owner!r}: {len(hashes)} hashes, {len(table)} blocks")
-            for h, b in zip(hashes, table, strict=False):
+            held = list(zip(hashes, table, strict=False))[self.released.get(owner, 0) :]
+            for h, b in held:
                 if self.hash_of.get(b, h) != h:
                     raise AssertionError(f"{owner!r}: block {b} is registered as other content")

@@ -33,12 +33,12 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int32_t *block_tables, const int32_t *seq_lens, float *out,
                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t block_size, int64_t table_stride, float scale,
-                     int num_threads);
+                     int64_t window, float softcap, int num_threads);
 
 int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
                       const float *v_cache, const int32_t *block_table, int64_t num_tokens,
                       int64_t context, float *out, int64_t out_stride, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                      int num_threads);
+                      int64_t window, float softcap, int num_threads);
 
 #endif

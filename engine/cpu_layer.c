@@ -28,6 +28,8 @@ struct decode_layer {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
     int64_t qkv_format, o_format, gate_up_format, down_format; /* PANELS_* */
     float eps, scale;
+    int64_t window; /* sliding window of the attention (0: none), as cpu_decode.c */
+    float softcap;  /* score soft-capping (0: none) */
 };
 
 /* what a step sets: num_seqs tokens, their positions and cache slots, the sequences'
@@ -84,7 +86,7 @@ int decode_attention_f32(const struct decode_layer *l, const struct decode_batch
     }
     if (paged_decode_f32(q, l->k_cache, l->v_cache, b->block_tables, b->seq_lens, o, B,
                          l->num_heads, l->num_kv_heads, D, l->block_size, b->table_stride,
-                         l->scale, b->num_threads) != 0)
+                         l->scale, l->window, l->softcap, b->num_threads) != 0)
         return -1;
     gemm_panel_f32(o, q_width, l->o, l->o_format, out, H, B, H, q_width, g, b->num_threads);
     return 0;

@@ -6,7 +6,9 @@ torch the rest is ~15 Python-level ops per layer, a quarter of a batch-1 step he
 C layer runs the same kernels the torch path calls one by one (``cpu_gemm.c``,
 ``cpu_ops.c``, ``attention/cpu_decode.c``), so both paths compute the same function.
 ``LlamaModel`` takes this path when ``CpuDecodeLayers.begin`` returns a step, else the
-per-op layers.
+per-op layers. A layer's ``window`` and ``softcap`` attributes (absent or None: full
+attention, no capping) reach the C decode attention as the per-op layer passes them to
+the attention backend.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class _Layer(ctypes.Structure):
         ]
         + [(f"{name}_format", ctypes.c_int64) for name in _PROJECTIONS]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [("window", ctypes.c_int64), ("softcap", ctypes.c_float)]
     )
 
 
@@ -156,4 +159,6 @@ class CpuDecodeLayers:
             *(twin.format for twin in twins),
             layer.eps,
             layer.scale,
+            getattr(layer, "window", None) or 0,
+            getattr(layer, "softcap", None) or 0.0,
         )

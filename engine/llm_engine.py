@@ -59,9 +59,12 @@ class LLMEngine:
         self.config = config
         ckpt, self.model = load_model(model, config, tp)
         self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
+        # a model whose every layer slides (Mistral, Phi-3) frees the blocks before the
+        # window of each request's next token (engine/block_manager.py)
         self.blocks = BlockManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            window=self.model.cfg.cache_window,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.blocks, config.max_batch_tokens, config.max_batch_size, config.mixed_prefill_tokens
         )
@@ -131,6 +134,7 @@ class LLMEngine:
             )
         request = self._admit(request_id, prompt_ids, params, delivered, delivered_chars)
         request.num_computed_tokens = cached
+        self.blocks.release_outside(request_id, cached)  # before commit registers them
         self.blocks.commit(request_id, request.token_ids, cached)
         self.scheduler.add_running(request)
         return self._append(Sample(request, first_token, first_logprobs))

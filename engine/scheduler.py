@@ -14,7 +14,8 @@ admitted running request is preempted: its blocks are freed and it goes back to
 the front of the queue to be recomputed (its generated tokens are kept; the full blocks
 it had computed stay cached, so with prefix caching on the recomputation starts from
 them unless they were evicted meanwhile). After each step, ``commit`` registers the
-blocks that step filled.
+blocks that step filled and, with a sliding-window block manager, releases each
+request's blocks that fell out of the window of its next token.
 
 A step that failed (``isolate``): each of its requests is recomputed the same way,
 but alone: while suspects remain, a step holds one suspect and nothing else, and a
@@ -181,9 +182,12 @@ class Scheduler:
         return self.blocks.match(request.token_ids)
 
     def commit(self, batch: ScheduledBatch) -> None:
-        """The step of ``batch`` ran: register the blocks it filled in the prefix cache."""
+        """The step of ``batch`` ran: register the blocks it filled in the prefix cache,
+        then release those out of the window (``BlockManager.release_outside``)."""
         for request, _ in batch.items:
-            self.blocks.commit(request.request_id, request.token_ids, request.num_computed_tokens)
+            rid, done = request.request_id, request.num_computed_tokens
+            self.blocks.commit(rid, request.token_ids, done)
+            self.blocks.release_outside(rid, done)
 
     def _schedule_suspect(self) -> ScheduledBatch:
         """A batch of one suspect (the oldest): a chunk of its recomputation, or its next

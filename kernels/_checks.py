@@ -31,6 +31,17 @@ def check_index(
         )
 
 
+def check_window(window, softcap) -> None:
+    """window is None or an int >= 1 (a sliding window of that many tokens); softcap is
+    None or a float > 0."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"window: expected None or an int >= 1, got {window!r}")
+    if window is not None and window < 1:
+        raise ValueError(f"window: expected None or an int >= 1, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: expected None or a float > 0, got {softcap!r}")
+
+
 def check_paged_attention(q, k_cache, v_cache, seq_lens, block_tables, out) -> None:
     """q [rows, Hq, D]; caches [num_blocks, block_size, Hkv dividing Hq, D]; seq_lens [B]
     and block_tables [B, max_blocks] int32; out shaped like q."""

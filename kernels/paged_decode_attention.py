@@ -9,6 +9,11 @@ softmax. With one split the program writes the final output; otherwise it writes
 a normalized partial output and its log-sum-exp (base 2), and pass 2,
 ``_decode_reduce_kernel``, grid (num_seqs, num_q_heads), merges the splits.
 The partition length is a runtime argument: a growing context does not recompile.
+
+With a sliding window W the query (position seq_len - 1) sees the positions
+lo = max(0, seq_len - W) .. seq_len - 1, and the splits partition that range only:
+no block table entry of a block wholly before lo is loaded, nor any key before lo.
+With a softcap c each score s = scale * q . k becomes c * tanh(s / c) first.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_paged_attention
+from kernels._checks import check_paged_attention, check_window
 from kernels.kv_cache_write import ref_gather_kv
+from kernels.softcap import softcap_scores
 
 # Tiling, read at every launch (bench/tune_decode.py sweeps them on a GPU).
 BLOCK_N = 64
@@ -43,6 +49,8 @@ def _decode_split_kernel(
     part_lse_ptr,
     scale_log2,
     partition,
+    window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -64,6 +72,8 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -71,6 +81,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition
+    if WINDOWED:
+        start += tl.maximum(seq_len - window, 0)
     if start >= seq_len:
         return
     end = tl.minimum(start + partition, seq_len)
@@ -103,6 +115,8 @@ def _decode_split_kernel(
             other=0.0,
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            s = softcap_scores(s, softcap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -135,6 +149,7 @@ def _decode_reduce_kernel(
     seq_lens_ptr,
     out_ptr,
     partition,
+    window,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -143,10 +158,14 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    num_splits = tl.cdiv(tl.load(seq_lens_ptr + seq), partition)
+    span = tl.load(seq_lens_ptr + seq)
+    if WINDOWED:
+        span = tl.minimum(span, window)
+    num_splits = tl.cdiv(span, partition)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
@@ -192,14 +211,19 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] (token seq_lens[b] - 1 of each sequence) over its cache.
 
     ``max_seq_len`` (host int) avoids a device sync; ``num_splits`` overrides the
     flash-decoding split heuristic; ``out`` [B, Hq, D] may be a strided view.
+    ``window`` (None: all) keeps the last ``window`` cached tokens of each sequence;
+    ``softcap`` (None: none) caps the scores.
     """
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, seq_lens, block_tables, out)
+    check_window(window, softcap)
     b, hq, d = q.shape
     if b == 0:
         return out
@@ -207,6 +231,8 @@ def paged_decode_attention(
     group = hq // hkv
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
+    if window is not None:  # the longest range a split partitions
+        max_seq_len = min(max_seq_len, window)
     if num_splits is None:
         num_splits = _num_splits(max_seq_len, b * hkv, q.device)
     partition = triton.cdiv(triton.cdiv(max_seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -228,6 +254,8 @@ def paged_decode_attention(
         part_lse,
         scale * LOG2E,
         partition,
+        window or 0,
+        (softcap or 0.0) * LOG2E,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -245,6 +273,8 @@ def paged_decode_attention(
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_N=BLOCK_N,
         SPLIT=num_splits > 1,
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
@@ -256,6 +286,7 @@ def paged_decode_attention(
             seq_lens,
             out,
             partition,
+            window or 0,
             hq * num_splits,
             num_splits,
             1,
@@ -264,17 +295,26 @@ def paged_decode_attention(
             HEAD_DIM=d,
             BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            WINDOWED=window is not None,
         )
     return out
 
 
-def ref_paged_decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
+def ref_paged_decode_attention(
+    q, k_cache, v_cache, seq_lens, block_tables, scale, window=None, softcap=None
+):
+    """The definition: sequence i's query at position n - 1 (n = seq_lens[i]) attends to
+    its cached positions max(0, n - window) .. n - 1 (all n without a window), scores
+    scale * q . k soft-capped to softcap * tanh(s / softcap) when given."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     for i, n in enumerate(seq_lens.tolist()):
         k, v = ref_gather_kv(k_cache, v_cache, block_tables[i], n)
-        k = k.float().repeat_interleave(group, 0)
-        v = v.float().repeat_interleave(group, 0)
-        p = torch.softmax(torch.einsum("hd,hnd->hn", q[i].float(), k) * scale, -1)
-        out[i] = torch.einsum("hn,hnd->hd", p, v).to(q.dtype)
+        lo = 0 if window is None else max(0, n - window)
+        k = k[:, lo:].float().repeat_interleave(group, 0)
+        v = v[:, lo:].float().repeat_interleave(group, 0)
+        s = torch.einsum("hd,hnd->hn", q[i].float(), k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        out[i] = torch.einsum("hn,hnd->hd", torch.softmax(s, -1), v).to(q.dtype)
     return out

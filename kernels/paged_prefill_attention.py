@@ -13,6 +13,14 @@ FlashAttention online softmax: never more than a [BLOCK_M, BLOCK_N] score tile.
 Keys every row of the tile may see run without a mask; the causal diagonal after.
 Programs past the end of a short chunk exit at once.
 
+With a sliding window W the token at position p sees max(0, p - W + 1) .. p only: a
+tile's key loop starts at the first key its first row sees, so no block table entry
+of a block wholly before that key is loaded, and masks the keys before each row's
+window as it masks the causal diagonal. Every row sees at least one key of the first
+tile (its window starts at most TOKENS_PER_TILE - 1 <= BLOCK_N - 1 keys after the
+tile's first key), so the online softmax never meets a row with no key yet. With a
+softcap c each score s = scale * q . k becomes c * tanh(s / c) before the mask.
+
 The mixed step (prefill chunks first, then decodes): the Triton backend serves it
 with a pair of launches over the two halves of the same batch, this kernel for the
 prefill sequences and ``paged_decode_attention`` for the decodes. This kernel alone
@@ -26,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_index, check_paged_attention
+from kernels._checks import check_index, check_paged_attention, check_window
 from kernels.kv_cache_write import ref_gather_kv
+from kernels.softcap import softcap_scores
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -44,6 +53,8 @@ def _prefill_kernel(
     block_tables_ptr,
     out_ptr,
     scale_log2,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -62,6 +73,8 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -92,10 +105,17 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_end = ctx + tl.minimum(tok0 + TOKENS_PER_TILE, q_len)
-    full_end = (ctx + tok0 + 1) // BLOCK_N * BLOCK_N
-    for n0 in range(0, kv_end, BLOCK_N):
+    # keys from kv_begin on: those at or before the first row's position (ctx + tok0)
+    # and, with a window, at or after the last row's first one (kv_end - window) are
+    # seen by every row of the tile; tiles reaching outside need the mask
+    kv_begin = 0
+    shared_from = 0
+    if WINDOWED:
+        kv_begin = tl.maximum(ctx + tok0 - window + 1, 0)
+        shared_from = kv_end - window
+    for n0 in range(kv_begin, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        masked = n0 >= full_end
+        masked = (n0 + BLOCK_N > ctx + tok0 + 1) | (n0 < shared_from)
         n_mask = n < kv_end
         blk = tl.load(bt_row + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok_in_blk = n % PAGE_SIZE
@@ -107,8 +127,13 @@ def _prefill_kernel(
             other=0.0,
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            s = softcap_scores(s, softcap)
         if masked:
-            s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+            seen = n[None, :] <= pos[:, None]
+            if WINDOWED:
+                seen &= n[None, :] > pos[:, None] - window
+            s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -142,14 +167,18 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the chunks in q [T, Hq, D] over their paged caches.
 
     ``max_query_len`` (host int) avoids a device sync; ``out`` [T, Hq, D] may be a
-    strided view.
+    strided view. ``window`` (None: all) limits each token at position p to the keys
+    max(0, p - window + 1) .. p; ``softcap`` (None: none) caps the scores.
     """
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
+    check_window(window, softcap)
     _, hq, d = q.shape
     b = seq_lens.shape[0]
     if b == 0 or q.shape[0] == 0:
@@ -169,6 +198,8 @@ def paged_prefill_attention(
         block_tables,
         out,
         scale * LOG2E,
+        window or 0,
+        (softcap or 0.0) * LOG2E,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -183,6 +214,8 @@ def paged_prefill_attention(
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_stages=2 if q.dtype == torch.float32 else 3,
     )
@@ -190,19 +223,29 @@ def paged_prefill_attention(
 
 
 def ref_paged_prefill_attention(
-    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window=None, softcap=None
 ) -> torch.Tensor:
+    """The definition: chunk token j of sequence i, at position p = seq_lens[i] - q_len + j,
+    attends to its cached positions max(0, p - window + 1) .. p (0 .. p without a window),
+    scores scale * q . k soft-capped to softcap * tanh(s / softcap) when given."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     starts = query_start_loc.tolist()
     for i, n in enumerate(seq_lens.tolist()):
         a, e = starts[i], starts[i + 1]
         k, v = ref_gather_kv(k_cache, v_cache, block_tables[i], n)
-        k = k.float().repeat_interleave(group, 0)
-        v = v.float().repeat_interleave(group, 0)
-        pos = torch.arange(n - (e - a), n, device=q.device)
-        visible = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
+        first = n - (e - a)  # the chunk's first position: no key before its window is read
+        lo = 0 if window is None else max(0, first - window + 1)
+        k = k[:, lo:].float().repeat_interleave(group, 0)
+        v = v[:, lo:].float().repeat_interleave(group, 0)
+        pos = torch.arange(first, n, device=q.device)[:, None]
+        keys = torch.arange(lo, n, device=q.device)[None, :]
+        visible = keys <= pos
+        if window is not None:
+            visible &= keys > pos - window
         s = torch.einsum("thd,hnd->htn", q[a:e].float(), k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
         out[a:e] = torch.einsum("htn,hnd->thd", p, v).to(q.dtype)
     return out

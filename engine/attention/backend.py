@@ -65,12 +65,24 @@ class AttentionBackend(ABC):
       * KV cache of one layer: ``k_cache`` and ``v_cache``, each
         [num_blocks, block_size, num_kv_heads, head_dim] (token-major blocks, as
         vLLM lays them out: a gathered run of blocks is a strided [L, Hkv, D] view).
-      * ``forward(q, k, v, k_cache, v_cache, meta, scale)`` with q [T, Hq, D] and
-        k, v [T, Hkv, D] for the T new tokens (rotary already applied): writes k, v
-        into the caches at ``meta.slot_mapping``, then returns [T, Hq, D], each
-        row attending causally to its sequence's cached tokens as
+      * ``forward(q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None)``
+        with q [T, Hq, D] and k, v [T, Hkv, D] for the T new tokens (rotary already
+        applied): writes k, v into the caches at ``meta.slot_mapping``, then returns
+        [T, Hq, D], each row attending causally to its sequence's cached tokens as
         ``AttentionMetadata`` describes. Hq is a multiple of Hkv (GQA; Hkv=1 is MQA),
         query head h reads KV head h // (Hq // Hkv).
+      * ``window`` (None: full causal attention) is a sliding window of W >= 1 tokens,
+        as HF transformers masks it: the token at position p attends to positions
+        max(0, p - W + 1) .. p, the last W tokens, itself included. Models pass each
+        layer's own window (None for global layers).
+      * ``softcap`` (None: no capping) caps each score s = scale * q . k to
+        softcap * tanh(s / softcap) before the mask and the softmax (Gemma 2).
+      * With a window, the blocks of a sequence wholly before position p0 - W + 1
+        (p0: the position of its first new token in the pass) are never read: their
+        block table entries are never used, so the block manager may free those
+        blocks and leave the entries as placeholders naming any block. (The C and
+        Triton kernels read no position before p0 - W + 1 at all; the plain-torch
+        path reads the whole block holding it and masks.)
       * Results must not depend on what else is in the batch beyond float rounding,
         and with the same inputs must be deterministic.
     """
@@ -87,4 +99,16 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
+
+
+def check_window(window: int | None, softcap: float | None) -> None:
+    """A window is None or an int >= 1; a softcap is None or a float > 0."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"window={window!r}: allowed values are None or an int >= 1")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: allowed values are None or an int >= 1")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap!r}: allowed values are None or a float > 0")

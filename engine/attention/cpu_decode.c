@@ -1,10 +1,15 @@
 /* Paged decode attention for float32 on CPU, read straight from the KV blocks.
  *
- * One query token per sequence. For sequence b and KV head h, the query heads
- * h * G .. h * G + G - 1 (G = num_heads / num_kv_heads) attend to the first
- * seq_lens[b] cached tokens of b; token l sits at slot l % block_size of block
- * block_tables[b, l / block_size]. A task is one sequence and a run of its KV heads:
- * it reads each key and value row once, for all G query heads, with no gathered copy.
+ * One query token per sequence, at position seq_lens[b] - 1. For sequence b and KV
+ * head h, the query heads h * G .. h * G + G - 1 (G = num_heads / num_kv_heads) attend
+ * to the cached tokens start .. seq_lens[b] - 1 of b, where start is 0, or with a
+ * sliding window (window > 0) max(0, seq_lens[b] - window): the last window tokens,
+ * the query's own included. Token l sits at slot l % block_size of block
+ * block_tables[b, l / block_size]; nothing before start is read, so the table entries
+ * of blocks wholly before it may name any block (freed ones included). With
+ * softcap > 0 each score s = scale * q . k becomes softcap * tanh(s / softcap) before
+ * the softmax. A task is one sequence and a run of its KV heads: it reads each key and
+ * value row once, for all G query heads, with no gathered copy.
  *
  * Layouts (contiguous): q, out [B, num_heads, head_dim]; k_cache, v_cache
  * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables rows of
@@ -20,11 +25,12 @@ struct shape {
 };
 
 /* A task: one sequence's KV heads h0 .. h0 + heads - 1, i.e. its query rows
- * r = (h - h0) * group + g, each of them [head_dim] in q and out, [padded] in scores.
- * Both passes walk the task's tokens in order through the blocks. */
+ * r = (h - h0) * group + g, each of them [head_dim] in q and out, [padded] in scores
+ * (score l belongs to token start + l). Both passes walk the task's len tokens from
+ * start in order through the blocks. */
 struct task {
     const int32_t *table;
-    int64_t len, padded, h0, heads;
+    int64_t start, len, padded, h0, heads;
 };
 
 /* A place in a task's walk through its tokens: block (index into the table) and slot;
@@ -43,12 +49,16 @@ static inline void advance(struct cursor *c, struct shape s) {
     if (++c->slot == s.block_size) c->slot = 0, c->block++;
 }
 
-/* scores: scale * q . k, sixteen tokens at a time (one folded sum for the sixteen), then
- * the softmax over the first len of each row. */
+static inline struct cursor first_token(const float *cache, struct shape s, struct task w) {
+    return (struct cursor){cache, w.start / s.block_size, w.start % s.block_size};
+}
+
+/* scores: scale * q . k (soft-capped when softcap > 0), sixteen tokens at a time (one
+ * folded sum for the sixteen), then the softmax over the first len of each row. */
 static void softmax_scores(const float *q, const float *k_cache, struct shape s, struct task w,
-                           float scale, float *scores) {
+                           float scale, float softcap, float *scores) {
     const int64_t chunks = s.head_dim / LANES, rows = w.heads * s.group;
-    struct cursor at = {k_cache, 0, 0};
+    struct cursor at = first_token(k_cache, s, w);
     for (int64_t l = 0; l < w.len; l += LANES) {
         /* past the length, token l's row again: its scores are masked below */
         const float *k[LANES];
@@ -66,7 +76,9 @@ static void softmax_scores(const float *q, const float *k_cache, struct shape s,
                 const vf qc = load(qr + c * LANES);
                 for (int t = 0; t < LANES; t++) acc[t] += qc * load(k[t] + head + c * LANES);
             }
-            store(scores + r * w.padded + l, hsum16(acc) * scale);
+            vf x = hsum16(acc) * scale;
+            if (softcap > 0.0f) x = softcap * vtanh(x * (1.0f / softcap));
+            store(scores + r * w.padded + l, x);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -97,7 +109,7 @@ static inline __attribute__((always_inline)) void weigh_tile(
     vf acc[4][4];
     for (int i = 0; i < R; i++)
         for (int c = 0; c < C; c++) acc[i][c] = (vf){0};
-    struct cursor at = {v_cache, 0, 0};
+    struct cursor at = first_token(v_cache, s, w);
     for (int64_t l = 0; l < w.len; l++, advance(&at, s)) {
         const float *v = row_at(at, s, w) + head * s.head_dim + c0 * LANES;
         vf vv[4];
@@ -136,12 +148,13 @@ static void weigh_values(const float *scores, const float *v_cache, struct shape
             }
 }
 
-/* Returns 0, or -1 when a score buffer could not be allocated. */
+/* window 0: full causal attention; softcap 0: no capping. Returns 0, or -1 when a
+ * score buffer could not be allocated. */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int32_t *block_tables, const int32_t *seq_lens, float *out,
                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t block_size, int64_t table_stride, float scale,
-                     int num_threads) {
+                     int64_t window, float softcap, int num_threads) {
     struct shape s = {num_heads, num_kv_heads, head_dim, block_size, num_heads / num_kv_heads};
     /* whole sequences per task when they keep every thread busy, else one KV head each */
     const int64_t per_task = num_seqs >= 2 * num_threads ? num_kv_heads : 1;
@@ -149,9 +162,12 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t i = 0; i < tasks; i++) {
-        int64_t b = i * per_task / num_kv_heads, len = seq_lens[b];
-        struct task w = {block_tables + b * table_stride, len, (len + LANES - 1) / LANES * LANES,
-                         i * per_task % num_kv_heads, per_task};
+        const int64_t b = i * per_task / num_kv_heads, seq_len = seq_lens[b];
+        const int64_t start = window > 0 && seq_len > window ? seq_len - window : 0;
+        const int64_t len = seq_len - start;
+        struct task w = {block_tables + b * table_stride, start, len,
+                         (len + LANES - 1) / LANES * LANES, i * per_task % num_kv_heads,
+                         per_task};
         float *scores = malloc(sizeof(float) * per_task * s.group * w.padded);
         if (scores == NULL) {
 #pragma omp atomic write
@@ -159,7 +175,7 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
             continue;
         }
         int64_t first = (b * num_heads + w.h0 * s.group) * head_dim;
-        softmax_scores(q + first, k_cache, s, w, scale, scores);
+        softmax_scores(q + first, k_cache, s, w, scale, softcap, scores);
         weigh_values(scores, v_cache, s, w, out + first);
         free(scores);
     }

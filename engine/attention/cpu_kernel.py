@@ -9,6 +9,7 @@ import functools
 import torch
 
 from engine import native
+from engine.attention.backend import check_window
 
 
 class DecodeKernel:
@@ -16,7 +17,8 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.paged_decode_f32
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        fn.argtypes += [ctypes.c_int64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self.fn = fn
 
@@ -24,9 +26,14 @@ class DecodeKernel:
     def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         return float32_cpu_caches(q, k_cache, v_cache) and q.shape[-1] % 16 == 0
 
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float):
-        """q [B, Hq, D] float32 -> [B, Hq, D]; see cpu_decode.c for the layouts."""
+    def __call__(
+        self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window=None, softcap=None
+    ):
+        """q [B, Hq, D] float32 -> [B, Hq, D]; see cpu_decode.c for the layouts. With a
+        ``window`` only the last ``window`` cached tokens of each sequence are read;
+        ``softcap`` caps the scores (``AttentionBackend``'s contract)."""
         _check(q, k_cache, v_cache, block_tables, seq_lens)
+        check_window(window, softcap)
         q = q.contiguous()
         out = torch.empty_like(q)
         b, hq, d = q.shape
@@ -47,6 +54,8 @@ class DecodeKernel:
             k_cache.shape[1],
             block_tables.stride(0),
             scale,
+            window or 0,
+            softcap or 0.0,
             torch.get_num_threads(),
         )
         if rc != 0:

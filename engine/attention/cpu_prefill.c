@@ -5,7 +5,12 @@
  * One sequence: its num_tokens query tokens sit at positions context - num_tokens ..
  * context - 1, and their K/V are already in the cache with the earlier ones; token l
  * of the sequence sits at slot l % block_size of block block_table[l / block_size].
- * Query head h * G + g (G = num_heads / num_kv_heads) attends to KV head h.
+ * Query head h * G + g (G = num_heads / num_kv_heads) attends to KV head h. The token
+ * at position p attends to positions 0 .. p, or with a sliding window (window > 0)
+ * max(0, p - window + 1) .. p; a task starts its keys at the window of its first row,
+ * so no position before context - num_tokens - window + 1 is read (the table entries
+ * of blocks wholly before it may name any block). With softcap > 0 each score
+ * s = scale * q . k becomes softcap * tanh(s / softcap) before the mask.
  *
  * Everything runs transposed, with the queries along the vector lanes: a task is one
  * KV head and a tile of LANES_PER_TASK query rows (several query heads of its group by
@@ -16,7 +21,8 @@
  * so scores are key rows broadcast against qt, the softmax runs down the columns
  * (lane-wise max, exp and sums: no horizontal reductions) and the values are value
  * rows broadcast against st. Keys are taken in tiles of KEYS; a tile that reaches past
- * a row's position is masked there (keys past the context are masked the same way).
+ * a row's position, or before its window, is masked there (keys past the context are
+ * masked the same way).
  *
  * Layouts: q and out rows of num_heads * head_dim floats, q_stride and out_stride
  * floats apart; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
@@ -40,8 +46,8 @@ struct prefill {
     const int32_t *table;
     float *out;
     int64_t q_stride, out_stride, num_tokens, context, num_heads, num_kv_heads, head_dim,
-        block_size;
-    float scale;
+        block_size, window;
+    float scale, softcap;
     /* a task's rows: heads g0 .. g0 + heads - 1 of the group by tokens t0 .. t0 + tokens - 1,
      * lane i = (g - g0) * tokens + (t - t0) */
     int64_t heads, tokens;
@@ -57,11 +63,19 @@ static inline const float *key_row(const struct prefill *p, const float *cache, 
     return cache + (slot * p->num_kv_heads + kv_head) * p->head_dim;
 }
 
-/* st[j] = qt . key j for keys j < nk of the tile (nk a multiple of KEY_ROWS), KEY_ROWS
- * keys by all lanes at a time; with pos (the lanes' positions, k0 the tile's first key)
- * the keys past a lane's position are masked. top[v]: each lane's largest score. */
+/* Lanes that do not see key l: past their position pos, or before their window's
+ * first position lo. */
+static inline vi hidden(vi pos, vi lo, int64_t l) {
+    return (pos < (int32_t)l) | (lo > (int32_t)l);
+}
+
+/* st[j] = qt . key j (soft-capped) for keys j < nk of the tile (nk a multiple of
+ * KEY_ROWS), KEY_ROWS keys by all lanes at a time; with pos and lo (the lanes'
+ * positions and first visible positions, k0 the tile's first key) the keys a lane does
+ * not see are masked. top[v]: each lane's largest score. */
 static void scores(const struct prefill *p, const float *const *keys, int64_t nk,
-                   const float *qt, const vi *pos, int64_t k0, float *st, vf *top) {
+                   const float *qt, const vi *pos, const vi *lo, int64_t k0, float *st,
+                   vf *top) {
     for (int v = 0; v < VECS; v++) top[v] = splat(MASKED);
     for (int64_t j = 0; j < nk; j += KEY_ROWS) {
         vf acc[KEY_ROWS][VECS];
@@ -79,7 +93,8 @@ static void scores(const struct prefill *p, const float *const *keys, int64_t nk
         for (int a = 0; a < KEY_ROWS; a++)
             for (int v = 0; v < VECS; v++) {
                 vf x = acc[a][v];
-                if (pos != NULL) x = blend(pos[v] < (int32_t)(k0 + j + a), splat(MASKED), x);
+                if (p->softcap > 0.0f) x = p->softcap * vtanh(x * (1.0f / p->softcap));
+                if (pos != NULL) x = blend(hidden(pos[v], lo[v], k0 + j + a), splat(MASKED), x);
                 top[v] = blend(x > top[v], x, top[v]);
                 store(st + (j + a) * LANES_PER_TASK + v * LANES, x);
             }
@@ -124,28 +139,35 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
     const int64_t first = p->context - p->num_tokens; /* position of query token 0 */
     const int64_t tokens = p->num_tokens - w.t0 < p->tokens ? p->num_tokens - w.t0 : p->tokens;
     const int64_t heads = G - w.g0 < p->heads ? G - w.g0 : p->heads;
-    vi pos[VECS]; /* each lane's position; lanes without a row sit at 0 */
+    /* each lane's position and first visible position; lanes without a row sit at 0 */
+    vi pos[VECS], lo[VECS];
     for (int64_t i = 0; i < L; i++) {
         const int64_t g = i / p->tokens, t = i % p->tokens, used = g < heads && t < tokens;
         const float *row = p->q + (w.t0 + t) * p->q_stride + (w.kv_head * G + w.g0 + g) * D;
         for (int64_t d = 0; d < D; d++) qt[d * L + i] = used ? row[d] * p->scale : 0.0f;
-        pos[i / LANES][i % LANES] = used ? (int32_t)(first + w.t0 + t) : 0;
+        const int64_t at = used ? first + w.t0 + t : 0;
+        pos[i / LANES][i % LANES] = (int32_t)at;
+        lo[i / LANES][i % LANES] = p->window > 0 ? (int32_t)(at - p->window + 1) : 0;
     }
     memset(ot, 0, sizeof(float) * D * L);
     vf top[VECS], sum[VECS];
     for (int v = 0; v < VECS; v++) top[v] = splat(MASKED), sum[v] = (vf){0};
     const int64_t last = first + w.t0 + tokens - 1; /* the furthest a row sees */
-    for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
+    /* the first key of the first row's window, and the last key every row's window holds */
+    const int64_t begin = p->window > 0 && first + w.t0 >= p->window
+                              ? first + w.t0 - p->window + 1 : 0;
+    const int64_t shared_from = p->window > 0 ? last - p->window + 1 : 0;
+    for (int64_t k0 = begin; k0 <= last; k0 += KEYS) {
         const int64_t reach = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
         const int64_t nk = (reach + KEY_ROWS - 1) / KEY_ROWS * KEY_ROWS;
         for (int64_t j = 0; j < nk; j++) {
-            const int64_t l = k0 + j < p->context ? k0 + j : 0; /* masked below */
+            const int64_t l = k0 + j <= last ? k0 + j : last; /* masked below */
             keys[j] = key_row(p, p->k_cache, l, w.kv_head);
             values[j] = key_row(p, p->v_cache, l, w.kv_head);
         }
-        const int masked = k0 + nk - 1 > first + w.t0;
+        const int masked = k0 + nk - 1 > first + w.t0 || k0 < shared_from;
         vf tile_top[VECS];
-        scores(p, keys, nk, qt, masked ? pos : NULL, k0, st, tile_top);
+        scores(p, keys, nk, qt, masked ? pos : NULL, lo, k0, st, tile_top);
         for (int v = 0; v < VECS; v++) {
             const vi rises = tile_top[v] > top[v];
             const vf old_top = top[v], new_top = blend(rises, tile_top[v], top[v]);
@@ -153,7 +175,7 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
             for (int64_t j = 0; j < nk; j++) {
                 float *s = st + j * L + v * LANES;
                 vf e = vexp(load(s) - new_top);
-                if (masked) e = blend(pos[v] < (int32_t)(k0 + j), (vf){0}, e);
+                if (masked) e = blend(hidden(pos[v], lo[v], k0 + j), (vf){0}, e);
                 store(s, e);
                 total += e;
             }
@@ -182,16 +204,17 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
     }
 }
 
-/* Returns 0, or -1 when a thread's scratch could not be allocated. */
+/* window 0: full causal attention; softcap 0: no capping. Returns 0, or -1 when a
+ * thread's scratch could not be allocated. */
 int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache,
                       const float *v_cache, const int32_t *block_table, int64_t num_tokens,
                       int64_t context, float *out, int64_t out_stride, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                      int num_threads) {
+                      int64_t window, float softcap, int num_threads) {
     const int64_t G = num_heads / num_kv_heads, heads = G < LANES_PER_TASK ? G : LANES_PER_TASK;
     struct prefill p = {q, k_cache, v_cache, block_table, out, q_stride, out_stride,
                         num_tokens, context, num_heads, num_kv_heads, head_dim, block_size,
-                        scale, heads, LANES_PER_TASK / heads};
+                        window, scale, softcap, heads, LANES_PER_TASK / heads};
     const int64_t tiles = (num_tokens + p.tokens - 1) / p.tokens;
     const int64_t parts = (G + heads - 1) / heads; /* tasks a group of query heads needs */
     const int64_t tasks = tiles * parts * num_kv_heads;

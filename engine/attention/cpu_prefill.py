@@ -9,6 +9,7 @@ import functools
 import torch
 
 from engine import native
+from engine.attention.backend import check_window
 from engine.attention.cpu_kernel import float32_cpu_caches
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -16,11 +17,13 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class PrefillKernel:
     """``paged_prefill_f32`` from a loaded library: one sequence's chunk of queries
-    against its cached K/V (the chunk's own included), causally."""
+    against its cached K/V (the chunk's own included), causally, optionally within a
+    sliding window and with soft-capped scores."""
 
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.paged_prefill_f32
-        fn.argtypes = [_P, _I, _P, _P, _P, _I, _I, _P] + [_I] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [_P, _I, _P, _P, _P, _I, _I, _P] + [_I] * 5 + [ctypes.c_float]
+        fn.argtypes += [_I, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self.fn = fn
 
@@ -28,9 +31,15 @@ class PrefillKernel:
     def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         return float32_cpu_caches(q, k_cache, v_cache)
 
-    def __call__(self, q, k_cache, v_cache, block_table, context: int, scale: float, out):
+    def __call__(
+        self, q, k_cache, v_cache, block_table, context: int, scale: float, out,
+        window=None, softcap=None,
+    ):  # fmt: skip
         """q [T, Hq, D] (heads packed in a row) at positions context - T .. context - 1;
-        block_table [>= ceil(context / block_size)] int32. Writes out [T, Hq, D]."""
+        block_table [>= ceil(context / block_size)] int32. Writes out [T, Hq, D]. With a
+        ``window`` W the token at position p reads positions max(0, p - W + 1) .. p only;
+        ``softcap`` caps the scores (``AttentionBackend``'s contract)."""
+        check_window(window, softcap)
         t, hq, d = q.shape
         _, block_size, hkv, dk = k_cache.shape
         if k_cache.shape != v_cache.shape or dk != d or hq % hkv:
@@ -54,7 +63,8 @@ class PrefillKernel:
         rc = self.fn(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             table.data_ptr(), t, context, out.data_ptr(), out.stride(0),
-            hq, hkv, d, block_size, scale, torch.get_num_threads(),
+            hq, hkv, d, block_size, scale, window or 0, softcap or 0.0,
+            torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("paged_prefill_f32: could not allocate its scratch")

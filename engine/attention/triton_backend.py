@@ -55,6 +55,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_query_len=max(meta.query_lens_host[:p]),
                 out=out[:p_rows],
+                window=window,
+                softcap=softcap,
             )
         if meta.num_decodes:
             paged_decode_attention(
@@ -66,6 +68,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=max(meta.seq_lens_host[p:]),
                 out=out[p_rows:],
+                window=window,
+                softcap=softcap,
             )
         return out
 
