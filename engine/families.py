@@ -74,8 +74,9 @@ FAMILIES = (
     Family("Mistral", ("MistralForCausalLM",), window_layers="all", cpu_decode=True),
     Family("Gemma 2", ("Gemma2ForCausalLM",), default_sliding="alternate", **_GEMMA),
     Family("Gemma 3", ("Gemma3ForCausalLM",), qk_norm=True, default_sliding="pattern", **_GEMMA),
-    Family("Phi-3", ("Phi3ForCausalLM",), fused_weights=True, window_layers="all",
-           cpu_decode=True),  # fmt: skip
+    Family(
+        "Phi-3", ("Phi3ForCausalLM",), fused_weights=True, window_layers="all", cpu_decode=True
+    ),  # fmt: skip
     Family("MLA", MLA_ARCHITECTURES, latent=True),
 )
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
