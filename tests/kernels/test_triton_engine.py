@@ -24,12 +24,12 @@ def _generate(model_path, backend, steps):
     attn = llm.engine.model.attn
     forward = attn.forward
 
-    def spy(q, k, v, k_cache, v_cache, meta, scale):
+    def spy(q, k, v, k_cache, v_cache, meta, scale, **layer):  # window, softcap
         if k_cache is llm.engine.runner.kv_caches[0][0]:
             p = meta.num_prefills
             chunked = meta.query_lens_host[:p] != meta.seq_lens_host[:p]
             steps.append((p, meta.num_decodes, chunked))
-        return forward(q, k, v, k_cache, v_cache, meta, scale)
+        return forward(q, k, v, k_cache, v_cache, meta, scale, **layer)
 
     attn.forward = spy
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
