@@ -229,8 +229,10 @@ class BlockManager:
         reads from position num_computed - W + 1 on: drop its blocks wholly before that
         (oldest first), leaving their table entries as placeholders. Returns how many
         were released now; none without a window or blocks."""
+        if self.window is None:  # every step's commit calls this: no lookup without one
+            return 0
         table = self.tables.get(owner)
-        if self.window is None or not table:
+        if not table:
             return 0
         done = self.released.get(owner, 0)
         upto = min(max(0, num_computed - self.window + 1) // self.block_size, len(table))

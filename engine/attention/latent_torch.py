@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import cpu_latent
+
 
 def paged_latent_decode(
     q_c: torch.Tensor,
@@ -63,8 +65,6 @@ def cpu_or_torch_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_len
     """The torch backend's op: the C kernel (``cpu_latent.py``) where it takes the inputs
     (float32 on CPU, widths multiples of 16, a compiler present), else the batched torch
     path above; both compute the function the module docstring defines."""
-    from engine.attention import cpu_latent
-
     out = cpu_latent.paged_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_lens, scale)
     if out is None:
         out = paged_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_lens, scale)
