@@ -115,8 +115,9 @@ class EngineWorker:
             "max_batch_tokens": e.config.max_batch_tokens,
             "mixed_prefill_tokens": e.config.mixed_prefill_tokens,
             "tensor_parallel": e.model.tp.size,
-            # this rank's KV cache bytes per token (a replicated MLA latent counts whole)
-            "kv_bytes_per_token": e.runner.kv_bytes_per_token,
+            # this rank's KV cache bytes per token (a replicated MLA latent counts whole);
+            # a decode instance adds ``kv_bytes_per_token``, what a handoff moves per token
+            "kv_cache_bytes_per_token": e.runner.kv_bytes_per_token,
         }
 
     def add(self, attempt: Attempt) -> None:

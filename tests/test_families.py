@@ -137,7 +137,8 @@ def test_an_instance_serves_gemma3_with_its_bytes_per_token(hf_reference):
     path, prompts, expected = hf_reference("gemma3")
     worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)
     try:
-        assert worker.ready()["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 4  # layers K/V heads D
+        # layers x K/V x heads x head_dim x float32
+        assert worker.ready()["kv_cache_bytes_per_token"] == 4 * 2 * 2 * 16 * 4
         worker.add(Attempt("r0", tuple(prompts[1]), GREEDY, "test"))
         got, deadline = [], time.monotonic() + 60
         while len(got) < GREEDY.max_tokens:

@@ -158,7 +158,7 @@ def test_an_instance_serves_it_and_reports_its_bytes_per_token(hf_reference):
     path, prompts, expected = hf_reference("v3")
     worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)
     try:
-        assert worker.ready()["kv_bytes_per_token"] == 2 * (32 + 16) * 4
+        assert worker.ready()["kv_cache_bytes_per_token"] == 2 * (32 + 16) * 4
         worker.add(Attempt("r0", tuple(prompts[1]), GREEDY, "test"))
         got, deadline = [], time.monotonic() + 60
         while len(got) < GREEDY.max_tokens:
