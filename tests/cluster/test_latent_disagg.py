@@ -107,9 +107,10 @@ def test_latent_kv_hands_off_to_the_offline_greedy(
 
 @pytest.mark.timeout(300)
 def test_mla_decode_rank_killed_before_the_forward_is_survived(models, tmp_path):
-    """Two MLA decode instances of TP 2; the first attempt's END is held 4 s at the
-    receiving rank 0 while the test kills that instance's rank 1 (SIGKILL): the forward
-    (or the supervisor first) finds it gone, the instance ends, and the router redoes the
+    """Two MLA decode instances of TP 2; the first attempt's END is held 2 s at the
+    receiving rank 0 while the test kills that instance's rank 1 (SIGKILL). The
+    supervisor pings only every 20 s here, so the forward's broadcast is what finds the
+    rank gone: rank 0 ends the instance (ranks out of step), and the router redoes the
     request on the other decode instance with the offline greedy output; the victim is
     restarted and every instance ends with every block free."""
     from cluster import launch
@@ -118,11 +119,12 @@ def test_mla_decode_rank_killed_before_the_forward_is_survived(models, tmp_path)
     prompt, want, rid = PROMPTS[1], outs[1], "mla-forward-fault"
     plan = tmp_path / "plan.json"
     write_plan(plan, [{"side": "receiver", "step": "end", "action": "delay", "rank": 0,
-                       "match": f"{rid}#0", "seconds": 4.0}])  # fmt: skip
+                       "match": f"{rid}#0", "seconds": 2.0}])  # fmt: skip
     config = disagg_config(folder, "tests.kv_transfer.faults:gloo", True, 1, lease_s=20.0)
     config["prefill"].update(prefix_caching=False, resources={"num_cpus": 0.25})
     config["decode"].update(instances=2, tensor_parallel=2, prefix_caching=False,
                             resources={"num_cpus": 0.25})  # fmt: skip
+    config["supervisor"] = {"heartbeat_s": 20.0}  # the forward, not a ping, finds rank 1 gone
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, str(plan))
         with launch(config) as cluster, cluster.client() as client:
