@@ -27,9 +27,9 @@ decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
 Blocks are freed only once every rank released the transfer (its receiver writes no
 byte after that), so no byte of a released reservation lands in reused blocks; a
 forwarded reservation is expected by rank 0 alone, and its copy runs on the loop, which
-also releases: a released reservation is never copied. The
-shared blocks are never written by a transfer (the receivers expect only the new ones);
-freeing a reservation drops its references to them, and they stay cached.
+also releases: a released reservation is never copied. The shared blocks are never
+written by a transfer (the receivers expect only the new ones); freeing a reservation
+drops its references to them, and they stay cached.
 """
 
 from __future__ import annotations
