@@ -13,7 +13,7 @@ does not shard a layout's latent heads over that degree):
   ``[layers, blocks, block_size, Hc_local * Dc + Dr]``), its bytes over its tokens; the
   handoff sums the routes the transport sends (``kv_transfer.routes.routes``: each
   route's heads or row columns, every part, every block; MLA's row once per decode
-  rank).
+  instance: its rank 0 forwards it to the other ranks, off the wire).
 The ``paper`` columns are the paper's formulas in its own symbols (``paper_*``), written
 independently of both. A second table sends every layout's request through the KV
 transport and compares the bytes it reports with the layout's (``bench.kv_measured``).
@@ -105,8 +105,12 @@ def paper_bytes_per_token_per_device(shape: ModelShape, tp: int) -> float:
 
 def paper_transfer_bytes(shape: ModelShape, tokens: int, decode_tp: int) -> float:
     """No formula in the paper for a handoff: N decode devices x its per-device KV x
-    tokens (for distinct heads, D = 1, this is the whole cache once)."""
-    return decode_tp * paper_bytes_per_token_per_device(shape, decode_tp) * tokens
+    tokens (for distinct heads, D = 1, this is the whole cache once), except MLA's
+    (h_c = 1, every device holding the whole latent): one device's, sent once (the
+    decode instance copies it to its other devices)."""
+    att = shape.attention
+    copies = 1 if isinstance(att, LatentAttention) and att.heads == 1 else decode_tp
+    return copies * paper_bytes_per_token_per_device(shape, decode_tp) * tokens
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@ of ``python -m bench.kv_bytes``): one request's blocks sent from every prefill r
 cache to every decode rank's over the ``grpc`` backend on loopback, in this process.
 
 ``measure_handoff`` counts both ends: the bytes each prefill rank's ``finish`` reports
-handed to the transport (``TransferAck.bytes``) and the bytes each decode rank reports
-landed (``Outcome.bytes``); ``bench.kv_bytes`` puts them beside the layout's figure for
-the same layers; per-head K/V and latent caches alike (``KVLayout.kind``).
+handed to the transport (``TransferAck.bytes``) and the bytes each decode rank that a
+route reaches reports landed (``Outcome.bytes``; a replicated MLA row reaches decode rank
+0 alone, which a decode instance then forwards to its other ranks, off the wire);
+``bench.kv_bytes`` puts them beside the layout's figure for the same layers; per-head
+K/V and latent caches alike (``KVLayout.kind``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from bench.planner.model_shape import ModelShape
 from kv_transfer import KVDestination, KVLayout, get_transport
+from kv_transfer.routes import routes_into
 
 SECRET = b"pdserve-bench-kv-bytes-loopback-secret"  # this process talks to itself only
 
@@ -62,7 +65,8 @@ def measure_handoff(
             cache = torch.zeros(lay.cache_shape(blocks), dtype=lay.torch_dtype)
             recvs.append(grpc.receiver(lay, cache, secret=SECRET, bind="127.0.0.1"))
         token = recvs[0].expect(tid, ids, src_layout, lease_s=timeout_s)
-        for r in recvs[1:]:
+        wired = [recvs[0], *(r for r in recvs[1:] if routes_into(r.layout, prefill_tp))]
+        for r in wired[1:]:
             r.expect(tid, ids, src_layout, lease_s=timeout_s, token=token)
         dst_layout = _layout(shape, layers, block_size, decode_tp, 0)
         addresses = [r.address for r in recvs]
@@ -75,7 +79,7 @@ def measure_handoff(
             senders[-1].send_all(tid, cache, ids, dst)
         for s in senders:
             sent += s.finish(tid, timeout=timeout_s).bytes
-        landed = sum(r.wait(tid, timeout=timeout_s).bytes for r in recvs)
+        landed = sum(r.wait(tid, timeout=timeout_s).bytes for r in wired)
     finally:
         for side in (*senders, *recvs):
             side.close()

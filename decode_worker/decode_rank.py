@@ -1,7 +1,9 @@
 """Rank r > 0 of a tensor-parallel decode instance: the KV receiver of its share of the
 heads. Rank 0 (``DecodeWorker``) has it ``expect`` each reservation (without a lease:
 rank 0's covers the instance) and ``release`` it; this rank pushes each transfer's
-outcome on its share to rank 0 (``DecodeWorker.rank_landed``) as it happens."""
+outcome on its share to rank 0 (``DecodeWorker.rank_landed``) as it happens. A replicated
+latent (MLA) is never expected here: it lands on rank 0 alone, which copies it into this
+rank's cache between two steps (``StepPlan.copy_blocks``, received by ``serve``)."""
 
 from __future__ import annotations
 

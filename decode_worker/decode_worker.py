@@ -12,15 +12,24 @@ decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
                       report are in: the request joins the running batch with the first
                       token that source rank 0's END carried, and its tokens stream to
                       the router
+    forward           (a replicated MLA latent under tensor parallelism only) the row
+                      crossed the wire once, into rank 0's blocks; in the same turn of
+                      the loop, before the request joins the batch, rank 0 copies those
+                      blocks into the other ranks' over the instance's tensor-parallel
+                      group (``ModelRunner.copy_blocks``, ordered with the steps). A copy
+                      that fails ends the instance as a failed step does (its ranks are
+                      out of step): the router redoes the attempt elsewhere
     failed / expired  the transfer broke, or made no progress for kv_transfer.lease_s
                       (the lease: the only timer that frees a reservation, kept by rank
                       0's receiver): the reservation is released, Update(retryable)
     abort             released in any state
 
 Blocks are freed only once every rank released the transfer (its receiver writes no
-byte after that), so no byte of a released reservation lands in reused blocks. The
-shared blocks are never written by a transfer (the receivers expect only the new ones);
-freeing a reservation drops its references to them, and they stay cached.
+byte after that), so no byte of a released reservation lands in reused blocks; a
+forwarded reservation is expected by rank 0 alone, and its copy runs on the loop, which
+also releases: a released reservation is never copied. The shared blocks are never
+written by a transfer (the receivers expect only the new ones); freeing a reservation
+drops its references to them, and they stay cached.
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ class DecodeWorker(EngineWorker):
         )  # fmt: skip
         self.receiver.on_event = lambda outcome: self._post(("landed", outcome))
         self.lease_s = kv_config["lease_s"]
+        # a replicated latent crosses the wire once, to rank 0, which forwards it
+        self.forwards = bool(self.ranks) and self.layout.replicated
         self.reservations: dict[str, Attempt] = {}
         self.cached_blocks: dict[str, int] = {}  # reserved attempt id -> blocks shared
         self._releasing: dict[str, int] = {}  # attempt id -> ranks yet to confirm a release
@@ -76,7 +87,7 @@ class DecodeWorker(EngineWorker):
         instance computes); the ``KVDestination`` (protobuf bytes) to send that KV to, or
         None when this instance has no room."""
         dst = self.on_loop(self._reserve, attempt)
-        if dst is not None and self.ranks:  # on the caller's thread, not the step loop
+        if dst is not None and self.ranks and not self.forwards:  # off the step loop
             import ray
 
             try:
@@ -115,7 +126,7 @@ class DecodeWorker(EngineWorker):
         block_ids = e.blocks.allocate(attempt.id, n, prefix)  # only the new blocks
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
         try:  # the receiver mints the transfer's token: its only name on the wire
-            ranks = 1 + len(self.ranks)
+            ranks = 1 if self.forwards else 1 + len(self.ranks)
             token = self.receiver.expect(attempt.id, block_ids, src, self.lease_s, ranks,
                                          sender=attempt.prefill)  # fmt: skip
         except Exception:  # a layout the receiver refuses: nothing stays held
@@ -134,6 +145,11 @@ class DecodeWorker(EngineWorker):
         cached = self.cached_blocks.pop(attempt.id)
         start = outcome.state == State.LANDED and outcome.handoff is not None
         self._release(attempt.id, free=not start)
+        if start and self.forwards:  # before the request runs; its cached prefix is alike
+            try:
+                self.engine.runner.copy_blocks(self.engine.blocks.block_table(attempt.id)[cached:])
+            except Exception:  # a rank gone or a broken group: the process ends here
+                return self._fail([attempt.id])
         if start:
             return self._start(attempt, outcome, cached)
         if outcome.state == State.EXPIRED:
@@ -176,7 +192,7 @@ class DecodeWorker(EngineWorker):
         """Take the transfer out of every rank's receiver; with ``free``, then its blocks
         are freed (else the request runs in them)."""
         self.receiver.release(attempt_id)
-        if not self.ranks:
+        if not self.ranks or self.forwards:  # the other ranks' receivers hold nothing
             if free:
                 self.engine.blocks.free(attempt_id)
             return

@@ -41,12 +41,14 @@ class ModelRunner:
             width = model.layers[0].mla.cache_width
             self.kv_cache = zeros((*blocks_shape, width), model.dtype, dev)
             self.kv_caches = list(self.kv_cache)
+            self.block_axis = 1
         else:
             layer = model.layers[0]
             shape = (*blocks_shape[1:], layer.num_kv_heads, cfg.head_dim)
             # [layers, 2 (k, v), blocks, block size, kv heads, head dim], one allocation
             self.kv_cache = zeros((cfg.num_layers, 2, *shape), model.dtype, dev)
             self.kv_caches = [(kv[0], kv[1]) for kv in self.kv_cache]
+            self.block_axis = 2
         # this rank's cache bytes per token, all layers (MLA: the replicated latent row)
         tokens = blocks.num_blocks * blocks.block_size
         self.kv_bytes_per_token = self.kv_cache.numel() // tokens * model.dtype.itemsize
@@ -119,6 +121,11 @@ class ModelRunner:
         if not sampled:
             return []
         return self.sampler.sample(logits, sampled)
+
+    def copy_blocks(self, block_ids: list[int]) -> None:
+        """Rank 0: the cache's blocks ``block_ids`` into the same blocks of every other
+        rank, between steps (``StepPlan.copy_blocks``; a no-op without other ranks)."""
+        StepPlan.copy_blocks(self.model.tp, self.kv_cache, self.block_axis, block_ids)
 
     def execute(
         self, plan: StepPlan, on_layer: Callable[[int], None] | None = None

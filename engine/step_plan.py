@@ -13,6 +13,18 @@ is a collective).
     payload input_ids[T] positions[T] query_start_loc[B+1] seq_lens[B]
             block_tables[B*W] slot_mapping[T] rows[R]
     extra   uint8[E]
+
+Between two steps rank 0 may also copy blocks of its cache into the same blocks of every
+other rank (``copy_blocks``: a replicated MLA latent that landed on decode rank 0 alone,
+docs/kv_transfer.md "Latent caches"), on the same channel, so ordered with the steps:
+
+    header  [COPY, N block ids, 0, ...]
+    ids     int64[N] (block ids are the same on every rank: rank 0's block manager's)
+    rows    the cache's blocks ``ids`` (along its block axis), in the cache's dtype
+
+A rank writes the rows before it receives the next header: they are in place before any
+step that reads them. A collective that fails leaves the ranks out of step (the serving
+worker ends the instance, engine/worker.py).
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ HEADER = 9
 class Command(enum.IntEnum):
     STEP = 1
     STOP = 2
+    COPY = 3
 
 
 @dataclass
@@ -68,11 +81,37 @@ class StepPlan:
         stop = [Command.STOP] + [0] * (HEADER - 1)
         tp.broadcast(torch.tensor(stop, dtype=torch.int64, device=tp.device))
 
+    @staticmethod
+    def copy_blocks(tp: TensorParallel, cache: torch.Tensor, axis: int, ids: list[int]) -> None:
+        """Rank 0: the blocks ``ids`` of ``cache`` (blocks along dim ``axis``) into the
+        same blocks of every other rank's cache (``receive`` writes them)."""
+        if tp.size == 1 or not ids:
+            return
+        header = [Command.COPY, len(ids)] + [0] * (HEADER - 2)
+        tp.broadcast(torch.tensor(header, dtype=torch.int64, device=tp.device))
+        index = tp.broadcast(torch.tensor(ids, dtype=torch.int64, device=tp.device))
+        tp.broadcast(cache.index_select(axis, index.to(cache.device)).to(tp.device))
+
+    @staticmethod
+    def _receive_copy(tp: TensorParallel, cache: torch.Tensor, axis: int, n: int) -> None:
+        index = tp.broadcast(torch.empty(n, dtype=torch.int64, device=tp.device))
+        shape = list(cache.shape)
+        shape[axis] = n
+        rows = tp.broadcast(torch.empty(shape, dtype=cache.dtype, device=tp.device))
+        cache.index_copy_(axis, index.to(cache.device), rows.to(cache.device))
+
     @classmethod
-    def receive(cls, tp: TensorParallel, device: torch.device) -> StepPlan | None:
-        """Ranks > 0: the next plan, or None when rank 0 stops."""
-        header = tp.broadcast(torch.empty(HEADER, dtype=torch.int64, device=tp.device)).tolist()
-        command, t, b, w, r, num_decodes, max_query_len, max_seq_len, e = header
+    def receive(
+        cls, tp: TensorParallel, device: torch.device, cache: torch.Tensor, axis: int
+    ) -> StepPlan | None:
+        """Ranks > 0: the next plan, or None when rank 0 stops; the copies rank 0 sends
+        before it (``copy_blocks``) are written into ``cache`` (blocks along ``axis``)."""
+        while True:
+            header = tp.broadcast(torch.empty(HEADER, dtype=torch.int64, device=tp.device))
+            command, t, b, w, r, num_decodes, max_query_len, max_seq_len, e = header.tolist()
+            if command != Command.COPY:
+                break
+            cls._receive_copy(tp, cache, axis, t)
         if command == Command.STOP:
             return None
         n = 3 * t + 2 * b + 1 + b * w + r

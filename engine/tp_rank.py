@@ -40,7 +40,8 @@ class RankEngine:
         (for plans with ``extra``) gives a per-layer callback for the pass and a function
         to call after it (the serving worker's KV sends)."""
         steps = 0
-        while (plan := StepPlan.receive(self.tp, self.device)) is not None:
+        cache, axis = self.runner.kv_cache, self.runner.block_axis  # for rank 0's copies
+        while (plan := StepPlan.receive(self.tp, self.device, cache, axis)) is not None:
             on_layer, after = around(plan) if around is not None and plan.extra else (None, None)
             self.runner.execute(plan, on_layer)
             if after is not None:

@@ -28,16 +28,17 @@ Who sends what (``routes``), each decode rank's share arriving exactly once:
 * ``latent``, sharded: every non-empty intersection of latent-head ranges (as columns),
   and the RoPE columns from the one prefill rank whose latent range holds the decode
   rank's first latent head.
-* ``latent``, replicated: decode rank ``d`` gets the whole row from prefill rank
-  ``d % src_tp`` only (spread over the prefill ranks; ranks past ``dst_tp`` send
-  nothing). One copy per decode *rank* travels: each rank's memory needs its own, and
-  the wire carries it once (docs/kv_transfer.md, "Latent caches").
+* ``latent``, replicated: decode rank 0 gets the whole row from prefill rank 0 only
+  (the other ranks of both pools send and receive nothing over the wire). One copy per
+  decode *instance* travels: decode rank 0 forwards it to its other ranks over the
+  instance's tensor-parallel group before the request runs (``DecodeWorker``,
+  docs/kv_transfer.md, "Latent caches").
 
 Bytes a request moves for ``n`` blocks sent (``transfer_bytes``), ``e`` bytes an element,
 ``L`` layers, ``bs`` block size, ``Td`` the decode tensor-parallel degree:
 ``kv``: ``2 L n bs H head_dim e``; latent sharded: ``L n bs (Hc Dc + Td Dr) e``; latent
-replicated: ``Td L n bs (Hc Dc + Dr) e``. Both sides compute the same routes from the
-layouts, no mapping travels (docs/kv_transfer.md, "Head mapping").
+replicated: ``L n bs (Hc Dc + Dr) e``, whatever ``Td``. Both sides compute the same routes
+from the layouts, no mapping travels (docs/kv_transfer.md, "Head mapping").
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ class KVLayout:
         per_token = self.num_kv_heads * self.head_dim  # kv: K's (and V's) elements
         if self.kind == "kv":
             per_token *= 2
-        elif self.replicated:
-            per_token = dst_tp * (per_token + self.rope_dim)
+        elif self.replicated:  # once: decode rank 0 forwards it to the others
+            per_token += self.rope_dim
         else:
             per_token += dst_tp * self.rope_dim
         tokens = self.num_layers * num_blocks * self.block_size

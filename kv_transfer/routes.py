@@ -6,7 +6,9 @@ A ``HeadRoute`` is one contiguous range of global units from one source rank to 
 destination rank, contiguous in both ranks' own caches too (``src_heads``,
 ``dst_heads``). A pair of ranks may share several routes (a sharded latent's heads and
 its RoPE columns); every unit of every destination rank's cache arrives by exactly one
-route. Both sides compute the same routes from the layouts (``routes_from`` on the
+route, except a replicated latent's: it arrives at destination rank 0 only, which
+forwards it to the others over its tensor-parallel group (docs/kv_transfer.md, "Latent
+caches"). Both sides compute the same routes from the layouts (``routes_from`` on the
 sender, ``routes_into`` on the receiver): no mapping travels.
 """
 
@@ -65,11 +67,10 @@ def all_routes(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[HeadRoute]:
 def latent_routes(lay: KVLayout, src_tp: int, dst_tp: int) -> list[HeadRoute]:
     """Every route of a latent layout ``lay`` (any rank's: only its shape counts), ordered
     by source, destination, then units."""
-    if lay.replicated:  # the whole row to each decode rank, from one prefill rank
-        row = (0, lay.units)
+    if lay.replicated:  # the whole row once, prefill rank 0 -> decode rank 0, which
+        row = (0, lay.units)  # forwards it to the other decode ranks (DecodeWorker)
         _check_tp(None, src_tp, dst_tp)
-        by_source = sorted(range(dst_tp), key=lambda d: (d % src_tp, d))
-        return [HeadRoute(d % src_tp, d, row, row, row) for d in by_source]
+        return [HeadRoute(0, 0, row, row, row)]
     _check_tp(lay.num_kv_heads, src_tp, dst_tp)
     src = [replace(lay, tp_size=src_tp, tp_rank=s) for s in range(src_tp)]
     dst = [replace(lay, tp_size=dst_tp, tp_rank=d) for d in range(dst_tp)]

@@ -48,12 +48,20 @@ class AttentionShape(ABC):
     def params(self, hidden: int, num_heads: int) -> int:
         """Weights of the attention projections (Q, K/V or latent, output)."""
 
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the whole row (MLA's single latent)."""
+        return False
+
     def transfer_elements(self, decode_tp: int) -> float:
         """Cache elements per token a decode instance of ``decode_tp`` ranks receives in a
-        handoff: every rank its own row (whatever the prefill degree), so MLA's latent
-        travels once per decode rank and sharded heads once in all, plus one RoPE key
-        per rank. The one place this rule lives (issue 22's KV transport sends this)."""
-        return decode_tp * self.row_elements(decode_tp)
+        handoff over the wire: every rank its own row (whatever the prefill degree), so
+        sharded heads travel once in all, plus one RoPE key per rank; a replicated row
+        (MLA's latent) once per decode instance, to rank 0, which forwards it to its
+        other ranks over its tensor-parallel group (not counted here). The one place this
+        rule lives (issue 22's KV transport sends this)."""
+        copies = 1 if self.replicated else decode_tp
+        return copies * self.row_elements(decode_tp)
 
     def arithmetic_intensity(self, tp: int, num_heads: int, dtype_bytes: int) -> float:
         """Decode attention FLOPs per cache byte one rank reads (long contexts, one query
@@ -118,6 +126,10 @@ class LatentAttention(AttentionShape):
 
     def supports(self, tp: int) -> bool:
         return self.heads == 1 or self.heads % tp == 0
+
+    @property
+    def replicated(self) -> bool:
+        return self.heads == 1
 
     def local_heads(self, tp: int) -> int:
         """Latent heads one rank of ``tp`` holds: its share, or MLA's one latent."""

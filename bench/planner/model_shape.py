@@ -66,7 +66,8 @@ class ModelShape:
 
     def kv_transfer_bytes(self, tokens: int, decode_tp: int) -> int:
         """Bytes a handoff of ``tokens`` tokens moves to a decode instance of ``decode_tp``
-        ranks (``AttentionShape.transfer_elements``: each decode rank receives its row)."""
+        ranks (``AttentionShape.transfer_elements``: each decode rank receives its row,
+        MLA's replicated latent travels once per instance)."""
         elements = self.attention.transfer_elements(decode_tp)
         return round(tokens * self.num_layers * elements * self.dtype_bytes)
 

@@ -34,11 +34,12 @@ def test_table_at_tp2_by_hand():
         "GLA-4": 2 * 256 + 64,
     }
     # sent for 1024 tokens to a TP-2 decode instance: per-head K/V once; a latent row to
-    # each of the 2 decode ranks
+    # each of the 2 decode ranks, MLA's replicated one once (decode rank 0 forwards it)
     sent = {
         "MHA": 2 * 128 * 128,
         "GQA-8": 2 * 8 * 128,
-        **{k: 2 * v for k, v in per_rank.items() if k not in ("MHA", "GQA-8")},
+        "MLA": per_rank["MLA"],
+        **{k: 2 * v for k, v in per_rank.items() if k not in ("MHA", "GQA-8", "MLA")},
     }
     assert set(rows) == set(per_rank)
     for name, r in rows.items():
@@ -77,11 +78,9 @@ def test_transfer_does_not_depend_on_the_prefill_degree():
     # the head routes from 2 prefill ranks to 4 decode ranks carry each head once
     assert transfer_bytes(gqa, 1000, 2, 4) == transfer_bytes(gqa, 1000, 1, 1)
     assert transfer_bytes(gqa, 1000, 1, 1) == 63 * 16 * L * 2 * 8 * 128 * B  # whole blocks
-    assert (
-        transfer_bytes(mla, 1024, 1, 4) == transfer_bytes(mla, 1024, 4, 4) == 4 * 1024 * L * 576 * B
-    )
-    # MLA's replicated latent: the bytes grow with the decode degree, MHA's do not
-    assert [table((t,))[2].transfer_vs_mha for t in (1, 8)] == [576 / 32768, 8 * 576 / 32768]
+    assert transfer_bytes(mla, 1024, 1, 4) == transfer_bytes(mla, 1024, 4, 4) == 1024 * L * 576 * B
+    # MLA's replicated latent: once per decode instance, whatever its degree, as MHA's
+    assert [table((t,))[2].transfer_vs_mha for t in (1, 8)] == [576 / 32768] * 2
 
 
 @pytest.mark.timeout(120)
@@ -113,9 +112,9 @@ def test_measured_handoff_equals_the_layout():
     m = measure_handoff(gqa, 40, 2, 4, layers=1)
     one = replace(gqa, num_layers=1)
     assert m.sent == m.landed == transfer_bytes(one, 40, 2, 4) == 3 * 16 * 2 * 8 * 128 * B
-    # MLA: its whole row to each of 2 decode ranks; GLA-2: each latent head once, 2 RoPE keys
+    # MLA: its whole row once, to decode rank 0 of 2; GLA-2: each latent head once, 2 RoPE keys
     m = measure_handoff(mla, 40, 1, 2, layers=1)
-    assert m.sent == m.landed == 2 * 3 * 16 * 576 * B
+    assert m.sent == m.landed == 3 * 16 * 576 * B
     m = measure_handoff(gla2, 40, 2, 2, layers=1)
     assert m.sent == m.landed == 3 * 16 * (2 * 256 + 2 * 64) * B
     lines = measured_lines(40, [(1, 2), (4, 4)], max_mib=0.5, variants=VARIANTS[1:5:3])

@@ -3,10 +3,18 @@ gRPC KV transfer, prefill and decode instances of 1 and 2 tensor-parallel ranks)
 DeepSeek-V3 (MLA: one latent, replicated on every rank) and a tiny GLA-2 (two latent
 heads, one per rank at TP 2). Greedy outputs equal the offline engine's, and each request
 moves exactly the bytes of kv_transfer/layout.py's rule (docs/kv_transfer.md, "Latent
-caches"): every decode rank receives its own row of every block of every layer once, its
-latent heads (all of MLA's) and the one RoPE key."""
+caches"): every GLA decode rank receives its own row of every block of every layer once,
+its latent heads and the one RoPE key; MLA's replicated row crosses the wire once per
+decode instance, into rank 0, which forwards it to rank 1 over the instance's
+tensor-parallel group (the greedy outputs at decode TP 2 need rank 1's copy: its query
+heads read it). Then decode rank 1 of an MLA instance killed while a transfer into it
+is held at its END: the request is redone on the other decode instance."""
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
 
 import pytest
 import ray
@@ -14,6 +22,8 @@ import ray
 from engine import LLM, SamplingParams
 from tests.cluster.helpers import all_blocks_free, wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently
+from tests.cluster.test_disagg_kill import restarted
+from tests.kv_transfer.faults import ENV, write_plan
 
 BS = 16
 MAX_TOKENS = 20
@@ -36,8 +46,8 @@ SETUPS = [  # model, backend, prefill TP, decode TP, prefill chunk, decode KV bl
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> (folder, the offline engine's greedy outputs, bytes per token one decode
-    rank receives, by decode TP)."""
+    """name -> (folder, the offline engine's greedy outputs, bytes per token a decode
+    instance receives over the wire, by decode TP)."""
     from tests.latent_reference import save_tiny_gla
     from tests.tiny_models import TINY_MLA_SHAPES, save_byte_tokenizer, save_tiny_deepseek
 
@@ -54,11 +64,12 @@ def models(tmp_path_factory):
             outs = [o.token_ids for o in llm.generate(PROMPTS, params)]
             cfg = llm.engine.model.cfg
         m = cfg.mla
-        per_rank = {}
+        per_instance = {}  # every rank its row; MLA's replicated one once (rank 0 forwards)
         for tp in (1, 2):
             heads = m.latent_heads if m.replicated else m.latent_heads // tp
-            per_rank[tp] = cfg.num_layers * (heads * m.kv_lora_rank + m.qk_rope_head_dim) * 4
-        made[name] = (str(folder), outs, per_rank)
+            row = cfg.num_layers * (heads * m.kv_lora_rank + m.qk_rope_head_dim) * 4
+            per_instance[tp] = row if m.replicated else tp * row
+        made[name] = (str(folder), outs, per_instance)
     return made
 
 
@@ -73,7 +84,7 @@ def test_latent_kv_hands_off_to_the_offline_greedy(
 ):
     from cluster import launch
 
-    folder, outs, per_rank = models[model]
+    folder, outs, per_instance = models[model]
     config = disagg_config(folder, backend, backend == "gloo", 1)
     config["prefill"].update(tensor_parallel=prefill_tp, prefix_caching=False,
                              max_batch_tokens=chunk, resources={"num_cpus": 0.5})  # fmt: skip
@@ -85,11 +96,68 @@ def test_latent_kv_hands_off_to_the_offline_greedy(
         for prompt, chunks, want in zip(PROMPTS, got, outs, strict=True):
             assert [t for c in chunks for t in c.token_ids] == want
             blocks = -(-len(prompt) // BS)
-            # each decode rank receives its row of every block, whole blocks
-            want_bytes = blocks * BS * per_rank[decode_tp] * decode_tp
-            assert chunks[-1].timings.kv_bytes == want_bytes
+            # each decode rank's row of every block (MLA: rank 0's), whole blocks
+            assert chunks[-1].timings.kv_bytes == blocks * BS * per_instance[decode_tp]
         decode = ray.get(cluster.workers["decode-0"].stats.remote())
         assert (decode["preemptions_total"] > 0) == (decode_blocks < 256), decode
         assert wait_until(lambda: all_blocks_free(client.stats()), 10), client.stats()
         check_pools(cluster)
         client.close()
+
+
+@pytest.mark.timeout(300)
+def test_mla_decode_rank_killed_before_the_forward_is_survived(models, tmp_path):
+    """Two MLA decode instances of TP 2; the first attempt's END is held 2 s at the
+    receiving rank 0 while the test kills that instance's rank 1 (SIGKILL). The
+    supervisor pings only every 20 s here, so the forward's broadcast is what finds the
+    rank gone: rank 0 ends the instance (ranks out of step), and the router redoes the
+    request on the other decode instance with the offline greedy output; the victim is
+    restarted and every instance ends with every block free."""
+    from cluster import launch
+
+    folder, outs, _ = models["mla"]
+    prompt, want, rid = PROMPTS[1], outs[1], "mla-forward-fault"
+    plan = tmp_path / "plan.json"
+    write_plan(plan, [{"side": "receiver", "step": "end", "action": "delay", "rank": 0,
+                       "match": f"{rid}#0", "seconds": 2.0}])  # fmt: skip
+    config = disagg_config(folder, "tests.kv_transfer.faults:gloo", True, 1, lease_s=20.0)
+    config["prefill"].update(prefix_caching=False, resources={"num_cpus": 0.25})
+    config["decode"].update(instances=2, tensor_parallel=2, prefix_caching=False,
+                            resources={"num_cpus": 0.25})  # fmt: skip
+    config["supervisor"] = {"heartbeat_s": 20.0}  # the forward, not a ping, finds rank 1 gone
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, str(plan))
+        with launch(config) as cluster, cluster.client() as client:
+            got: dict = {}
+            run = threading.Thread(target=lambda: got.update(done=client.complete(
+                prompt_token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                ignore_eos=True, request_id=rid)), daemon=True)  # fmt: skip
+            run.start()
+
+            def holder() -> str | None:  # the decode instance holding the reservation
+                for name in ("decode-0", "decode-1"):
+                    if ray.get(cluster.workers[name].stats.remote())["reserved"]:
+                        return name
+                return None
+
+            assert wait_until(lambda: holder() is not None, 30), cluster.stats()
+            victim = holder()
+            rank1 = ray.get_actor(f"{victim}-rank1", namespace="pdserve")
+            os.kill(ray.get(rank1.ready.remote())["pid"], signal.SIGKILL)
+            run.join(timeout=120)
+            assert not run.is_alive(), "the request did not finish"
+            done = got["done"]
+            assert list(done.token_ids) == want
+            assert done.timings.attempts == 2 and victim in done.timings.instances
+            assert victim not in done.timings.instances[2:], done.timings.instances
+            write_plan(plan, [])
+            assert wait_until(lambda: restarted(cluster, victim), 120), cluster.stats()
+
+            def settled():
+                live = [s for s in cluster.stats()["instances"] if s["state"] == "serving"]
+                return len(live) == 3 and all(s["free_blocks"] == s["total_blocks"] for s in live)
+
+            assert wait_until(settled, 10), cluster.stats()
+            for name, worker in cluster.workers.items():
+                blocks = ray.get(worker.check_integrity.remote())
+                assert blocks["free_blocks"] == blocks["total_blocks"], (name, blocks)

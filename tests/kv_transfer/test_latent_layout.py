@@ -1,13 +1,12 @@
 """Latent and tied caches (MLA, GLA, GTA) in the transport's pure parts: the layout's
 checks, shapes and serialized form, and the routes between tensor-parallel degrees
 (every decode rank's row, byte for byte, from exactly one route; the RoPE key once per
-decode rank; a replicated row once per decode rank, spread over the prefill ranks; the
-routes' bytes equal to ``transfer_bytes``)."""
+decode rank; a replicated row once per decode instance, prefill rank 0 to decode rank 0,
+which forwards it to its other ranks; the routes' bytes equal to ``transfer_bytes``)."""
 
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -99,13 +98,18 @@ def test_latent_layout_round_trips_through_protobuf(spec):
 def _route_bytes(spec: dict, src_tp: int, dst_tp: int) -> None:
     """Copy every route of ``spec`` from real prefill shards into empty decode rows and
     check each decode rank's row against its shard of the reference, every column
-    written exactly once."""
+    written exactly once (a replicated row: on decode rank 0, then forwarded from there
+    to the other decode ranks, as ``DecodeWorker`` does)."""
     full = reference(lat(spec=spec), 3, seed=5)  # [layers, blocks, block_size, units]
     src = [shard(full, lat(src_tp, s, spec)) for s in range(src_tp)]
     rs = routes(lat(spec=spec), src_tp, dst_tp)
+    forwarded = None  # decode rank 0's row
     for d in range(dst_tp):
         want = shard(full, lat(dst_tp, d, spec))
         got, writes = torch.full_like(want, float("nan")), torch.zeros(want.shape[-1])
+        if spec["replicated"] and d > 0:  # nothing over the wire: rank 0's forwarded row
+            assert not [r for r in rs if r.dst_rank == d]
+            got, writes = forwarded.clone(), torch.ones(want.shape[-1])
         for r in (r for r in rs if r.dst_rank == d):
             (a, b), (c, e) = r.src_heads, r.dst_heads
             assert b - a == e - c == r.num_heads
@@ -114,6 +118,7 @@ def _route_bytes(spec: dict, src_tp: int, dst_tp: int) -> None:
             writes[c:e] += 1
         assert writes.eq(1).all(), f"decode rank {d}: columns written {writes.tolist()}"
         assert torch.equal(got, want), f"decode rank {d} differs"
+        forwarded = got if d == 0 else forwarded
 
 
 @pytest.mark.parametrize("src_tp, dst_tp", COMBOS)
@@ -123,11 +128,10 @@ def test_latent_routes_cover_every_row_once(spec, src_tp, dst_tp):
     rs = routes(lat(spec=spec), src_tp, dst_tp)
     rope = (spec["heads"] * spec["dim"], spec["heads"] * spec["dim"] + spec["rope"])
     senders = [r.src_rank for r in rs if r.heads[1] == rope[1]]  # who sends each RoPE key
-    assert sorted(r.dst_rank for r in rs if r.heads[1] == rope[1]) == list(range(dst_tp))
-    if spec["replicated"]:  # one whole row per decode rank, spread over the prefill ranks
-        assert [r.heads for r in rs] == [(0, rope[1])] * dst_tp
-        assert max(senders.count(s) for s in set(senders)) == math.ceil(dst_tp / src_tp)
+    if spec["replicated"]:  # one whole row per decode instance: prefill 0 -> decode 0
+        assert [(r.src_rank, r.dst_rank, r.heads) for r in rs] == [(0, 0, (0, rope[1]))]
     else:  # the RoPE key from the prefill rank holding the decode rank's first head
+        assert sorted(r.dst_rank for r in rs if r.heads[1] == rope[1]) == list(range(dst_tp))
         per_src, per_dst = spec["heads"] // src_tp, spec["heads"] // dst_tp
         assert senders == sorted(d * per_dst // per_src for d in range(dst_tp))
     # the bytes the routes carry are the layout's formula
@@ -142,10 +146,10 @@ def test_latent_routes_cover_every_row_once(spec, src_tp, dst_tp):
 
 
 def test_transfer_bytes_formula():
-    """For n blocks: sharded L n bs (Hc Dc + Td Dr) e, replicated Td L n bs (Hc Dc + Dr) e,
-    KV 2 L n bs H D e (a DeepSeek-V3-shaped MLA row: 512 + 64 in bf16)."""
+    """For n blocks: sharded L n bs (Hc Dc + Td Dr) e, replicated L n bs (Hc Dc + Dr) e
+    whatever Td, KV 2 L n bs H D e (a DeepSeek-V3-shaped MLA row: 512 + 64 in bf16)."""
     mla = {"heads": 1, "dim": 512, "rope": 64, "replicated": True}
     lay = lat(spec=mla, dtype="bfloat16")
-    assert lay.transfer_bytes(10, 4) == 4 * 3 * 10 * 4 * (512 + 64) * 2
+    assert lay.transfer_bytes(10, 4) == lay.transfer_bytes(10, 1) == 3 * 10 * 4 * (512 + 64) * 2
     assert lat(spec=GLA4).transfer_bytes(10, 2) == 3 * 10 * 4 * (4 * 16 + 2 * 8) * 4
     assert layout().transfer_bytes(10, 4) == 2 * 3 * 10 * 4 * 4 * 8 * 4

@@ -2,10 +2,12 @@
 GLA-2 row sharded by latent head (float32), prefill TP 1/2 -> decode TP 1/2, each
 decode rank's reserved blocks equal, byte for byte, its shard of the reference rows at
 the source blocks, nothing else is written, and the bytes the senders report and the
-receivers land equal ``KVLayout.transfer_bytes``. gloo crosses processes (the senders in
-the peer process, layer by layer out of order, whole-row runs unpacked), grpc runs in
-this process (whole caches); then a cached prefix (only the blocks past it move) and a
-corrupted segment (caught by the checksum) on both backends."""
+receivers land equal ``KVLayout.transfer_bytes``. A replicated row crosses the wire once,
+into decode rank 0 (the other decode ranks receive nothing: the decode instance forwards
+it, tests/test_block_copy.py and tests/cluster/test_latent_disagg.py). gloo crosses
+processes (the senders in the peer process, layer by layer out of order, whole-row runs
+unpacked), grpc runs in this process (whole caches); then a cached prefix (only the
+blocks past it move) and a corrupted segment (caught by the checksum) on both backends."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from kv_transfer import KVChecksumError, KVDestination, KVLayout, KVLayoutError, get_transport
-from kv_transfer.routes import routes
+from kv_transfer.routes import routes, routes_into
 from tests.kv_transfer.faults import ENV, write_plan
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard, tokened
 
@@ -51,7 +53,11 @@ class Decode:
                           for x, c in zip(self.layouts, self.caches, strict=True)]  # fmt: skip
 
     def expect(self, tid: str, src_tp: int, ids=DST_IDS, cached: int = 0) -> KVDestination:
-        for r in self.receivers:
+        """Every decode rank that a route reaches expects the transfer (a replicated row:
+        rank 0 alone)."""
+        self.wired = [r for r, x in zip(self.receivers, self.layouts, strict=True)
+                      if routes_into(x, src_tp)]  # fmt: skip
+        for r in self.wired:
             r.expect(tid, ids, lat(self.name, src_tp), lease_s=30, token=tid)
         dst = KVDestination([r.address for r in self.receivers], ids, lat(self.name, self.tp),
                             self.backend, cached_blocks=cached)  # fmt: skip
@@ -59,14 +65,18 @@ class Decode:
 
     def check(self, tid: str, src_ids, dst_ids, sent: int, keep=()) -> None:
         """Landed rows equal the reference's; blocks outside ``dst_ids`` and ``keep`` are
-        untouched (zero); ``sent`` (the senders' reported bytes) and the landed bytes
-        equal the layout's formula."""
+        untouched (zero), and so is every block of a rank no route reaches; ``sent`` (the
+        senders' reported bytes) and the landed bytes equal the layout's formula."""
         full = reference(lat(self.name), NUM_BLOCKS, SEED)
         want_bytes = lat(self.name).transfer_bytes(len(src_ids), self.tp)
-        landed = [r.wait(tid, timeout=20).bytes for r in self.receivers]
+        landed = [r.wait(tid, timeout=20).bytes for r in self.wired]
         assert sent == sum(landed) == want_bytes, (sent, landed, want_bytes)
         others = [b for b in range(NUM_BLOCKS) if b not in dst_ids and b not in keep]
-        for lay, cache, nbytes in zip(self.layouts, self.caches, landed, strict=True):
+        for r, lay, cache in zip(self.receivers, self.layouts, self.caches, strict=True):
+            if r not in self.wired:
+                assert not cache[:, [b for b in range(NUM_BLOCKS) if b not in keep]].any()
+                continue
+            nbytes = landed[self.wired.index(r)]
             got, want = cache[:, dst_ids], shard(full, lay)[:, src_ids]
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), lay.describe()
             assert not cache[:, others].any(), "bytes landed outside the reserved blocks"
@@ -235,16 +245,20 @@ def test_full_size_rows_split_into_many_segments(backend, spec, src_tp, dst_tp):
     senders = [tr.sender(lays[src_tp, r], secret=SECRET, checksum=True) for r in range(src_tp)]
     try:
         dst = KVDestination([r.address for r in receivers], dst_ids, dst_lays[0], backend, "big")
-        for r in receivers:
+        wired = [r for r, x in zip(receivers, dst_lays, strict=True) if routes_into(x, src_tp)]
+        for r in wired:  # MLA: decode rank 0 alone
             r.expect("big", dst_ids, lays[src_tp, 0], lease_s=30, token="big")
         for s in senders:
             s.send_all("big", shard(full, s.layout), src_ids, dst)
         acks = [s.finish("big", timeout=60) for s in senders]
-        landed = [r.wait("big", timeout=60).bytes for r in receivers]
+        landed = [r.wait("big", timeout=60).bytes for r in wired]
         assert sum(a.bytes for a in acks) == sum(landed)
         assert sum(landed) == dst_lays[0].transfer_bytes(len(src_ids), dst_tp)
         assert sum(a.segments for a in acks) > 2 * len(routes(dst_lays[0], src_tp, dst_tp))
-        for x, c in zip(dst_lays, caches, strict=True):
+        for r, x, c in zip(receivers, dst_lays, caches, strict=True):
+            if r not in wired:  # nothing over the wire (the decode instance forwards it)
+                assert not c.any()
+                continue
             want = shard(full, x)[:, src_ids]
             assert torch.equal(c[:, dst_ids].view(torch.int16), want.view(torch.int16))
             assert not c[:, :20].any()
