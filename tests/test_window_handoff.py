@@ -30,7 +30,7 @@ from tests.test_prefix_handoff import (
 WINDOW, BS = 8, 4
 # chunks of 7: the prefill instance releases blocks between its chunks too
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 7, "block_size": BS}
-PROMPTS = [  # 4x the window (the window starts on a block boundary), and just past it
+PROMPTS = [  # 4x the window: 8 blocks, 2 in the window; 4x + 2: 9 blocks, 3 in it
     tuple(3 + (7 * i) % 200 for i in range(4 * WINDOW)),
     tuple(9 + (13 * i) % 230 for i in range(4 * WINDOW + 2)),
     (5, 6, 7),  # inside the window: everything moves
