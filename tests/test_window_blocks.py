@@ -137,7 +137,8 @@ def test_integrity_catches_released_entries_without_a_window():
 @pytest.mark.parametrize("caching", [False, True])
 def test_churn_under_a_window_keeps_the_books_right(caching):
     """Requests grow, commit, release and free at random; shared cached prefixes are
-    taken, released and taken again."""
+    taken, released and taken again; some requests start as reservations (placeholders
+    before the window, as a decode instance reserves)."""
     rng = random.Random(0)
     bs, window = 4, 9
     bm = BlockManager(num_blocks=40, block_size=bs, enable_caching=caching, window=window)
@@ -151,8 +152,11 @@ def test_churn_under_a_window_keeps_the_books_right(caching):
         elif rid not in done:
             prefix = bm.match(tokens[rid][:30])
             n = len(prefix) * bs + rng.randint(1, 12)
-            if bm.can_allocate(rid, n, prefix):
-                bm.allocate(rid, n, prefix)
+            outside = bm.window_start(n) if rng.random() < 0.3 else 0
+            if bm.can_allocate(rid, n, prefix, outside):
+                free, need = bm.num_free_blocks, bm.num_new_blocks(rid, n, prefix, outside)
+                bm.allocate(rid, n, prefix, outside)
+                assert free - bm.num_free_blocks == need
                 done[rid] = n
         else:
             n = min(60, done[rid] + rng.randint(1, 8))
