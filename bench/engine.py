@@ -1,20 +1,29 @@
 """Engine vs HF transformers on the embedded model (float32, 2 threads), next to the
-machine's floors measured in the same run.
+machine's floors measured in the same run, then on a second family's tiny checkpoint.
 
-    .venv/bin/python -m bench.engine [--threads 2] [--decode-steps 16]
+    .venv/bin/python -m bench.engine [--threads 2] [--decode-steps 16] [--family gemma2]
 
 Prefill: one prompt of 128 / 512 / 2048 tokens in one pass (HF computes the last
 logit only), after a warm-up pass each, best of 5 passes that alternate between the
 engine and HF. Decode: batch 1 / 8 / 32 of 128-token contexts, tokens/s over N steps,
 best of 5 runs that alternate the same way. The machine is shared: a single run of
 either can land on a busy moment, and alternating gives both sides the same chances.
+
+The second section (``--family``, a name of tests/family_models.py, default Gemma 2;
+``none`` skips it) runs prefill 128 / 512 and decode batch 1 / 8 the same way on that
+family's tiny random checkpoint (hidden 64). Gemma 2, Gemma 3, Qwen2 and Qwen3 decode on
+the per-op torch layers, not the embedded Llama's C decode layers (docs/models.md, "The
+C decode fast path"); at this size a step is nearly all per-op overhead, so a
+regression in that generic path shows as a drop of its ratio to HF.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,9 +35,14 @@ from engine.checkpoint import resolve
 MODEL = "smollm2-135m"
 
 
+def prompt_ids(n: int, vocab: int) -> list[int]:
+    """The prefill prompt of n tokens: ids in [100, vocab) (vocab > 100)."""
+    return [(7 * i) % min(40000, vocab - 100) + 100 for i in range(n)]
+
+
 def engine_prefill(llm: LLM, n: int):
     """A function that runs one prefill of n tokens."""
-    ids = [(7 * i) % 40000 + 100 for i in range(n)]
+    ids = prompt_ids(n, llm.engine.model_config.vocab_size)
     params = SamplingParams(max_tokens=1, temperature=0)
     return lambda: llm.generate(ids, params)
 
@@ -50,7 +64,7 @@ def engine_decode(llm: LLM, batch: int, steps: int, run: int, context: int = 128
 
 def hf_prefill(model, n: int):
     """A function that runs HF's prefill of the same n tokens."""
-    ids = torch.tensor([[(7 * i) % 40000 + 100 for i in range(n)]])
+    ids = torch.tensor([prompt_ids(n, model.config.vocab_size)])
 
     def run():
         with torch.inference_mode():
@@ -86,9 +100,17 @@ def hf_decode(model, batch: int, steps: int, context: int = 128) -> float:
 
 
 def main() -> None:
+    from tests.family_models import FAMILY_SHAPES
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument(
+        "--family",
+        default="gemma2",
+        choices=[*FAMILY_SHAPES, "none"],
+        help="tiny checkpoint of tests/family_models.py for the second section",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -120,21 +142,8 @@ def main() -> None:
         f"decode step floor {decode_floor_s * 1e3:.1f} ms, "
         f"prefill ceiling {prefill_ceiling:.0f} tok/s"
     )
-    rows = []
-    for n in (128, 512, 2048):
-        t_ours, t_theirs = alternating_best([engine_prefill(llm, n), hf_prefill(hf, n)], 5)
-        ours, theirs = n / t_ours, n / t_theirs
-        rows.append((f"prefill {n}", ours, theirs, f"{ours / prefill_ceiling:.0%} of ceiling"))
-        print(_fmt(rows[-1]), flush=True)
-    for b in (1, 8, 32):
-        ours, theirs = 0.0, 0.0
-        for run in range(5):
-            ours = max(ours, engine_decode(llm, b, args.decode_steps, run))
-            theirs = max(theirs, hf_decode(hf, b, args.decode_steps))
-        step_ms = b / ours * 1e3
-        floor = f"{step_ms / (decode_floor_s * 1e3):.2f}x floor ({step_ms:.1f} ms/step)"
-        rows.append((f"decode batch {b}", ours, theirs, floor))
-        print(_fmt(rows[-1]), flush=True)
+    rows = compare(llm, hf, (128, 512, 2048), (1, 8, 32), args.decode_steps, 5,
+                   prefill_ceiling, decode_floor_s)  # fmt: skip
     model = llm.engine.model
     twins = [t for layer in model.layers for t in layer.panels.values()]
     twins += [model.lm_head_panels] if model.lm_head_panels is not None else []
@@ -144,10 +153,67 @@ def main() -> None:
         f"Q8_0 blocks where its floats are exactly those); floor from those bytes "
         f"{streamed / bandwidth * 1e3:.1f} ms; the floors above count float32 weights"
     )
-    print("\n| | pdserve tok/s | HF tok/s | ratio | distance from floor |")
+    _table(rows, "distance from floor")
+    if args.family != "none":
+        print(f"\nsecond family: tiny {args.family} (tests/family_models.py)", flush=True)
+        _table(family_rows(args.family, args.decode_steps, 5), "step")
+
+
+def compare(
+    llm,
+    hf,
+    prefills,
+    batches,
+    steps: int,
+    repeats: int,
+    prefill_ceiling: float | None = None,
+    decode_floor_s: float | None = None,
+) -> list:
+    """Rows (name, pdserve tok/s, HF tok/s, note) of prefills of ``prefills`` tokens and
+    decodes of ``batches`` requests, best of ``repeats`` alternating runs each; the note
+    is the distance from the ceiling or floor when given, else the decode step time."""
+    rows = []
+    for n in prefills:
+        t_ours, t_theirs = alternating_best([engine_prefill(llm, n), hf_prefill(hf, n)], repeats)
+        ours, theirs = n / t_ours, n / t_theirs
+        note = "" if prefill_ceiling is None else f"{ours / prefill_ceiling:.0%} of ceiling"
+        rows.append((f"prefill {n}", ours, theirs, note))
+        print(_fmt(rows[-1]), flush=True)
+    for b in batches:
+        ours, theirs = 0.0, 0.0
+        for run in range(repeats):
+            ours = max(ours, engine_decode(llm, b, steps, run))
+            theirs = max(theirs, hf_decode(hf, b, steps))
+        step_ms = b / ours * 1e3
+        note = f"{step_ms:.1f} ms/step"
+        if decode_floor_s is not None:
+            note = f"{step_ms / (decode_floor_s * 1e3):.2f}x floor ({note})"
+        rows.append((f"decode batch {b}", ours, theirs, note))
+        print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
+def family_rows(family: str, steps: int, repeats: int, prefills=(128, 512), batches=(1, 8)):
+    """``compare`` on the tiny random checkpoint ``family`` of tests/family_models.py
+    (float32), written to a temporary folder; first a line naming the decode path."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_models import save_tiny_family
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_tiny_family(Path(folder), family)
+        llm = LLM(folder, num_kv_blocks=1024, max_batch_tokens=2048, max_batch_size=64)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        fast = llm.engine.model.cpu_decode is not None
+        print(f"decode path: {'C decode layers' if fast else 'per-op torch layers'}")
+        return compare(llm, hf, prefills, batches, steps, repeats)
+
+
+def _table(rows, note: str) -> None:
+    print(f"\n| | pdserve tok/s | HF tok/s | ratio | {note} |")
     print("|---|---|---|---|---|")
-    for name, ours, theirs, floor in rows:
-        print(f"| {name} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x | {floor} |")
+    for name, ours, theirs, text in rows:
+        print(f"| {name} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x | {text} |")
 
 
 def _fmt(row):

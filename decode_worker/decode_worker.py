@@ -2,8 +2,11 @@
 decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
 
     reserve(attempt)  blocks for the prompt (and a resumed request's delivered tokens):
-                      its leading full blocks this instance already caches are shared
-                      (``cached_blocks``, not sent), the rest are new and expected by
+                      for a model whose every layer slides, those wholly before the
+                      window of its next token are placeholders (``outside_blocks``,
+                      neither held nor sent); of the rest, its leading full blocks this
+                      instance already caches are shared (``cached_blocks``, not sent),
+                      the rest are new and expected by
                       the KV receiver of every rank; returns the KVDestination the
                       prefill instance sends to (None: no room). No timer runs yet:
                       the prefill may be queued.
@@ -115,15 +118,20 @@ class DecodeWorker(EngineWorker):
         e, tokens = self.engine, [*attempt.prompt_ids, *attempt.delivered]
         n = len(tokens)
         busy = len(self.reservations) + len(e.scheduler.running) + len(e.scheduler.waiting)
-        # the leading blocks this instance caches (capped: at least one block is sent)
+        # every layer slides: the blocks before the window of the next token (at n) are
+        # placeholders, neither held nor sent (capped: at least one block is sent)
+        outside = min(e.blocks.window_start(n), e.blocks.blocks_for(n) - 1)
+        # the leading blocks this instance caches (capped: at least one block is sent);
+        # those past the outside ones are shared
         prefix = e.blocks.match(tokens)
         # room for the prompt's KV and the first decoded token
-        if busy >= e.config.max_batch_size or not e.blocks.can_allocate(attempt.id, n + 1,
-                                                                        prefix):  # fmt: skip
+        room = e.blocks.can_allocate(attempt.id, n + 1, prefix, outside)
+        if busy >= e.config.max_batch_size or not room:
             return None
         if attempt.id in self.reservations or attempt.id in e.requests:
             raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
-        block_ids = e.blocks.allocate(attempt.id, n, prefix)  # only the new blocks
+        block_ids = e.blocks.allocate(attempt.id, n, prefix, outside)  # only the new blocks
+        cached = max(0, len(prefix) - outside)
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
         try:  # the receiver mints the transfer's token: its only name on the wire
             ranks = 1 if self.forwards else 1 + len(self.ranks)
@@ -133,10 +141,10 @@ class DecodeWorker(EngineWorker):
             e.blocks.free(attempt.id)
             raise
         self.reservations[attempt.id] = attempt
-        self.cached_blocks[attempt.id] = len(prefix)
+        self.cached_blocks[attempt.id] = cached
         self._consumer[attempt.id] = attempt.consumer
         return KVDestination(self.addresses, block_ids, self.layout, self.transport.name, token,
-                             cached_blocks=len(prefix))  # fmt: skip
+                             cached_blocks=cached, outside_blocks=outside)  # fmt: skip
 
     def _op_landed(self, outcome: Outcome) -> list[Update]:
         attempt = self.reservations.pop(outcome.transfer_id, None)
@@ -163,9 +171,9 @@ class DecodeWorker(EngineWorker):
 
     def _start(self, attempt: Attempt, outcome: Outcome, cached_blocks: int) -> list[Update]:
         """Admit a request whose KV landed. Its first update's ``info`` reports the
-        handoff: ``kv_bytes`` (what moved: the blocks past the ``kv_cached_tokens`` this
-        instance held, whole blocks), ``cached_tokens`` (the prefill instance's prefix
-        hit), phases."""
+        handoff: ``kv_bytes`` (what moved: the blocks past those outside the window and
+        the ``kv_cached_tokens`` this instance held, whole blocks), ``cached_tokens`` (the
+        prefill instance's prefix hit), phases."""
         h, now = outcome.handoff, time.time()
         times = {**h.phase_times, "transfer_end": now}
         first = None  # the first token's logprobs, sampled with it on the prefill instance

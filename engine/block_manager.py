@@ -37,7 +37,9 @@ one: its KV is a function of the token prefix its hash names (each layer's KV at
 position p depends on tokens 0 .. p only, window or not), and ``match`` takes only
 runs from a sequence's first block, so a request that reuses it reads exactly what it
 would have computed. A request keeps at most ceil((W - 1) / block_size) + 1 blocks
-between steps, plus those of the tokens a step adds.
+between steps, plus those of the tokens a step adds. A request whose KV arrives from
+elsewhere (the decode pool's reservations) starts with its blocks before the window as
+placeholders (``allocate(placeholders=...)``, ``window_start``): never held at all.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from engine.block_hash import block_hashes
 
 EMPTY, CACHED, USED = 1, 2, 0
+PLACEHOLDER = 0  # the entry of a placeholder reserved as one: any block id would do
 
 
 @dataclass
@@ -112,21 +115,50 @@ class BlockManager:
             out.append(block)
         return out
 
-    def num_new_blocks(self, owner: str, num_tokens: int, prefix: list[int] = ()) -> int:
+    def window_start(self, num_tokens: int) -> int:
+        """The table index of the first block that a token at position ``num_tokens``
+        reads: its window's first position's block (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, num_tokens - self.window + 1) // self.block_size
+
+    def num_new_blocks(
+        self, owner: str, num_tokens: int, prefix: list[int] = (), placeholders: int = 0
+    ) -> int:
         """Free blocks ``owner`` would take to hold ``num_tokens`` tokens in all, starting
-        an empty table with the cached ``prefix`` (those that are CACHED count: they
-        leave the free pool)."""
-        have = len(self.block_table(owner)) or len(prefix)
-        revived = sum(1 for b in prefix if self.state[b] == CACHED) if prefix else 0
+        an empty table with ``placeholders`` placeholders and the cached ``prefix`` past
+        them (those that are CACHED count: they leave the free pool)."""
+        have = len(self.block_table(owner)) or max(len(prefix), placeholders)
+        revived = sum(1 for b in prefix[placeholders:] if self.state[b] == CACHED)
         return max(0, self.blocks_for(num_tokens) - have) + revived
 
-    def can_allocate(self, owner: str, num_tokens: int, prefix: list[int] = ()) -> bool:
-        return self.num_new_blocks(owner, num_tokens, prefix) <= self.num_free_blocks
+    def can_allocate(
+        self, owner: str, num_tokens: int, prefix: list[int] = (), placeholders: int = 0
+    ) -> bool:
+        need = self.num_new_blocks(owner, num_tokens, prefix, placeholders)
+        return need <= self.num_free_blocks
 
-    def allocate(self, owner: str, num_tokens: int, prefix: list[int] = ()) -> list[int]:
+    def allocate(
+        self, owner: str, num_tokens: int, prefix: list[int] = (), placeholders: int = 0
+    ) -> list[int]:
         """Grow ``owner``'s table to hold ``num_tokens`` tokens; returns the new block ids.
-        ``prefix`` (from ``match``) starts an empty table with those shared blocks."""
-        need = self.num_new_blocks(owner, num_tokens, prefix)
+        ``prefix`` (from ``match``) starts an empty table with those shared blocks.
+
+        ``placeholders`` (a windowed manager, an empty table, at most the blocks of
+        ``num_tokens``): the table starts with that many released entries (``PLACEHOLDER``),
+        which hold no block and are never read nor registered, as ``release_outside``
+        leaves them; of ``prefix`` only the blocks past them are taken. For a request
+        whose KV arrives from elsewhere: ``window_start`` of its next token's position."""
+        table = self.tables.get(owner, [])
+        if placeholders and (
+            self.window is None or table or placeholders > self.blocks_for(num_tokens)
+        ):
+            raise ValueError(
+                f"allocate({owner!r}, {num_tokens}, placeholders={placeholders}): allowed only "
+                f"on an empty table ({len(table)} entries) of a windowed manager "
+                f"(window={self.window}), at most {self.blocks_for(num_tokens)} placeholders"
+            )
+        need = self.num_new_blocks(owner, num_tokens, prefix, placeholders)
         if need > self.num_free_blocks:
             raise RuntimeError(
                 f"allocate({owner!r}): {need} blocks needed, {self.num_free_blocks} free"
@@ -135,14 +167,17 @@ class BlockManager:
         if prefix:
             if table:
                 raise ValueError(f"allocate({owner!r}, prefix=...): the table is not empty")
-            for b in prefix:
-                if self.state[b] == CACHED:
-                    del self.lru[b]
-                    self.state[b] = USED
-                    self.num_free_blocks -= 1
-                self.ref_counts[b] += 1
-            table.extend(prefix)
             self.hashes[owner] = [self.hash_of[b] for b in prefix]
+        if placeholders:
+            table.extend([PLACEHOLDER] * placeholders)
+            self.released[owner] = placeholders
+        for b in prefix[placeholders:]:
+            if self.state[b] == CACHED:
+                del self.lru[b]
+                self.state[b] = USED
+                self.num_free_blocks -= 1
+            self.ref_counts[b] += 1
+        table.extend(prefix[placeholders:])
         count = max(0, self.blocks_for(num_tokens) - len(table))
         new = self._take(count, table[-1] + 1 if table else None)
         for b in new:
@@ -235,7 +270,7 @@ class BlockManager:
         if not table:
             return 0
         done = self.released.get(owner, 0)
-        upto = min(max(0, num_computed - self.window + 1) // self.block_size, len(table))
+        upto = min(self.window_start(num_computed), len(table))
         for b in table[done:upto]:
             self._drop(b)
         if upto > done:

@@ -6,8 +6,9 @@ of a request's KV to the transport; ``finish(transfer_id, handoff)`` sends the E
 (source rank 0's carries the ``Handoff``) and returns once every decode rank answered
 that its share landed, or raises a ``KVTransferError``; ``abort`` forgets a transfer.
 The source blocks stay untouched until ``finish`` returned. The blocks sent are the
-request's table past the ``cached_blocks`` the destination already holds
-(``KVDestination.source_blocks``), the i-th into the destination's ``block_ids[i]``.
+request's table past the ``outside_blocks`` (before a sliding window: nobody reads them)
+and the ``cached_blocks`` the destination already holds (``KVDestination.source_blocks``),
+the i-th into the destination's ``block_ids[i]``.
 
 Decode side, one ``KVReceiver`` per rank, owning its cache: ``expect`` reserves (the
 blocks to write only) and returns the transfer's token (its ``address`` and the token go into the

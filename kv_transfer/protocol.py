@@ -89,10 +89,14 @@ class KVDestination:
     random bits, never derived from a request id, so that only whoever was given this
     destination can name the transfer.
 
-    ``cached_blocks``: the request's leading blocks the decode instance already holds
-    (shared from its prefix cache at ``reserve``); they are not sent. The request's
-    block list is then ``cached_blocks`` held blocks followed by ``block_ids``: the
-    sender sends its own table's blocks from position ``cached_blocks`` on
+    ``outside_blocks``: for a model whose every layer slides (``ModelConfig.cache_window``),
+    the request's leading blocks wholly before the window of its next token; nobody
+    reads them again, so they are not sent and the decode instance holds placeholders
+    for them (engine/block_manager.py). ``cached_blocks``: the blocks after those that
+    the decode instance already holds (shared from its prefix cache at ``reserve``); they
+    are not sent either. The request's block list there is then ``outside_blocks``
+    placeholders, ``cached_blocks`` held blocks and ``block_ids``: the sender sends its
+    own table's blocks from position ``outside_blocks + cached_blocks`` on
     (``source_blocks``), the i-th of them into ``block_ids[i]``."""
 
     addresses: tuple[str, ...]
@@ -101,6 +105,7 @@ class KVDestination:
     backend: str = "gloo"
     token: str = ""
     cached_blocks: int = 0
+    outside_blocks: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "addresses", tuple(self.addresses))
@@ -110,19 +115,22 @@ class KVDestination:
                 f"KVDestination has {len(self.addresses)} addresses for a decode pool of "
                 f"tensor_parallel={self.layout.tp_size}: one address per rank is needed"
             )
-        if self.cached_blocks < 0:
-            raise KVLayoutError(f"KVDestination.cached_blocks={self.cached_blocks}: must be >= 0")
+        for key in ("cached_blocks", "outside_blocks"):
+            if getattr(self, key) < 0:
+                raise KVLayoutError(f"KVDestination.{key}={getattr(self, key)}: must be >= 0")
 
     def source_blocks(self, table) -> list[int]:
         """The blocks of the sender's ``table`` (the request's whole block list there) to
-        send: those past the ``cached_blocks`` the destination holds, one per block of
-        ``block_ids``."""
-        send = [int(b) for b in table[self.cached_blocks :]]
+        send: those past the ``outside_blocks`` and ``cached_blocks`` the destination
+        does not need, one per block of ``block_ids``."""
+        skip = self.outside_blocks + self.cached_blocks
+        send = [int(b) for b in table[skip:]]
         if len(send) != len(self.block_ids):
             raise KVLayoutError(
                 f"the source holds {len(table)} blocks for this request; the destination "
-                f"holds {self.cached_blocks} and reserved {len(self.block_ids)}: "
-                f"{len(table)} - {self.cached_blocks} must equal {len(self.block_ids)}"
+                f"skips {self.outside_blocks} outside the window, holds {self.cached_blocks} "
+                f"and reserved {len(self.block_ids)}: {len(table)} - {skip} must equal "
+                f"{len(self.block_ids)}"
             )
         return send
 
@@ -134,13 +142,14 @@ class KVDestination:
         msg.backend = self.backend
         msg.token = self.token
         msg.cached_blocks = self.cached_blocks
+        msg.outside_blocks = self.outside_blocks
         return msg
 
     @classmethod
     def from_proto(cls, msg: pb.KVDestination) -> KVDestination:
         layout = KVLayout.from_proto(msg.layout)
         return cls(tuple(msg.addresses), tuple(msg.block_ids), layout, msg.backend, msg.token,
-                   msg.cached_blocks)  # fmt: skip
+                   msg.cached_blocks, msg.outside_blocks)  # fmt: skip
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString()

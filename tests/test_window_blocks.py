@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.backend import AttentionBackend
-from engine.block_manager import EMPTY, BlockManager
+from engine.block_manager import CACHED, EMPTY, PLACEHOLDER, BlockManager
 from tests.engine_utils import hf_greedy
 
 
@@ -70,6 +70,56 @@ def test_released_placeholders_are_never_registered():
     bm.check_integrity()
 
 
+def test_a_reservation_starts_with_placeholders_before_the_window():
+    """A request whose KV arrives from elsewhere (a decode reservation) holds only the
+    blocks inside the window of its next token, the others placeholders from the start;
+    of a cached prefix only the blocks past them are taken, and no placeholder is ever
+    registered."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_caching=True, window=6)
+    tokens = list(range(3, 30))
+    bm.allocate("a", 24)
+    bm.commit("a", tokens, 24)
+    bm.free("a")  # 6 full blocks cached
+    prefix = bm.match(tokens[:26])
+    assert len(prefix) == 6
+    outside = bm.window_start(26)  # the next token at 26 reads 21 .. 26: block 5 on
+    assert outside == 5
+    assert bm.num_new_blocks("b", 26, prefix, outside) == 2  # prefix[5] revived + 1 new
+    new = bm.allocate("b", 26, prefix, outside)
+    table = bm.block_table("b")
+    assert len(new) == 1 and table == [PLACEHOLDER] * 5 + [prefix[5], *new]
+    assert bm.num_held("b") == 2 and bm.num_free_blocks == 14
+    assert [bm.state[b] for b in prefix[:5]] == [CACHED] * 5  # never taken
+    bm.check_integrity()
+    bm.commit("b", tokens, 26)
+    assert bm.release_outside("b", 26) == 0
+    bm.check_integrity()
+    bm.free("b")
+    assert bm.num_free_blocks == 16 and bm.num_cached_blocks == 6
+    bm.check_integrity()
+    # without a prefix: only the window's blocks are new, none before it is registered
+    others = list(range(100, 120))
+    new = bm.allocate("c", 20, placeholders=bm.window_start(20))  # reads 15 .. 20
+    assert len(new) == 2 and bm.num_held("c") == 2
+    bm.commit("c", others, 20)
+    assert bm.match(others) == [] and bm.num_cached_blocks == 8  # blocks 3, 4 (12-19)
+    bm.free("c")
+    bm.check_integrity()
+
+
+def test_placeholders_are_refused_where_they_mean_nothing():
+    with pytest.raises(ValueError, match="placeholders=1.*window=None"):
+        BlockManager(num_blocks=8, block_size=4).allocate("a", 8, placeholders=1)
+    bm = BlockManager(num_blocks=8, block_size=4, window=4)
+    with pytest.raises(ValueError, match="at most 2 placeholders"):
+        bm.allocate("a", 8, placeholders=3)
+    bm.allocate("a", 8)
+    with pytest.raises(ValueError, match="empty table"):
+        bm.allocate("a", 12, placeholders=1)
+    assert bm.num_held("a") == 2
+    bm.check_integrity()
+
+
 @pytest.mark.parametrize("window", [0, -1, 2.0])
 def test_bad_window_is_refused(window):
     with pytest.raises(ValueError, match="window"):
@@ -87,7 +137,8 @@ def test_integrity_catches_released_entries_without_a_window():
 @pytest.mark.parametrize("caching", [False, True])
 def test_churn_under_a_window_keeps_the_books_right(caching):
     """Requests grow, commit, release and free at random; shared cached prefixes are
-    taken, released and taken again."""
+    taken, released and taken again; some requests start as reservations (placeholders
+    before the window, as a decode instance reserves)."""
     rng = random.Random(0)
     bs, window = 4, 9
     bm = BlockManager(num_blocks=40, block_size=bs, enable_caching=caching, window=window)
@@ -101,8 +152,11 @@ def test_churn_under_a_window_keeps_the_books_right(caching):
         elif rid not in done:
             prefix = bm.match(tokens[rid][:30])
             n = len(prefix) * bs + rng.randint(1, 12)
-            if bm.can_allocate(rid, n, prefix):
-                bm.allocate(rid, n, prefix)
+            outside = bm.window_start(n) if rng.random() < 0.3 else 0
+            if bm.can_allocate(rid, n, prefix, outside):
+                free, need = bm.num_free_blocks, bm.num_new_blocks(rid, n, prefix, outside)
+                bm.allocate(rid, n, prefix, outside)
+                assert free - bm.num_free_blocks == need
                 done[rid] = n
         else:
             n = min(60, done[rid] + rng.randint(1, 8))
