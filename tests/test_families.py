@@ -114,7 +114,7 @@ def test_preempted_requests_recompute_to_hf_greedy(hf_reference, name):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "mistral", "gemma3", "phi3"])
 def test_tensor_parallel_2_matches_hf(hf_reference, name):
     """Two ranks of two query heads and one KV head each: q/k/v biases and Phi-3's fused
     rows cut with their heads, q/k norms and Gemma's norms replicated."""

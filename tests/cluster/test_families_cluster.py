@@ -4,17 +4,18 @@ tokenizer): greedy outputs equal the offline engine's, and a disaggregated reque
 the KV bytes of the blocks it sends (docs/kv_transfer.md, "Sliding windows"). MLA runs
 through tests/cluster/test_latent_disagg.py, Llama through tests/cluster/test_disagg.py.
 
-A covering set, one cluster per row, not every family on every path:
+Every family on every path, one cluster per row: co-located, disaggregated over gloo
+with a prefill pool of TP 2, and over gRPC into a decode pool of TP 2 (Gemma 2 the other
+way round), each family at chunk sizes 1, 7 and whole across its three rows:
 
-| family | mode | KV backend | prefill TP | decode TP | chunk | window |
-| --- | --- | --- | --- | --- | --- | --- |
-| Qwen2 | disaggregated | gloo | 2 | 1 | 7 | none |
-| Qwen3 | disaggregated | grpc | 1 | 2 | 1 | none |
-| Gemma 2 | disaggregated | gloo | 1 | 2 | whole | 8, alternating with global layers |
-| Mistral | disaggregated | grpc | 1 | 1 | 7 | 8, every layer |
-| Mistral | disaggregated | gloo | 2 | 1 | whole | 8, every layer |
-| Gemma 3 | co-located | - | 1 | - | 7 | 8, alternating with global layers |
-| Phi-3 | co-located | - | 1 | - | whole | none |
+| family | co-located (TP, chunk) | gloo (prefill TP, decode TP, chunk) | gRPC (same) |
+| --- | --- | --- | --- |
+| Qwen2 | 1, whole | 2, 1, 7 | 1, 2, 1 |
+| Qwen3 | 1, 7 | 2, 1, whole | 1, 2, 1 |
+| Gemma 2 (window 8, alternating with global layers) | 1, 1 | 1, 2, whole | 2, 1, 7 |
+| Mistral (window 8, every layer) | 1, 1 | 2, 1, whole | 1, 2, 7 |
+| Gemma 3 (window 8, alternating with global layers) | 1, 7 | 2, 1, 1 | 1, 2, whole |
+| Phi-3 | 1, whole | 2, 1, 7 | 1, 2, 1 |
 
 The windowed models (``*_w8``) get prompts of up to 5x their window. Blocks are 4 tokens,
 so that a window of 8 leaves most of a long prompt's blocks outside it: for Mistral
@@ -39,13 +40,24 @@ PROMPTS = [
 ]
 WHOLE = 64  # a chunk holding every prompt whole
 SETUPS = [  # model, mode, backend, prefill TP, decode TP (co-located: its TP), chunk
+    ("qwen2", "colocated", None, 1, 1, WHOLE),
     ("qwen2", "disaggregated", "gloo", 2, 1, 7),
+    ("qwen2", "disaggregated", "grpc", 1, 2, 1),
+    ("qwen3", "colocated", None, 1, 1, 7),
+    ("qwen3", "disaggregated", "gloo", 2, 1, WHOLE),
     ("qwen3", "disaggregated", "grpc", 1, 2, 1),
+    ("gemma2_w8", "colocated", None, 1, 1, 1),
     ("gemma2_w8", "disaggregated", "gloo", 1, 2, WHOLE),
-    ("mistral_w8", "disaggregated", "grpc", 1, 1, 7),
+    ("gemma2_w8", "disaggregated", "grpc", 2, 1, 7),
+    ("mistral_w8", "colocated", None, 1, 1, 1),
     ("mistral_w8", "disaggregated", "gloo", 2, 1, WHOLE),
+    ("mistral_w8", "disaggregated", "grpc", 1, 2, 7),
     ("gemma3_w8", "colocated", None, 1, 1, 7),
+    ("gemma3_w8", "disaggregated", "gloo", 2, 1, 1),
+    ("gemma3_w8", "disaggregated", "grpc", 1, 2, WHOLE),
     ("phi3", "colocated", None, 1, 1, WHOLE),
+    ("phi3", "disaggregated", "gloo", 2, 1, 7),
+    ("phi3", "disaggregated", "grpc", 1, 2, 1),
 ]
 
 
