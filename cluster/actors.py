@@ -31,15 +31,31 @@ class InstanceHandles:
 
 
 def _free_port(bind: str | None, advertise: str | None) -> tuple[str, str, int]:
-    """On the group's node: (interface, advertised address, a port free on it)."""
+    """On the group's node: (interface, advertised address, a port free on it).
+
+    Rank 0 binds the port only once its actor is up, seconds later. Ports the kernel
+    hands out (``bind(0)``, every outgoing connection) come from its ephemeral range, so
+    one drawn from there could be taken by any process in that window; the port is
+    drawn at random from the range between Ray's worker ports (10002-19999 by default)
+    and the ephemeral one, where only an explicit bind can take it."""
+    import random
     import socket
+    from pathlib import Path
 
     from kv_transfer.protocol import endpoint
 
     bind, advertise = endpoint(bind, advertise)
-    with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as s:
-        s.bind((bind, 0))
-        return bind, advertise, s.getsockname()[1]
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for port in random.sample(range(20000, low), min(64, max(0, low - 20000))) + [0]:
+        with socket.socket(family) as s:
+            try:
+                s.bind((bind, port))
+            except OSError:
+                continue
+            return bind, advertise, s.getsockname()[1]
+    raise OSError(f"no free port to bind on {bind}")
 
 
 def start_instance(
