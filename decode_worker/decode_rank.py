@@ -27,11 +27,12 @@ class DecodeRank(RankActor):
         return {**super().ready(), "kv_address": self.receiver.address}
 
     def expect(self, transfer_id: str, block_ids: list[int], src_tp: int, token: str,
-               sender: str) -> None:  # fmt: skip
+               sender: str, layer_skip: list[int]) -> None:  # fmt: skip
         """Expect rank 0's reservation, named on the wire by rank 0's ``token``, from the
-        prefill instance ``sender``."""
+        prefill instance ``sender``, each layer's blocks from ``layer_skip`` on."""
         src = replace(self.layout, tp_size=src_tp, tp_rank=0)
-        self.receiver.expect(transfer_id, block_ids, src, token=token, sender=sender)
+        self.receiver.expect(transfer_id, block_ids, src, token=token, sender=sender,
+                             layer_skip=layer_skip)  # fmt: skip
 
     def release(self, transfer_id: str) -> None:
         self.receiver.release(transfer_id)

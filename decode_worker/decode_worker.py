@@ -7,9 +7,10 @@ decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
                       neither held nor sent); of the rest, its leading full blocks this
                       instance already caches are shared (``cached_blocks``, not sent),
                       the rest are new and expected by
-                      the KV receiver of every rank; returns the KVDestination the
-                      prefill instance sends to (None: no room). No timer runs yet:
-                      the prefill may be queued.
+                      the KV receiver of every rank, each sliding layer's from the
+                      first in its window on (``layer_skip``); returns the
+                      KVDestination the prefill instance sends to (None: no room). No
+                      timer runs yet: the prefill may be queued.
     landed            (the receiver's one event, pushed to the loop's inbox) every
                       segment from every source rank, every END and every other rank's
                       report are in: the request joins the running batch with the first
@@ -47,6 +48,19 @@ from kv_transfer import KVDestination, Outcome, State, get_transport
 from kv_transfer.layout import cache_layout
 
 
+def layer_skip(windows, n: int, block_size: int, sent_from: int) -> tuple[int, ...]:
+    """``KVDestination.layer_skip``: per layer (``windows``: each one's window, None for a
+    global layer), the leading blocks of the sent list (the table from ``sent_from`` on)
+    it never reads. The next token sits at position ``n``; a layer of window W reads
+    n - W + 1 .. n, so the blocks wholly before that one's are skipped (as
+    ``BlockManager.window_start``; capped: the last block is always sent). Empty when
+    no layer skips a block."""
+    last = -(-n // block_size) - 1
+    skip = [0 if w is None else max(0, min(max(0, n - w + 1) // block_size, last) - sent_from)
+            for w in windows]  # fmt: skip
+    return tuple(skip) if any(skip) else ()
+
+
 class DecodeWorker(EngineWorker):
     role = "decode"
 
@@ -62,7 +76,7 @@ class DecodeWorker(EngineWorker):
         # a replicated latent crosses the wire once, to rank 0, which forwards it
         self.forwards = bool(self.ranks) and self.layout.replicated
         self.reservations: dict[str, Attempt] = {}
-        self.cached_blocks: dict[str, int] = {}  # reserved attempt id -> blocks shared
+        self.destinations: dict[str, KVDestination] = {}  # by reserved attempt id
         self._releasing: dict[str, int] = {}  # attempt id -> ranks yet to confirm a release
         self.addresses = [self.receiver.address]  # one KV receiver per tensor-parallel rank
         if self.ranks:
@@ -95,7 +109,7 @@ class DecodeWorker(EngineWorker):
 
             try:
                 ray.get([r.expect.remote(attempt.id, list(dst.block_ids), attempt.prefill_tp,
-                                         dst.token, attempt.prefill)
+                                         dst.token, attempt.prefill, list(dst.layer_skip))
                          for r in self.ranks])  # fmt: skip
             except Exception:
                 self.abort([attempt.id])
@@ -132,25 +146,29 @@ class DecodeWorker(EngineWorker):
             raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
         block_ids = e.blocks.allocate(attempt.id, n, prefix, outside)  # only the new blocks
         cached = max(0, len(prefix) - outside)
+        cfg = e.model.cfg
+        windows = [cfg.window(layer) for layer in range(cfg.num_layers)]
+        skip = layer_skip(windows, n, e.blocks.block_size, outside + cached)
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
         try:  # the receiver mints the transfer's token: its only name on the wire
             ranks = 1 if self.forwards else 1 + len(self.ranks)
             token = self.receiver.expect(attempt.id, block_ids, src, self.lease_s, ranks,
-                                         sender=attempt.prefill)  # fmt: skip
+                                         sender=attempt.prefill, layer_skip=skip)  # fmt: skip
         except Exception:  # a layout the receiver refuses: nothing stays held
             e.blocks.free(attempt.id)
             raise
-        self.reservations[attempt.id] = attempt
-        self.cached_blocks[attempt.id] = cached
+        dst = KVDestination(self.addresses, block_ids, self.layout, self.transport.name, token,
+                            cached, outside, skip)  # fmt: skip
+        self.reservations[attempt.id], self.destinations[attempt.id] = attempt, dst
         self._consumer[attempt.id] = attempt.consumer
-        return KVDestination(self.addresses, block_ids, self.layout, self.transport.name, token,
-                             cached_blocks=cached, outside_blocks=outside)  # fmt: skip
+        return dst
 
     def _op_landed(self, outcome: Outcome) -> list[Update]:
         attempt = self.reservations.pop(outcome.transfer_id, None)
         if attempt is None:
             return []  # released meanwhile (aborted)
-        cached = self.cached_blocks.pop(attempt.id)
+        dst = self.destinations.pop(attempt.id)
+        cached = dst.cached_blocks
         start = outcome.state == State.LANDED and outcome.handoff is not None
         self._release(attempt.id, free=not start)
         if start and self.forwards:  # before the request runs; its cached prefix is alike
@@ -159,7 +177,7 @@ class DecodeWorker(EngineWorker):
             except Exception:  # a rank gone or a broken group: the process ends here
                 return self._fail([attempt.id])
         if start:
-            return self._start(attempt, outcome, cached)
+            return self._start(attempt, outcome, dst)
         if outcome.state == State.EXPIRED:
             self._totals["leases_expired_total"] += 1
             why = (f"KV transfer {attempt.id!r} to {self.name} made no progress within "
@@ -169,20 +187,23 @@ class DecodeWorker(EngineWorker):
             why = str(outcome.error or "source rank 0 ended the transfer without a handoff")
         return [Update(attempt.id, error=why, retryable=True)]
 
-    def _start(self, attempt: Attempt, outcome: Outcome, cached_blocks: int) -> list[Update]:
+    def _start(self, attempt: Attempt, outcome: Outcome, dst: KVDestination) -> list[Update]:
         """Admit a request whose KV landed. Its first update's ``info`` reports the
         handoff: ``kv_bytes`` (what moved: the blocks past those outside the window and
-        the ``kv_cached_tokens`` this instance held, whole blocks), ``cached_tokens`` (the
-        prefill instance's prefix hit), phases."""
+        the ``kv_cached_tokens`` this instance held, whole blocks, less those a sliding
+        layer skipped), ``cached_tokens`` (the prefill instance's prefix hit), phases.
+        The blocks some layer did not receive hold stale KV in that layer: they are
+        never registered in the prefix cache (``add_prefilled``'s ``partial_blocks``)."""
         h, now = outcome.handoff, time.time()
         times = {**h.phase_times, "transfer_end": now}
         first = None  # the first token's logprobs, sampled with it on the prefill instance
         if h.first_logprob is not None:
             first = Logprobs(h.first_token, h.first_logprob, h.top_ids, h.top_logprobs)
         try:
+            partial = dst.outside_blocks + dst.cached_blocks + max(dst.layer_skip, default=0)
             out = self.engine.add_prefilled(attempt.id, list(attempt.prompt_ids), h.first_token,
                                             attempt.params, attempt.delivered,
-                                            attempt.delivered_chars, first)  # fmt: skip
+                                            attempt.delivered_chars, first, partial)  # fmt: skip
         except ValueError as e:
             self.engine.blocks.free(attempt.id)
             return [Update(attempt.id, error=str(e))]
@@ -192,7 +213,7 @@ class DecodeWorker(EngineWorker):
         self._totals["tokens_total"] += 1
         info = {"phases": times, "kv_bytes": outcome.bytes, "transfer_s": outcome.seconds,
                 "prefill_instance": h.prefill_instance, "cached_tokens": h.cached_tokens,
-                "kv_cached_tokens": cached_blocks * self.layout.block_size}  # fmt: skip
+                "kv_cached_tokens": dst.cached_blocks * self.layout.block_size}  # fmt: skip
         return [Update(attempt.id, out.new_token_ids, out.new_text, out.finish_reason,
                        info=info, logprobs=out.new_logprobs)]  # fmt: skip
 
@@ -223,7 +244,7 @@ class DecodeWorker(EngineWorker):
     def _abort(self, request_id: str) -> list[Update]:
         if self.reservations.pop(request_id, None) is None:
             return super()._abort(request_id)
-        del self.cached_blocks[request_id]
+        del self.destinations[request_id]
         self._release(request_id)
         return []
 

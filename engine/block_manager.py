@@ -186,12 +186,12 @@ class BlockManager:
         table.extend(new)
         return new
 
-    def commit(self, owner: str, token_ids: list[int], num_tokens: int) -> None:
+    def commit(self, owner: str, token_ids: list[int], num_tokens: int, partial=0) -> None:
         """``owner``'s first ``num_tokens`` tokens (``token_ids[:num_tokens]``) have their
-        KV in its blocks: register its full blocks among them in the prefix cache. A
-        block whose content another block already holds stays unregistered, and so does
-        a released placeholder (its KV may never have been there: a prefilled request
-        whose transfer sent only the window)."""
+        KV in its blocks: register its full blocks among them in the prefix cache. Stay
+        unregistered: a block whose content another block holds, a released placeholder
+        and the entries before ``partial``: blocks whose KV some layer may lack (a
+        prefilled request whose transfer sent only the window, to some layers or all)."""
         if not self.enable_caching or owner not in self.tables:
             return
         done = self.hashes.setdefault(owner, [])
@@ -201,10 +201,10 @@ class BlockManager:
         bs = self.block_size
         parent = done[-1] if done else None
         new = block_hashes(token_ids[len(done) * bs : full * bs], bs, parent)
-        table, released = self.tables[owner], self.released.get(owner, 0)
+        table, first = self.tables[owner], max(partial, self.released.get(owner, 0))
         for i, h in enumerate(new, start=len(done)):
             block = table[i]
-            if i >= released and h not in self.cached and block not in self.hash_of:
+            if i >= first and h not in self.cached and block not in self.hash_of:
                 self.cached[h], self.hash_of[block] = block, h
                 self._events.stored.append(h)
         done.extend(new)

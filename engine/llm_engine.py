@@ -113,13 +113,15 @@ class LLMEngine:
         delivered: tuple[int, ...] = (),
         delivered_chars: int = 0,
         first_logprobs: Logprobs | None = None,
+        partial_blocks: int = 0,
     ) -> RequestOutput:
         """Admit a request prefilled elsewhere: the KV of its prompt + ``delivered`` (see
         ``add_request``) already sits in the blocks this engine holds for ``request_id``
-        (reserved with ``blocks.allocate`` and filled by the KV transfer), and
-        ``first_token`` was sampled there at output position ``len(delivered)`` (with
-        ``first_logprobs``, required exactly when ``params.logprobs`` is set). Returns
-        the output of that token, which may already finish the request."""
+        (reserved with ``blocks.allocate`` and filled by the KV transfer; its first
+        ``partial_blocks`` table entries, which some layer did not receive, are never
+        registered), and ``first_token`` was sampled there at output position
+        ``len(delivered)`` (with ``first_logprobs``, required exactly when
+        ``params.logprobs`` is set). Returns that token's output (it may end the request)."""
         cached = len(prompt_ids) + len(delivered)
         have, need = len(self.blocks.block_table(request_id)), self.blocks.blocks_for(cached)
         if have != need:
@@ -135,7 +137,7 @@ class LLMEngine:
         request = self._admit(request_id, prompt_ids, params, delivered, delivered_chars)
         request.num_computed_tokens = cached
         self.blocks.release_outside(request_id, cached)  # before commit registers them
-        self.blocks.commit(request_id, request.token_ids, cached)
+        self.blocks.commit(request_id, request.token_ids, cached, partial_blocks)
         self.scheduler.add_running(request)
         return self._append(Sample(request, first_token, first_logprobs))
 

@@ -37,8 +37,10 @@ Who sends what (``routes``), each decode rank's share arriving exactly once:
 Bytes a request moves for ``n`` blocks sent (``transfer_bytes``), ``e`` bytes an element,
 ``L`` layers, ``bs`` block size, ``Td`` the decode tensor-parallel degree:
 ``kv``: ``2 L n bs H head_dim e``; latent sharded: ``L n bs (Hc Dc + Td Dr) e``; latent
-replicated: ``L n bs (Hc Dc + Dr) e``, whatever ``Td``. Both sides compute the same routes
-from the layouts, no mapping travels (docs/kv_transfer.md, "Head mapping").
+replicated: ``L n bs (Hc Dc + Dr) e``, whatever ``Td``. When layer ``l`` skips ``s_l``
+of the ``n`` blocks (``KVDestination.layer_skip``), ``L n`` becomes ``L n - sum(s_l)``.
+Both sides compute the same routes from the layouts, no mapping travels
+(docs/kv_transfer.md, "Head mapping").
 """
 
 from __future__ import annotations
@@ -172,9 +174,10 @@ class KVLayout:
         units = self.units_per_rank if num_units is None else num_units
         return self.block_size * units * self.unit_dim * self.torch_dtype.itemsize
 
-    def transfer_bytes(self, num_blocks: int, dst_tp: int) -> int:
+    def transfer_bytes(self, num_blocks: int, dst_tp: int, layer_skip=()) -> int:
         """What a request of ``num_blocks`` sent blocks moves in all, from every prefill
-        rank to a decode pool of ``dst_tp`` ranks (the module docstring's formula)."""
+        rank to a decode pool of ``dst_tp`` ranks (the module docstring's formula), when
+        layer ``l`` skips the first ``layer_skip[l]`` of them (``KVDestination``)."""
         per_token = self.num_kv_heads * self.head_dim  # kv: K's (and V's) elements
         if self.kind == "kv":
             per_token *= 2
@@ -182,7 +185,7 @@ class KVLayout:
             per_token += self.rope_dim
         else:
             per_token += dst_tp * self.rope_dim
-        tokens = self.num_layers * num_blocks * self.block_size
+        tokens = (self.num_layers * num_blocks - sum(layer_skip)) * self.block_size
         return tokens * per_token * self.torch_dtype.itemsize
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -81,6 +81,18 @@ def transfer_key(token: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def check_layer_skip(layer_skip: tuple[int, ...], num_layers: int, num_blocks: int) -> None:
+    """Raise unless ``layer_skip`` is empty or one entry per layer in ``[0, num_blocks)``
+    (``KVDestination.layer_skip``: each layer receives at least one of the blocks)."""
+    if layer_skip and len(layer_skip) != num_layers:
+        raise KVLayoutError(f"layer_skip has {len(layer_skip)} entries for {num_layers} "
+                            "layers: allowed one per layer, or none")  # fmt: skip
+    if bad := [(i, s) for i, s in enumerate(layer_skip) if not 0 <= s < num_blocks]:
+        (i, s), why = bad[0], "a layer receives at least one"
+        raise KVLayoutError(f"layer_skip[{i}]={s}: allowed [0, {num_blocks}) for "
+                            f"{num_blocks} blocks sent ({why})")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class KVDestination:
     """The decode side of one transfer: its ranks' receiver addresses (index = decode
@@ -97,7 +109,16 @@ class KVDestination:
     are not sent either. The request's block list there is then ``outside_blocks``
     placeholders, ``cached_blocks`` held blocks and ``block_ids``: the sender sends its
     own table's blocks from position ``outside_blocks + cached_blocks`` on
-    (``source_blocks``), the i-th of them into ``block_ids[i]``."""
+    (``source_blocks``), the i-th of them into ``block_ids[i]``.
+
+    ``layer_skip``: per layer, the leading blocks of that sent list (of ``block_ids``)
+    the layer does not receive: for a sliding layer of a model whose windows differ or
+    that has global layers too (Gemma 2/3), those wholly before its window at the next
+    token; 0 for a global layer. Empty: every layer receives every block. Invariant:
+    empty or one entry per layer, each in ``[0, len(block_ids))`` (a layer always
+    receives at least the last block). The decode instance decides it at ``reserve``;
+    the sender sends, and every receiver expects, exactly layer ``l``'s blocks
+    ``[layer_skip[l], len(block_ids))``; ``KVLayout.transfer_bytes`` counts them."""
 
     addresses: tuple[str, ...]
     block_ids: tuple[int, ...]
@@ -106,10 +127,13 @@ class KVDestination:
     token: str = ""
     cached_blocks: int = 0
     outside_blocks: int = 0
+    layer_skip: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "addresses", tuple(self.addresses))
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+        object.__setattr__(self, "layer_skip", tuple(int(s) for s in self.layer_skip))
+        check_layer_skip(self.layer_skip, self.layout.num_layers, len(self.block_ids))
         if len(self.addresses) != self.layout.tp_size:
             raise KVLayoutError(
                 f"KVDestination has {len(self.addresses)} addresses for a decode pool of "
@@ -118,6 +142,10 @@ class KVDestination:
         for key in ("cached_blocks", "outside_blocks"):
             if getattr(self, key) < 0:
                 raise KVLayoutError(f"KVDestination.{key}={getattr(self, key)}: must be >= 0")
+
+    def skip(self, layer: int) -> int:
+        """The leading blocks of ``block_ids`` that ``layer`` does not receive."""
+        return self.layer_skip[layer] if self.layer_skip else 0
 
     def source_blocks(self, table) -> list[int]:
         """The blocks of the sender's ``table`` (the request's whole block list there) to
@@ -143,13 +171,14 @@ class KVDestination:
         msg.token = self.token
         msg.cached_blocks = self.cached_blocks
         msg.outside_blocks = self.outside_blocks
+        msg.layer_skip.extend(self.layer_skip)
         return msg
 
     @classmethod
     def from_proto(cls, msg: pb.KVDestination) -> KVDestination:
         layout = KVLayout.from_proto(msg.layout)
         return cls(tuple(msg.addresses), tuple(msg.block_ids), layout, msg.backend, msg.token,
-                   msg.cached_blocks, msg.outside_blocks)  # fmt: skip
+                   msg.cached_blocks, msg.outside_blocks, tuple(msg.layer_skip))  # fmt: skip
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString()

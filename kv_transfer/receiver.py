@@ -46,6 +46,7 @@ from kv_transfer.protocol import (
     KVTransferError,
     KVTransferTimeout,
     Status,
+    check_layer_skip,
     endpoint,
     status_of,
     transfer_key,
@@ -79,7 +80,9 @@ class Outcome:
 @dataclass(eq=False)
 class Transfer:
     """One expected transfer; ``have[route row, layer, position]`` says which segments
-    (every part of one block, all of a route's units) have landed."""
+    (every part of one block, all of a route's units) have landed, or are not expected:
+    positions before ``skip[layer]`` (``KVDestination.layer_skip``) start True, and a
+    segment there is refused."""
 
     transfer_id: str
     key: int
@@ -90,6 +93,7 @@ class Transfer:
     lease_s: float | None
     others: int  # other ranks still to report (rank 0)
     sender: str = ""  # the only sending instance whose links may feed it ("": any)
+    skip: tuple[int, ...] = ()  # per layer, the leading positions not sent (empty: none)
     state: State = State.RESERVED
     deadline: float | None = None
     ended: set[int] = field(default_factory=set)  # source ranks whose END arrived
@@ -186,8 +190,9 @@ class KVReceiver:
 
     # -- the owner (the decode instance) ------------------------------------------------
     def expect(self, transfer_id, dst_block_ids, src_layout: KVLayout, lease_s=None, ranks=1,
-               token: str | None = None, sender: str = "") -> str:  # fmt: skip
-        """Reserve: the i-th source block lands in ``dst_block_ids[i]``; ``ranks`` parts
+               token: str | None = None, sender: str = "", layer_skip=()) -> str:  # fmt: skip
+        """Reserve: the i-th source block lands in ``dst_block_ids[i]``, for layer ``l``
+        from ``layer_skip[l]`` on (``KVDestination.layer_skip``); ``ranks`` parts
         (this rank's and ``ranks - 1`` reports through ``rank_event``) make it land.
         Returns the transfer's ``token`` (``KVDestination.token``): minted here, or the
         one given (rank 0's, for the other ranks of a tensor-parallel instance).
@@ -201,10 +206,14 @@ class KVReceiver:
                                 f"outside the cache's {self.num_blocks} blocks")  # fmt: skip
         if len(set(ids)) != len(ids):
             raise KVLayoutError(f"transfer {transfer_id!r}: destination blocks repeat: {ids}")
+        skip = tuple(int(s) for s in layer_skip)
+        check_layer_skip(skip, self.layout.num_layers, len(ids))
         routes = {(r.src_rank, r.heads): r for r in routes_into(self.layout, src_layout.tp_size)}
         have = np.zeros((len(routes), self.layout.num_layers, len(ids)), dtype=bool)
+        for layer, n in enumerate(skip):  # nothing comes for them
+            have[:, layer, :n] = True
         t = Transfer(transfer_id, transfer_key(token), ids, src_layout.tp_size, routes,
-                     have, lease_s, ranks - 1, sender)  # fmt: skip
+                     have, lease_s, ranks - 1, sender, skip)  # fmt: skip
         with self._cond:
             if transfer_id in self._by_id or t.key in self._by_key:
                 raise KVTransferError(f"transfer {transfer_id!r} is already expected")
@@ -404,6 +413,10 @@ class KVReceiver:
             if s.start < 0 or s.count < 1 or s.start + s.count > len(t.dst_block_ids):
                 return (f"blocks [{s.start}, {s.start + s.count}) are outside the transfer's "
                         f"{len(t.dst_block_ids)} blocks")  # fmt: skip
+            if t.skip and s.start < t.skip[s.layer]:
+                return (f"blocks [{s.start}, {s.start + s.count}) of layer {s.layer}: that "
+                        f"layer receives blocks [{t.skip[s.layer]}, {len(t.dst_block_ids)}) "
+                        "only (layer_skip: the rest lie before its window)")  # fmt: skip
         return ""
 
     def _progress(self, t: Transfer) -> None:
@@ -429,9 +442,10 @@ class KVReceiver:
         return Outcome(t.transfer_id, t.state, t.handoff, t.bytes, last - first, t.error)
 
     def _timeout(self, t: Transfer, when: str) -> KVTransferTimeout:
-        have = int(t.have.sum())
+        skipped = len(t.rows) * sum(t.skip)  # never expected
+        have, size = int(t.have.sum()) - skipped, t.have.size - skipped
         return KVTransferTimeout(
-            f"KV transfer {t.transfer_id!r} made no progress {when} ({have}/{t.have.size} "
+            f"KV transfer {t.transfer_id!r} made no progress {when} ({have}/{size} "
             f"segments landed); missing {t.describe_missing()}. The reservation is released."
         )
 

@@ -87,6 +87,24 @@ def plan_positions(ids: Sequence[int], max_blocks: int, min_run: int = 4) -> lis
     return out
 
 
+def plan_segments(ids: Sequence[int], offset: int, skips: dict[int, int],
+                  heads: tuple[int, int], max_blocks: int, min_run: int = 4
+                  ) -> list[Segment]:  # fmt: skip
+    """The segments of one send call: source blocks ``ids`` at positions ``offset ..`` of
+    the request's list, for each layer of ``skips`` (layer -> the leading positions of
+    the list it does not receive, ``KVDestination.skip``). The positions are cut where
+    a layer starts receiving, each piece planned by ``plan_positions`` and sent to every
+    layer that receives it; the segments go position by position, each for its layers
+    in ``skips``' order (backends copy consecutive layers at one position at once)."""
+    cuts = sorted({0, len(ids)} | {min(max(0, s - offset), len(ids)) for s in skips.values()})
+    out = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        for start, count in plan_positions(ids[a:b], max_blocks, min_run):
+            at = offset + a + start
+            out += [Segment(n, at, count, heads) for n, skip in skips.items() if skip <= at]
+    return out
+
+
 def is_run(ids: Sequence[int]) -> bool:
     return all(ids[k] == ids[0] + k for k in range(len(ids)))
 

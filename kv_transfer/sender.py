@@ -32,7 +32,7 @@ from kv_transfer.protocol import (
     transfer_key,
 )
 from kv_transfer.routes import HeadRoute, routes_from
-from kv_transfer.segment import BufferPool, Segment, Source, checksum, plan_positions
+from kv_transfer.segment import BufferPool, Segment, Source, checksum, plan_segments
 
 
 @dataclass(frozen=True)
@@ -144,12 +144,11 @@ class KVSender(ABC):
             address = dst.addresses[route.dst_rank]
             per_block = self.layout.block_bytes(route.num_heads)
             max_blocks = max(1, self._part_limit(t, address, route) // per_block)
-            # each position for every layer in turn: backends copy such runs at once
-            segments = [
-                Segment(layer, block_offset + start, count, route.heads)
-                for start, count in plan_positions(ids, max_blocks, self.min_run)
-                for layer in parts
-            ]
+            # each position for every layer receiving it in turn (a sliding layer may
+            # skip the leading blocks, KVDestination.layer_skip): backends copy such runs
+            skips = {layer: dst.skip(layer) for layer in parts}
+            segments = plan_segments(ids, block_offset, skips, route.heads, max_blocks,
+                                     self.min_run)  # fmt: skip
             self._post(t, route, address, source, segments)
             t.segments[address] = t.segments.get(address, 0) + len(segments)
             sent += self.layout.parts * per_block * sum(s.count for s in segments)

@@ -8,6 +8,14 @@ wholly before the window of the first decoded token (``KVDestination.outside_blo
 and holds only the rest, at most window / block_size + 1; only those move (``kv_bytes``),
 the output is the offline engine's, no placeholder is registered in the decode
 instance's prefix cache, and every block is free afterwards on both instances.
+
+A tiny Gemma 3 whose layers alternate sliding (window 8) and global has no
+``cache_window``: every block is reserved (the global layers read them all), but each
+sliding layer skips the blocks wholly before its window (``KVDestination.layer_skip``);
+the bytes moved are the per-layer sum (``KVLayout.transfer_bytes``), the skipped blocks
+of the sliding layers are filled with NaN on the decode instance before the transfer
+(stale data no attention path may read) and the output is still the offline engine's;
+no block some layer lacks is registered in the decode instance's prefix cache.
 """
 
 from __future__ import annotations
@@ -47,18 +55,50 @@ def mistral(tiny_family_model):
     return path, outs
 
 
-@pytest.fixture(scope="module", params=[("grpc", True), ("gloo", False)], ids=["grpc", "gloo"])
-def workers(mistral, request):
+@pytest.fixture(scope="module")
+def gemma(tiny_family_model):
+    """The tiny Gemma 3 (sliding, global, sliding, global), each layer's window and the
+    offline engine's greedy outputs of ``PROMPTS``."""
+    path = tiny_family_model("gemma3_w8")
+    with LLM(path, enable_prefix_caching=False, **CONFIG) as llm:
+        cfg = llm.engine.model.cfg
+        windows = [cfg.window(layer) for layer in range(cfg.num_layers)]
+        assert cfg.cache_window is None and windows == [WINDOW, None] * 2
+        outs = [o.token_ids for o in llm.generate([list(p) for p in PROMPTS], PARAMS)]
+    return path, windows, outs
+
+
+BACKENDS = [("grpc", True), ("gloo", False)]
+
+
+def pair(path, backend: str, layerwise: bool):
     """A prefill and a decode instance (one torch thread each: restored after)."""
-    backend, layerwise = request.param
     kv = {**WORKER_KV, "backend": backend, "layerwise": layerwise}
     threads = torch.get_num_threads()
-    p = PrefillWorker("prefill-0", mistral[0], CONFIG, 1, kv)
-    d = DecodeWorker("decode-0", mistral[0], CONFIG, 1, kv)
+    p = PrefillWorker("prefill-0", path, CONFIG, 1, kv)
+    d = DecodeWorker("decode-0", path, CONFIG, 1, kv)
     yield p, d
     p.stop()
     d.stop()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=BACKENDS, ids=["grpc", "gloo"])
+def workers(mistral, request):
+    yield from pair(mistral[0], *request.param)
+
+
+@pytest.fixture(scope="module", params=BACKENDS, ids=["grpc", "gloo"])
+def gemma_workers(gemma, request):
+    yield from pair(gemma[0], *request.param)
+
+
+def poison(d: DecodeWorker, dst) -> None:
+    """NaN into each layer's skipped blocks of the reservation: what the transfer leaves
+    there is stale (another request's KV, or anything); none of it may be read."""
+    cache = d.engine.runner.kv_cache  # [layers, 2 (K, V), blocks, block_size, heads, dim]
+    for layer in range(d.layout.num_layers):
+        cache[layer, :, list(dst.block_ids[: dst.skip(layer)])] = float("nan")
 
 
 @pytest.mark.timeout(180)
@@ -85,4 +125,33 @@ def test_only_the_blocks_inside_the_window_move(workers, mistral):
         # the placeholders' blocks hold no KV of the prompt: nothing is found from its start
         assert d.on_loop(lambda q=prompt: d.engine.blocks.match([*q, 1])) == []
     assert dst.outside_blocks == 0  # the short prompt moved whole
+    assert_all_free(p, d)
+
+
+@pytest.mark.timeout(180)
+def test_a_sliding_layer_moves_only_its_window(gemma_workers, gemma):
+    p, d = gemma_workers
+    _, windows, outs = gemma
+    for i, (prompt, want) in enumerate(zip(PROMPTS, outs, strict=True)):
+        rid = f"g{i}-{d.transport.name}#0"
+        a, dst = reserve(d, rid, prompt)
+        n = len(prompt)
+        blocks = -(-n // BS)
+        # a sliding layer's next token at n reads n - 7 .. n; a global layer reads all
+        skip = [0 if w is None else max(0, n - w + 1) // BS for w in windows]
+        assert (dst.outside_blocks, dst.cached_blocks, len(dst.block_ids)) == (0, 0, blocks)
+        assert dst.layer_skip == (tuple(skip) if any(skip) else ())
+        d.on_loop(poison, d, dst)
+        p.prefill(a)
+        got = updates_until_final(d, rid)
+        assert got[-1].error is None, got[-1].error
+        assert [t for u in got for t in u.token_ids] == want
+        per_layer_block = 2 * d.layout.block_bytes(d.layout.num_kv_heads)  # K and V
+        moved = sum(blocks - s for s in skip) * per_layer_block
+        assert got[0].info["kv_bytes"] == moved == d.layout.transfer_bytes(blocks, 1, skip)
+        done = updates_until_final(p, rid)
+        assert done[-1].handed_off and done[-1].info["kv_bytes"] == moved
+        # block 0 lacks the sliding layers' KV: nothing is found from the prompt's start
+        assert d.on_loop(lambda q=prompt: d.engine.blocks.match([*q, 1])) == []
+    assert dst.layer_skip == ()  # the short prompt moved whole
     assert_all_free(p, d)

@@ -18,8 +18,10 @@ way round), each family at chunk sizes 1, 7 and whole across its three rows:
 | Phi-3 | 1, whole | 2, 1, 7 | 1, 2, 1 |
 
 The windowed models (``*_w8``) get prompts of up to 5x their window. Blocks are 4 tokens,
-so that a window of 8 leaves most of a long prompt's blocks outside it: for Mistral
-(every layer slides) only the blocks inside the window of the first decoded token move.
+so that a window of 8 leaves most of a long prompt's blocks outside it: a sliding layer
+moves only the blocks inside the window of the first decoded token (Mistral: every
+layer; Gemma 2 and 3: every other layer, the global ones moving every block), so the
+bytes moved are the per-layer sum.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ SETUPS = [  # model, mode, backend, prefill TP, decode TP (co-located: its TP), 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A factory: name -> (folder with a byte tokenizer, the offline engine's greedy
-    outputs of ``PROMPTS``, KV bytes of one token (all layers, all KV heads), the model's
-    cache window (None: some layer is global))."""
+    outputs of ``PROMPTS``, KV bytes of one token of one layer (all KV heads), each
+    layer's window (None: a global layer))."""
     from tests.family_models import save_tiny_family
     from tests.tiny_models import save_byte_tokenizer
 
@@ -80,16 +82,17 @@ def models(tmp_path_factory):
             with LLM(str(folder), enable_prefix_caching=False, block_size=BS) as llm:
                 outs = [o.token_ids for o in llm.generate(PROMPTS, params)]
                 cfg = llm.engine.model.cfg
-            per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
-            made[name] = (str(folder), outs, per_token, cfg.cache_window)
+            per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, fp32
+            windows = [cfg.window(layer) for layer in range(cfg.num_layers)]
+            made[name] = (str(folder), outs, per_token, windows)
         return made[name]
 
     return get
 
 
 def sent_blocks(prompt_len: int, window: int | None) -> int:
-    """Blocks a prompt's transfer moves: all of them, or with a cache window those
-    inside the window of the first decoded token (at position ``prompt_len``)."""
+    """Blocks a prompt's transfer moves for one layer: all of them, or for a sliding
+    layer those inside its window at the first decoded token (position ``prompt_len``)."""
     first = 0 if window is None else max(0, prompt_len - window + 1) // BS
     return -(-prompt_len // BS) - first
 
@@ -116,7 +119,7 @@ def test_family_serves_the_offline_greedy(
 ):
     from cluster import launch
 
-    folder, outs, per_token, window = models(model)
+    folder, outs, per_token, windows = models(model)
     if mode == "colocated":
         config = colocated_config(folder, decode_tp, chunk)
     else:
@@ -132,7 +135,7 @@ def test_family_serves_the_offline_greedy(
         for prompt, chunks, want in zip(PROMPTS, got, outs, strict=True):
             assert [t for c in chunks for t in c.token_ids] == want, prompt
             if mode == "disaggregated":
-                blocks = sent_blocks(len(prompt), window)
+                blocks = sum(sent_blocks(len(prompt), w) for w in windows)  # layer blocks
                 assert chunks[-1].timings.kv_bytes == blocks * BS * per_token, prompt
         assert wait_until(lambda: all_blocks_free(client.stats()), 10), client.stats()
         check_pools(cluster)
