@@ -41,6 +41,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from engine.block_manager import window_start
 from engine.messages import Attempt, Update
 from engine.outputs import Logprobs
 from engine.worker import EngineWorker
@@ -56,8 +57,7 @@ def layer_skip(windows, n: int, block_size: int, sent_from: int) -> tuple[int, .
     ``BlockManager.window_start``; capped: the last block is always sent). Empty when
     no layer skips a block."""
     last = -(-n // block_size) - 1
-    skip = [0 if w is None else max(0, min(max(0, n - w + 1) // block_size, last) - sent_from)
-            for w in windows]  # fmt: skip
+    skip = [max(0, min(window_start(n, w, block_size), last) - sent_from) for w in windows]
     return tuple(skip) if any(skip) else ()
 
 
@@ -66,6 +66,8 @@ class DecodeWorker(EngineWorker):
 
     def _setup(self, kv_config: dict) -> None:
         self.layout = cache_layout(self.engine)
+        cfg = self.engine.model.cfg
+        self.windows = [cfg.window(layer) for layer in range(cfg.num_layers)]  # None: global
         self.transport = get_transport(kv_config["backend"])
         self.receiver = self.transport.receiver(
             self.layout, self.engine.runner.kv_cache, secret=kv_config["secret"],
@@ -146,9 +148,7 @@ class DecodeWorker(EngineWorker):
             raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
         block_ids = e.blocks.allocate(attempt.id, n, prefix, outside)  # only the new blocks
         cached = max(0, len(prefix) - outside)
-        cfg = e.model.cfg
-        windows = [cfg.window(layer) for layer in range(cfg.num_layers)]
-        skip = layer_skip(windows, n, e.blocks.block_size, outside + cached)
+        skip = layer_skip(self.windows, n, e.blocks.block_size, outside + cached)
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
         try:  # the receiver mints the transfer's token: its only name on the wire
             ranks = 1 if self.forwards else 1 + len(self.ranks)

@@ -53,6 +53,12 @@ EMPTY, CACHED, USED = 1, 2, 0
 PLACEHOLDER = 0  # the entry of a placeholder reserved as one: any block id would do
 
 
+def window_start(num_tokens: int, window: int | None, block_size: int) -> int:
+    """The index of the first block a token at position ``num_tokens`` reads under a
+    sliding ``window`` (W: positions num_tokens - W + 1 .. num_tokens; None: 0)."""
+    return 0 if window is None else max(0, num_tokens - window + 1) // block_size
+
+
 @dataclass
 class CacheEvents:
     """What changed in the prefix cache since the last ``take_events``: hashes newly
@@ -118,9 +124,7 @@ class BlockManager:
     def window_start(self, num_tokens: int) -> int:
         """The table index of the first block that a token at position ``num_tokens``
         reads: its window's first position's block (0 without a window)."""
-        if self.window is None:
-            return 0
-        return max(0, num_tokens - self.window + 1) // self.block_size
+        return window_start(num_tokens, self.window, self.block_size)
 
     def num_new_blocks(
         self, owner: str, num_tokens: int, prefix: list[int] = (), placeholders: int = 0
