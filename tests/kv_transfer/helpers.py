@@ -94,6 +94,21 @@ class Peer:
             raise RuntimeError(f"peer process exited (code {self.proc.poll()}) on {cmd['op']}")
         return json.loads(line)
 
+    def gloo_send(self, key: str, tp: int, tid: str, dst, src_ids, seed: int,
+                  num_blocks: int, senders: dict, **send) -> dict:  # fmt: skip
+        """The peer's gloo senders ``key`` (``tp`` ranks, 3 layers, checksums; ``senders``:
+        the rest of their options) send transfer ``tid``'s blocks ``src_ids`` of a
+        reference cache (``seed``, ``num_blocks``) to ``dst`` (``send``: the rest of the
+        send's options); the reply, with every rank's ack OK."""
+        reply = self.ask(op="senders", key=key, backend="gloo", tp=tp, checksum=True,
+                         layers=3, **senders)  # fmt: skip
+        assert reply["ok"], reply
+        reply = self.ask(op="send", key=key, tid=tid, seed=seed, num_blocks=num_blocks,
+                         src_ids=list(src_ids), dst=dst.to_bytes().hex(), **send)  # fmt: skip
+        assert reply["ok"], reply
+        assert all(status == "OK" for acks in reply["acks"] for status in acks), reply
+        return reply
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

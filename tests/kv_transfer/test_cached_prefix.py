@@ -86,12 +86,6 @@ def test_gloo_sends_only_the_blocks_past_the_cached_ones(peer, src_tp, dst_tp):
     tid, key = f"cp-gloo-{src_tp}-{dst_tp}", f"cp-gloo-tp{src_tp}"
     recvs, caches = receivers("gloo", dst_tp)
     dst = expect(recvs, dst_tp, src_tp, tid, "gloo")
-    reply = peer.ask(op="senders", key=key, backend="gloo", tp=src_tp, name=f"prefill-{src_tp}",
-                     checksum=True, layers=3)  # fmt: skip
-    assert reply["ok"], reply
-    reply = peer.ask(op="send", key=key, tid=tid, seed=SEED, num_blocks=NUM_BLOCKS,
-                     src_ids=dst.source_blocks(TABLE), dst=dst.to_bytes().hex(),
-                     send_layers=[0, 1, 2])  # fmt: skip
-    assert reply["ok"], reply
-    assert all(status == "OK" for acks in reply["acks"] for status in acks), reply
+    peer.gloo_send(key, src_tp, tid, dst, dst.source_blocks(TABLE), SEED, NUM_BLOCKS,
+                   senders={"name": f"prefill-{src_tp}"}, send_layers=[0, 1, 2])  # fmt: skip
     check(recvs, caches, tid)

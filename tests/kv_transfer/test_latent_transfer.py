@@ -92,13 +92,9 @@ def _send_in_peer(peer, name: str, src_tp: int, tid: str, dst, src_ids, layers,
                   **options) -> int:  # fmt: skip
     spec, dtype = SPECS[name]
     key = f"latent-{name}-tp{src_tp}"
-    reply = peer.ask(op="senders", key=key, backend="gloo", tp=src_tp, checksum=True, layers=3,
-                     name=f"prefill-{key}", latent=spec, dtype=dtype, **options)  # fmt: skip
-    assert reply["ok"], reply
-    reply = peer.ask(op="send", key=key, tid=tid, seed=SEED, num_blocks=NUM_BLOCKS,
-                     src_ids=src_ids, dst=dst.to_bytes().hex(), send_layers=layers)  # fmt: skip
-    assert reply["ok"], reply
-    assert all(status == "OK" for acks in reply["acks"] for status in acks), reply
+    options = {"name": f"prefill-{key}", "latent": spec, "dtype": dtype, **options}
+    reply = peer.gloo_send(key, src_tp, tid, dst, src_ids, SEED, NUM_BLOCKS, senders=options,
+                           send_layers=layers)  # fmt: skip
     return sum(reply["bytes"])
 
 

@@ -131,13 +131,8 @@ def test_gloo_sends_each_layer_its_window(peer, src_tp, dst_tp):
     tid, key = f"ls-gloo-{src_tp}-{dst_tp}", f"ls-gloo-tp{src_tp}"
     recvs, caches = receivers("gloo", dst_tp)
     dst = expect(recvs, dst_tp, src_tp, tid, "gloo")
-    reply = peer.ask(op="senders", key=key, backend="gloo", tp=src_tp, name=f"prefill-{src_tp}",
-                     checksum=True, layers=3)  # fmt: skip
-    assert reply["ok"], reply
-    reply = peer.ask(op="send", key=key, tid=tid, seed=SEED, num_blocks=NUM_BLOCKS,
-                     src_ids=TABLE, dst=dst.to_bytes().hex())  # fmt: skip
-    assert reply["ok"], reply
-    assert all(status == "OK" for acks in reply["acks"] for status in acks), reply
+    reply = peer.gloo_send(key, src_tp, tid, dst, TABLE, SEED, NUM_BLOCKS,
+                           senders={"name": f"prefill-{src_tp}"})  # fmt: skip
     check(recvs, caches, tid, sum(reply["bytes"]))
 
 
