@@ -19,7 +19,10 @@ Per row: requests/s, p50/p99 latency (send -> last token at the caller), latency
 over the direct path (over offline when there is none: 1P1D has no direct path, its
 handoff is the router's), requests/s against offline and direct, and the per-step time:
 the median of the engine steps with decodes only, served (``step_log``: one turn of the
-instance's loop, calls applied and the step) against offline (``engine.step()``).
+instance's loop, calls applied and the step) against offline (``engine.step()``); and
+the CPU time per request of the engine instances' processes (offline: this process)
+and of the router's process (/proc: user + system, every thread), which, unlike
+latency, does not move with what else runs on the machine.
 
 ``--profile DIR``: afterwards, py-spy samples the router's and instance 0's processes
 for ``--profile-seconds`` while the gRPC path runs at concurrency 16 (co-located), and
@@ -54,6 +57,13 @@ PATHS = ("offline", "direct", "grpc", "http")
 def cluster_config(model: str, mode: str) -> dict:
     router = {"port": 0, "http_port": 0, "policy": "round_robin", "max_queue": 4096}
     return {"model": model, "router": router, **MODES[mode]}
+
+
+def cpu_seconds(pid: int) -> float:
+    """The user + system CPU seconds process ``pid`` has used (Linux: /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def decode_step_ms(rows: list[list[float]]) -> float | None:
@@ -94,7 +104,7 @@ def offline(engine, work: list[list[int]], max_tokens: int, concurrency: int) ->
         started[request_id] = time.perf_counter()
         engine.add_request(request_id, todo.popleft(), params)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while todo and len(started) < concurrency:
         add()
     while started:
@@ -109,7 +119,8 @@ def offline(engine, work: list[list[int]], max_tokens: int, concurrency: int) ->
     wall = time.perf_counter() - start
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     return {"rps": len(work) / wall, "p50": q[49] * 1000, "p99": q[98] * 1000,
-            "step": decode_step_ms(steps.take())}  # fmt: skip
+            "step": decode_step_ms(steps.take()),
+            "engine_cpu": (time.process_time() - cpu) / len(work) * 1000}  # fmt: skip
 
 
 def http_path(address: str):
@@ -163,13 +174,21 @@ def run_mode(mode: str, model: str, work, args, levels: list[int]) -> tuple[str,
             assert direct.complete(work[0], args.max_tokens) == grpc(work[0], args.max_tokens)
         for call in paths.values():  # warm up every path
             measure(call, work[:20], args.max_tokens, 4)
+        pids = [ray.get(h.ready.remote())["pid"] for h in handles]
+        router_pid = ray.get(cluster.router.pid.remote())
         for c, figures in rows:
             for name, call in paths.items():
                 for h in handles:
                     ray.get(h.step_log.remote())
-                figures[name] = measure(call, work, args.max_tokens, c)
+                engine_cpu = sum(cpu_seconds(p) for p in pids)
+                router_cpu = cpu_seconds(router_pid)
+                f = figures[name] = measure(call, work, args.max_tokens, c)
+                f["engine_cpu"] = (
+                    (sum(cpu_seconds(p) for p in pids) - engine_cpu) / len(work) * 1000
+                )
+                f["router_cpu"] = (cpu_seconds(router_pid) - router_cpu) / len(work) * 1000
                 steps = [row for h in handles for row in ray.get(h.step_log.remote())]
-                figures[name]["step"] = decode_step_ms(steps)
+                f["step"] = decode_step_ms(steps)
         if args.profile and direct is not None:
             _profile(cluster, handles, grpc, work, args)
         if direct is not None:
@@ -204,8 +223,9 @@ def _print(args, mode: str, cpu_path: str, rows) -> None:
     print(f"\n### {mode}: {args.requests} requests of {args.prompt_tokens} prompt tokens -> "
           f"{args.max_tokens} tokens (greedy); {cpu_path}\n")  # fmt: skip
     print("| concurrency | path | requests/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
-          "| req/s vs offline | req/s vs direct | decode step ms | step vs offline |")  # fmt: skip
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| req/s vs offline | req/s vs direct | decode step ms | step vs offline "
+          "| instances CPU ms/req | router CPU ms/req |")  # fmt: skip
+    print("| ---: | --- " + "| ---: " * 11 + "|")
     for c, figures in rows:
         off, direct = figures["offline"], figures.get("direct")
         base = direct or off
@@ -222,6 +242,8 @@ def _print(args, mode: str, cpu_path: str, rows) -> None:
             cells.append(_ratio(f["rps"], direct["rps"]) if routed and direct else "")
             cells.append("" if f["step"] is None else f"{f['step']:.2f}")
             cells.append(_ratio(f["step"], off["step"]) if name != "offline" else "")
+            cells.append(f"{f['engine_cpu']:.2f}")
+            cells.append(f"{f['router_cpu']:.2f}" if "router_cpu" in f else "")
             print(f"| {c} | {name} | " + " | ".join(cells) + " |")
 
 

@@ -25,6 +25,7 @@ def test_quick_mode_prints_every_path_at_every_concurrency(capsys):
         routed = r[1] in ("grpc", "http")
         assert bool(r[5]) == routed and bool(r[8]) == routed  # added latency, vs direct
         assert bool(r[7]) == (r[1] != "offline")  # requests/s against offline
+        assert float(r[11]) > 0 and bool(r[12]) == (r[1] != "offline")  # CPU per request
 
 
 def test_profile_summary_counts_threads_self_and_total(tmp_path):
