@@ -1,0 +1,96 @@
+"""What carrying one batch of updates from an instance to the router costs in CPU, each
+side: a Ray actor call (the long poll's way: ``poll`` answering a ``Polled``), the same
+with nothing in or out, and one item of a streaming generator (``updates``' way).
+
+    .venv/bin/python -m bench.ray_calls [--items 3000] [--updates 8]
+
+Two actors on an embedded Ray: an "instance" (threaded, as the cluster starts workers)
+that answers a ``Polled`` of ``--updates`` one-token ``Update``s and the instance's
+stats, and a "router" (async) that awaits them one after another; CPU is each process's
+user + system time (/proc) over ``--items`` answers, after as many to warm up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from bench.serving_overhead import cpu_seconds
+from engine.messages import CacheCursor, Polled, Update
+
+WAYS = ("nothing", "poll", "stream")
+STATS = {"running": 8, "queued": 0, "free_blocks": 500, "last_step": [0, 0, 8, 128, 0.01]}
+
+
+def answer(updates: int) -> Polled:
+    return Polled([Update(f"r{i}", [5], "x") for i in range(updates)], dict(STATS))
+
+
+class Instance:
+    def __init__(self, updates: int):
+        self.updates = updates
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def nothing(self) -> None:
+        return None
+
+    def poll(self, consumer: str, timeout_s: float, cache: CacheCursor) -> Polled:
+        return answer(self.updates)
+
+    def stream(self, n: int):
+        for _ in range(n):
+            yield answer(self.updates)
+
+
+class Router:
+    def __init__(self, instance):
+        self.instance = instance
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def run(self, how: str, n: int) -> None:
+        if how == "stream":
+            async for ref in self.instance.stream.remote(n):
+                await ref
+        elif how == "poll":
+            for _ in range(n):
+                await self.instance.poll.remote("router", 0.5, CacheCursor())
+        else:
+            for _ in range(n):
+                await self.instance.nothing.remote()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=3000)
+    parser.add_argument("--updates", type=int, default=8)
+    args = parser.parse_args(argv)
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        instance = ray.remote(Instance).options(max_concurrency=8).remote(args.updates)
+        router = ray.remote(Router).remote(instance)
+        pids = ray.get(instance.pid.remote()), ray.get(router.pid.remote())
+        print(f"load average {os.getloadavg()[0]:.1f}; {args.updates} updates per answer\n")
+        print("| way | wall us/item | instance CPU us/item | router CPU us/item |")
+        print("| --- | ---: | ---: | ---: |")
+        for how in WAYS:
+            ray.get(router.run.remote(how, args.items))  # warm up
+            before, t = [cpu_seconds(p) for p in pids], time.perf_counter()
+            ray.get(router.run.remote(how, args.items))
+            wall = time.perf_counter() - t
+            used = [
+                (cpu_seconds(p) - b) / args.items * 1e6 for p, b in zip(pids, before, strict=True)
+            ]
+            print(f"| {how} | {wall / args.items * 1e6:.0f} | {used[0]:.0f} | {used[1]:.0f} |")
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
