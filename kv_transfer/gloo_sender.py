@@ -38,6 +38,33 @@ from kv_transfer.segment import Source, typed
 from kv_transfer.sender import Ack, KVSender, Outgoing
 
 
+def _store_client(host: str, port: int, seconds: float) -> TCPStore:
+    """A ``TCPStore`` client within ``seconds``, or ``TimeoutError``. torch's client
+    makes up to three tries of ``timeout`` each, with a back-off between them that does
+    not count against it (a receiver killed just as we connected held a sender 13 s
+    for a 5 s timeout; a peer that accepts and never answers holds it without end), so
+    the client is made on a thread of its own and left behind when late. That thread
+    ends with torch's tries against a dead peer, or when a silent one closes; a store it
+    makes after all is dropped, which closes its connection."""
+    made: dict = {}
+    done = threading.Event()
+
+    def make() -> None:
+        try:
+            made["store"] = TCPStore(host, port, None, False, datetime.timedelta(seconds=seconds))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            made["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=make, name="kv-store-client", daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError(f"no store at {host}:{port} within {seconds:g}s")
+    if "error" in made:
+        raise made["error"]
+    return made["store"]
+
+
 class SendPair:
     """A two-rank group with the receiver at ``address``."""
 
@@ -148,7 +175,7 @@ class GlooSender(KVSender):
             left = deadline - time.monotonic()
             socket.create_connection((host, port), timeout=max(0.1, left)).close()
             try:
-                store = TCPStore(host, port, None, False, datetime.timedelta(seconds=min(5, left)))
+                store = _store_client(host, port, min(5, left))
             except Exception:  # noqa: BLE001 - slow, or gone between the two connects
                 if time.monotonic() > deadline - 0.1:
                     raise

@@ -163,9 +163,11 @@ def _ask_or_dead(peer: Peer, **cmd) -> dict | None:
 def test_handoff_state_under_fault(sides, row, request):
     tid = f"{sides.backend}-{sides.src_tp}-{row.state}-{row.fault}".replace(" ", "_")
     if tid == "gloo-2-reserved-receiver_killed":
-        # Passes alone, in its module and under a CPU load (about 1.4 s), but in the
-        # whole suite its prefill answer has come 25-150 s late: a second rank forming
-        # its pair as the receiver dies, and a wait not yet found. Open, not hidden.
+        # In the whole suite its prefill answer came 25-150 s late; under three CPU hogs
+        # 2 runs in 20 were past the bound: torch's store client, connecting as the
+        # receiver died, retried past its timeout (13 s for 5). The store connect is now
+        # bounded (gloo_sender._store_client; 14 runs of 14 in time under the same load);
+        # the marker stays until CI shows the row passing in the whole suite.
         request.applymarker(pytest.mark.xfail(strict=False, reason="late in the full suite"))
     sides.start()
     write_plan(sides.plan, _rules(row, sides.src_tp, tid))
