@@ -71,7 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    from cluster.config import RayConfig
+    from cluster.ray_env import RaySession
+
+    session = RaySession(RayConfig(num_cpus=2))  # embedded, on loopback, as a cluster's
+    session.start()
     try:
         instance = ray.remote(Instance).options(max_concurrency=8).remote(args.updates)
         router = ray.remote(Router).remote(instance)
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             ]
             print(f"| {how} | {wall / args.items * 1e6:.0f} | {used[0]:.0f} | {used[1]:.0f} |")
     finally:
-        ray.shutdown()
+        session.stop()
 
 
 if __name__ == "__main__":
