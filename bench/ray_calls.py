@@ -1,25 +1,28 @@
 """What carrying one batch of updates from an instance to the router costs in CPU, each
 side: a Ray actor call (the long poll's way: ``poll`` answering a ``Polled``), the same
-with nothing in or out, and one item of a streaming generator (``updates``' way).
+with nothing in or out, one item of a streaming generator, and one frame of the update
+feed (engine/feed.py, read by router/feed_reader.py: the router's way).
 
     .venv/bin/python -m bench.ray_calls [--items 3000] [--updates 8]
 
 Two actors on an embedded Ray: an "instance" (threaded, as the cluster starts workers)
 that answers a ``Polled`` of ``--updates`` one-token ``Update``s and the instance's
-stats, and a "router" (async) that awaits them one after another; CPU is each process's
-user + system time (/proc) over ``--items`` answers, after as many to warm up.
+stats, and a "router" (async) that awaits them one after another (the feed: reads
+``--items`` frames the instance's feed thread writes as fast as it can); CPU is each
+process's user + system time (/proc) over ``--items`` answers, after as many to warm up.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 
 from bench.serving_overhead import cpu_seconds
 from engine.messages import CacheCursor, Polled, Update
 
-WAYS = ("nothing", "poll", "stream")
+WAYS = ("nothing", "poll", "stream", "feed")
 STATS = {"running": 8, "queued": 0, "free_blocks": 500, "last_step": [0, 0, 8, 128, 0.01]}
 
 
@@ -29,7 +32,26 @@ def answer(updates: int) -> Polled:
 
 class Instance:
     def __init__(self, updates: int):
+        from engine.feed import FeedServer
+
         self.updates = updates
+        self._left = 0  # feed frames still to write
+        self._armed = threading.Condition()
+        self._feed = FeedServer("bench", self._next_frame, {}, "127.0.0.1", "127.0.0.1")
+
+    def open_feed(self, n: int):
+        """A ticket to a feed that writes ``n`` answers (then heartbeats)."""
+        with self._armed:
+            self._left = n
+        return self._feed.open("router", None)
+
+    def _next_frame(self, consumer: str, timeout_s: float, cursor) -> Polled:
+        with self._armed:
+            if self._left > 0:
+                self._left -= 1
+                return answer(self.updates)
+        time.sleep(timeout_s)
+        return Polled([], dict(STATS))
 
     def pid(self) -> int:
         return os.getpid()
@@ -53,7 +75,9 @@ class Router:
         return os.getpid()
 
     async def run(self, how: str, n: int) -> None:
-        if how == "stream":
+        if how == "feed":
+            await self._feed(n)
+        elif how == "stream":
             async for ref in self.instance.stream.remote(n):
                 await ref
         elif how == "poll":
@@ -62,6 +86,28 @@ class Router:
         else:
             for _ in range(n):
                 await self.instance.nothing.remote()
+
+    async def _feed(self, n: int) -> None:
+        import asyncio
+
+        from router.feed_reader import FeedReader
+
+        ticket = await self.instance.open_feed.remote(n)
+        host, _, port = ticket.address.rpartition(":")
+        got, done = 0, asyncio.get_running_loop().create_future()
+
+        def on_frame(polled: Polled) -> None:
+            nonlocal got
+            got += len(polled.updates) > 0
+            if got == n and not done.done():
+                done.set_result(None)
+
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_connection(
+            lambda: FeedReader(ticket.token, on_frame), host, int(port)
+        )
+        await done
+        transport.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,9 +6,10 @@ one run, on a tiny model so that the engine's share is small.
                                      [--prompt-tokens 16] [--max-tokens 8] [--model DIR]
 
 Both paths use the same two co-located instances, the same round-robin placement
-and the same per-step output batching (``poll``); the direct path has a consumer
-of its own on the instances. Latency is end to end at the caller (send -> last
-token); "added" is router minus direct at the same percentile.
+and each instance's update feed (engine/feed.py: requests up it, per-step output
+batches down it); the direct path has a consumer of its own on the instances.
+Latency is end to end at the caller (send -> last token); "added" is router minus
+direct at the same percentile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import queue
+import socket
 import statistics
 import tempfile
 import threading
@@ -24,6 +26,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from engine.feed import encode_command, frames
 from engine.messages import Attempt
 from engine.sampling_params import SamplingParams
 
@@ -31,17 +34,18 @@ CONSUMER = "bench-direct"
 
 
 class DirectClient:
-    """Requests straight to the instances' handles, outputs by long polling, as the router
-    does; each caller gets every token batch of its request, as a streaming client does."""
+    """Requests straight to the instances, up their update feeds, and outputs down them,
+    as the router sends and takes them; each caller gets every token batch of its
+    request, as a streaming client does."""
 
     def __init__(self, handles: list):
         self.handles = handles
         self._next = itertools.cycle(range(len(handles)))
         self._lock = threading.Lock()
         self._streams: dict[str, queue.SimpleQueue] = {}
-        self._stop = threading.Event()
+        self._feeds = [self._connect(h) for h in handles]
         self._pollers = [
-            threading.Thread(target=self._poll, args=(h,), daemon=True) for h in handles
+            threading.Thread(target=self._follow, args=(c,), daemon=True) for c in self._feeds
         ]
         for t in self._pollers:
             t.start()
@@ -49,11 +53,11 @@ class DirectClient:
     def complete(self, ids: list[int], max_tokens: int) -> list[int]:
         request_id = uuid.uuid4().hex
         stream: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            self._streams[request_id] = stream
-            handle = self.handles[next(self._next)]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        handle.add.remote(Attempt(request_id, tuple(ids), params, CONSUMER))
+        frame = encode_command("add", Attempt(request_id, tuple(ids), params, CONSUMER))
+        with self._lock:  # one writer at a time on a feed: whole frames, in order
+            self._streams[request_id] = stream
+            self._feeds[next(self._next)].sendall(frame)
         tokens: list[int] = []
         while True:
             token_ids, reason = stream.get()
@@ -62,16 +66,27 @@ class DirectClient:
                 return tokens
 
     def close(self) -> None:
-        self._stop.set()
+        for conn in self._feeds:
+            conn.shutdown(socket.SHUT_RDWR)
         for t in self._pollers:
             t.join()
+        for conn in self._feeds:
+            conn.close()
 
-    def _poll(self, handle) -> None:
+    @staticmethod
+    def _connect(handle) -> socket.socket:
         import ray
 
-        while not self._stop.is_set():
-            items = ray.get(handle.poll.remote(CONSUMER, 0.2)).updates
-            for u in items:
+        ticket = ray.get(handle.open_feed.remote(CONSUMER, None))
+        host, _, port = ticket.address.rpartition(":")
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=30)
+        conn.settimeout(None)
+        conn.sendall(ticket.token.encode())
+        return conn
+
+    def _follow(self, conn: socket.socket) -> None:
+        for polled in frames(conn):
+            for u in polled.updates:
                 with self._lock:
                     stream = self._streams.get(u.request_id)
                     if u.finish_reason is not None:

@@ -1,5 +1,5 @@
 """A served engine step against the same step offline (issue 23): what the instance's
-loop (inbox, outboxes, the poll answered, stats) adds to each step.
+loop (inbox, outboxes, the update feed's frames, stats) adds to each step.
 
     .venv/bin/python -m bench.served_step [--model smollm2-135m] [--batches 1,32]
         [--prefill-tokens 512] [--window-s 2] [--rounds 7]
@@ -90,7 +90,7 @@ class Served:
 
         async def start():
             await self._instance.wait_ready()
-            self._instance.start_polling(lambda inst, updates: None, self._dead)
+            self._instance.start_feed(lambda inst, updates: None, self._dead)
 
         asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=60)
 
@@ -142,7 +142,7 @@ class Served:
     def close(self) -> None:
         import asyncio
 
-        stop = asyncio.run_coroutine_threadsafe(self._instance.stop_polling(), self._loop)
+        stop = asyncio.run_coroutine_threadsafe(self._instance.stop_feed(), self._loop)
         stop.result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()

@@ -1,6 +1,6 @@
 """What serving costs over the engine (issue 23): the same requests, in one run,
-(a) through the offline engine, (b) on the served instances called directly (Ray
-handle ``add`` + ``poll``, as bench/router.py does), (c) through the router over gRPC
+(a) through the offline engine, (b) on the served instances called directly (up and
+down their update feeds, as bench/router.py does), (c) through the router over gRPC
 and (d) over its OpenAI HTTP API, per mode and concurrency.
 
     .venv/bin/python -m bench.serving_overhead [--modes colocated,1p1d]

@@ -30,6 +30,19 @@ class InstanceHandles:
     group: object = None  # the placement group, one bundle per rank
 
 
+def _feed_endpoint(bind: str | None, advertise: str | None, strategy) -> dict:
+    """Where rank 0's update feed listens (engine/feed.py): the pool's KV interface and
+    address, resolved on the group's node when that takes the node's own address."""
+    import ray
+
+    from kv_transfer.protocol import WILDCARDS, endpoint
+
+    if bind is None or (advertise is None and bind in WILDCARDS):
+        resolve = ray.remote(endpoint).options(num_cpus=0, scheduling_strategy=strategy)
+        bind, advertise = ray.get(resolve.remote(bind, advertise))
+    return {"bind": bind, "advertise": advertise or bind}
+
+
 def _free_port(bind: str | None, advertise: str | None) -> tuple[str, str, int]:
     """On the group's node: (interface, advertised address, a port free on it).
 
@@ -104,6 +117,7 @@ def start_instance(
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
 
     if size == 1:
+        extra["feed"] = _feed_endpoint(kv["bind"], kv["advertise"], in_bundle(0))
         handle = worker_cls.options(name=name, scheduling_strategy=in_bundle(0), **options).remote(
             name, model, engine, threads, *setup, **extra
         )
@@ -113,6 +127,7 @@ def start_instance(
         .options(num_cpus=0, scheduling_strategy=in_bundle(0))
         .remote(kv["bind"], kv["advertise"])
     )
+    extra["feed"] = {"bind": bind, "advertise": host}
     parallel = {"size": size, "address": f"{host}:{port}", "bind": bind}
     ranks = [
         ray.remote(rank_classes[role])

@@ -10,7 +10,7 @@ of every serving instance (rank 0 and the tensor-parallel ranks) each
 - has been inside one engine step for ``supervisor.step_timeout_s`` (a collective whose
   peer is gone): rank 0's ``ping`` reports how long its loop has been busy.
 
-The router reports what it sees first (a poll that raised) through ``report``. Either
+The router reports what it sees first (a feed that ended) through ``report``. Either
 way, per instance and generation, once (docs/serving.md, "Supervision and migration")::
 
     serving --failed--> router.eject (routing stops; its requests migrate)
@@ -154,7 +154,7 @@ class Supervisor:
     # ---- failures ----
 
     def report(self, name: str, generation: int, why: str) -> None:
-        """The router saw generation ``generation`` of ``name`` fail (its poll raised)."""
+        """The router saw generation ``generation`` of ``name`` fail (its feed ended)."""
         self._failed(name, generation, why)
 
     def _watch(self) -> None:

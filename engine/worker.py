@@ -7,7 +7,9 @@ before each step as ``(kind, *args)`` ops, each applied by the handler its kind 
 ``self._ops`` (``on_loop`` runs a function there and returns its result), and
 updates go into one outbox per consumer (the router, a benchmark) that ``poll`` hands
 over in one batch: everything produced since the last poll, so a busy instance costs
-its consumer one call per step at most, never one per token. A consumer that passes a
+its consumer one call per step at most, never one per token. The router does not call
+``poll`` through Ray: it takes the same batches pushed down the update feed
+(``open_feed``, engine/feed.py), which costs the step's threads far less. A consumer that passes a
 ``CacheCursor`` also gets the prefix cache's changes since its last poll
 (engine/cache_log.py): the block hashes the router routes by.
 
@@ -34,6 +36,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine
 from engine.cache_log import CacheLog
+from engine.feed import FeedServer, FeedTicket
 from engine.llm_engine import StepFailed
 from engine.messages import Attempt, CacheCursor, Polled, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
@@ -55,8 +58,11 @@ class EngineWorker:
         num_threads: int,
         *setup,
         parallel: dict | None = None,
+        feed: dict | None = None,
     ):
         """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts).
+        ``feed``: ``{"bind": interface, "advertise": address}`` of the update feed's
+        listener (engine/feed.py; None: 127.0.0.1, for instances made outside a cluster).
         ``parallel``: ``{"size": N, "address": host:port, "bind": interface, "ranks":
         [handles]}`` makes this rank 0 of a tensor-parallel instance: it serves the
         world's store on ``bind`` at that port, advertised as ``address``;
@@ -93,6 +99,9 @@ class EngineWorker:
         self._setup(*setup)
         self._snapshot = self._stats()
         self._stopping = False
+        feed = feed or {"bind": "127.0.0.1", "advertise": "127.0.0.1"}
+        commands = {"add": self.add, "abort": self.abort}
+        self._feed = FeedServer(name, self.poll, commands, feed["bind"], feed["advertise"])
         self._busy_since: float | None = None  # monotonic start of the work under way
         self._loop = threading.Thread(target=self._run, name=f"{name}-steps", daemon=True)
         self._loop.start()
@@ -142,6 +151,14 @@ class EngineWorker:
             items = self._outboxes.pop(consumer, [])
             return Polled(items, dict(self._snapshot), log.since(cache))
 
+    def open_feed(self, consumer: str, cache: CacheCursor | None = None) -> FeedTicket:
+        """A ticket for one connection down which this instance pushes, for ``consumer``,
+        what ``poll`` would answer, each time there is news, and up which it takes
+        ``add``s and ``abort``s (engine/feed.py): the cheap way to drive a busy
+        instance. ``cache``: the consumer's cursor to start from (None: no prefix cache
+        changes)."""
+        return self._feed.open(consumer, cache)
+
     def stats(self) -> dict:
         with self._lock:
             return dict(self._snapshot)
@@ -175,6 +192,7 @@ class EngineWorker:
         return future.result()
 
     def stop(self) -> None:
+        self._feed.close()
         with self._lock:
             self._stopping = True
             self._work.notify_all()

@@ -132,7 +132,7 @@ class RouterCore:
             ),
         )
         for inst in self.instances:
-            inst.start_polling(self._on_updates, self._on_dead)
+            inst.start_feed(self._on_updates, self._on_dead)
         self._health_changed()
         return infos
 
@@ -157,12 +157,12 @@ class RouterCore:
         if inst.dead is None:  # the supervisor replaced it before this router saw it fail
             self._instance_failed(inst, f"instance {name} was replaced", restarting=True)
         inst.readmit(handle, generation, info)
-        inst.start_polling(self._on_updates, self._on_dead)
+        inst.start_feed(self._on_updates, self._on_dead)
         self._health_changed()
         self._dispatch()
 
     def _on_dead(self, inst: Instance, why: str) -> None:
-        """An instance's poll raised: it is gone; the supervisor restarts it."""
+        """An instance's feed ended: it is gone; the supervisor restarts it."""
         if self.supervisor is not None:
             self.supervisor.report.remote(inst.name, inst.generation, why)
         self._instance_failed(inst, why, restarting=self.supervisor is not None)
@@ -215,7 +215,7 @@ class RouterCore:
 
     async def stop(self) -> None:
         for inst in self.instances:
-            await inst.stop_polling()
+            await inst.stop_feed()
         self.intake.close()
 
     async def stats(self) -> dict:

@@ -107,7 +107,7 @@ class Disaggregated(Placement):
             return
         if stream.attempt_id != attempt.id or attempt.id not in decode.streams:
             if destination is not None:  # cancelled while reserving
-                decode.handle.abort.remote([attempt.id])
+                decode.abort([attempt.id])
             return
         if destination is None:  # no room after all: back to the head of the queue
             self._drop(stream, abort=False)

@@ -84,7 +84,7 @@ class Hybrid(Disaggregated):
         decode.load.prefill_tokens += tokens
         self._local[attempt.id] = (decode, tokens)
         stream.sent_to(decode.name)
-        decode.handle.add.remote(attempt)
+        decode.add(attempt)
 
     def on_updates(self, inst: Instance, updates: list) -> list[RequestStream]:
         self.costs.observe_stats(inst.name, inst.role, inst.last_stats)

@@ -1,13 +1,16 @@
 """The router's side of one engine instance: its handle, its load, its update stream.
 
-Data plane: one long-poll loop per instance fetches every update the instance produced
-since the previous poll (one Ray call per engine step at most, whatever the number of
-requests) and hands them to the placement (router/placement.py), which routes each to
-its ``RequestStream``.
+Data plane: the instance pushes, down its update feed (engine/feed.py; one TCP
+connection, opened with a ticket asked for through Ray), every update it produced since
+its previous frame, at most one frame per engine step whatever the number of requests;
+each frame's updates go to the placement (router/placement.py), which routes each to
+its ``RequestStream``. ``add`` and ``abort`` go up the same connection, in order; the
+disaggregated handoff's ``reserve`` and ``prefill`` are Ray calls. The feed's end is
+the instance's failure.
 
 Lifecycle (docs/serving.md, "Supervision and migration")::
 
-    starting --ready--> serving --poll fails / ejected--> failed --readmitted--> serving
+    starting --ready--> serving --feed ends / ejected--> failed --readmitted--> serving
 
 Each incarnation of the instance has a ``generation`` (0 at launch, +1 per restart by
 the cluster's supervisor): a failure is reported with the generation it concerns, so a
@@ -20,7 +23,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from engine.feed import encode_command
+from engine.messages import Attempt, Polled
 from router.cache_index import CacheIndex
+from router.feed_reader import FeedReader
 from router.incidents import first_line
 from router.policies import InstanceLoad
 from router.stream import RequestStream
@@ -28,7 +34,6 @@ from router.stream import RequestStream
 log = logging.getLogger(__name__)
 
 CONSUMER = "router"  # our outbox name on the workers
-POLL_TIMEOUT_S = 0.5
 
 
 class Instance:
@@ -37,7 +42,7 @@ class Instance:
         self.load = InstanceLoad(name=name, index=index)
         self.capacity = 0  # max requests held and unfinished (its max_batch_size)
         self.info: dict = {}
-        self.last_stats: dict = {}  # its stats() as the latest poll brought them
+        self.last_stats: dict = {}  # its stats() as the latest frame brought them
         self.ready = False
         self.dead: str | None = None  # why, while the instance is failed
         self.generation = 0  # restarts so far (each one a new incarnation)
@@ -46,8 +51,10 @@ class Instance:
         self.refused = False
         self.requests_total = 0
         self.streams: dict[str, RequestStream] = {}  # by the id the instance knows
-        self.cache = CacheIndex()  # the block hashes its prefix cache holds (as last polled)
+        self.cache = CacheIndex()  # the block hashes its prefix cache holds (as last fed)
         self._task: asyncio.Task | None = None
+        self._feed: FeedReader | None = None  # while its update feed is connected
+        self._unsent: list[bytes] = []  # commands given before the feed connected
 
     @property
     def alive(self) -> bool:
@@ -82,27 +89,45 @@ class Instance:
         if self.streams.pop(stream.attempt_id, None) is None:
             return False
         self.load.outstanding -= 1
-        if abort and self.dead is None:
-            self.handle.abort.remote([stream.attempt_id])
+        if abort:
+            self.abort([stream.attempt_id])
         return True
 
-    def start_polling(
+    def add(self, attempt: Attempt) -> None:
+        """Have the instance run ``attempt`` (``EngineWorker.add``, sent up its feed)."""
+        self._send(encode_command("add", attempt))
+
+    def abort(self, attempt_ids: list[str]) -> None:
+        """Have the instance drop these attempts and free their blocks (none when dead)."""
+        if self.dead is None:
+            self._send(encode_command("abort", attempt_ids))
+
+    def _send(self, frame: bytes) -> None:
+        # commands go in the order given; those before the feed connects wait for it
+        # (a failed instance drops them: its requests migrate, router/placement.py)
+        if self._feed is not None:
+            self._feed.send(frame)
+        elif self.dead is None:
+            self._unsent.append(frame)
+
+    def start_feed(
         self,
         on_updates: Callable[[Instance, list], None],
         on_dead: Callable[[Instance], None],
     ) -> None:
         loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self._poll(on_updates, on_dead))
+        self._task = loop.create_task(self._follow(on_updates, on_dead))
 
-    async def stop_polling(self) -> None:
+    async def stop_feed(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
     def fail(self, why: str, restarting: bool) -> None:
-        """Out of routing from now on (its poll stops); the placement then deals with the
+        """Out of routing from now on (its feed is closed); the placement then deals with the
         requests it held."""
         self.dead, self.restarting = why, restarting
+        self._feed, self._unsent = None, []
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         log.error("%s (generation %d)", why, self.generation)
@@ -122,19 +147,37 @@ class Instance:
             return {"name": self.name, "dead": self.dead}
         return await self.handle.stats.remote()
 
-    async def _poll(self, on_updates, on_dead) -> None:
-        while True:
-            try:
-                polled = await self.handle.poll.remote(CONSUMER, POLL_TIMEOUT_S, self.cache.cursor)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the actor died
-                on_dead(self, f"instance {self.name} failed: {first_line(e)}")
-                return
-            stats = polled.stats
-            self.last_stats = stats
-            self.load.running, self.load.queued = stats["running"], stats["queued"]
-            self.load.free_blocks = stats["free_blocks"]
-            self.refused = False
-            self.cache.apply(polled.cache)  # before the updates: a finished prompt's blocks
-            on_updates(self, polled.updates)
+    async def _follow(self, on_updates, on_dead) -> None:
+        """Follow the instance's update feed until it ends (then ``on_dead``)."""
+        transport = reader = None
+        try:
+            ticket = await self.handle.open_feed.remote(CONSUMER, self.cache.cursor)
+            host, _, port = ticket.address.rpartition(":")
+            transport, reader = await asyncio.get_running_loop().create_connection(
+                lambda: FeedReader(ticket.token, lambda polled: self._on_frame(polled, on_updates)),
+                host.strip("[]"),
+                int(port),
+            )
+            self._feed, unsent, self._unsent = reader, self._unsent, []
+            for frame in unsent:
+                reader.send(frame)
+            why = await reader.lost
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the actor died, or its listener is gone
+            why = first_line(e)
+        finally:
+            if self._feed is reader:
+                self._feed = None
+            if transport is not None:
+                transport.close()
+        on_dead(self, f"instance {self.name} failed: {why}")
+
+    def _on_frame(self, polled: Polled, on_updates) -> None:
+        stats = polled.stats
+        self.last_stats = stats
+        self.load.running, self.load.queued = stats["running"], stats["queued"]
+        self.load.free_blocks = stats["free_blocks"]
+        self.refused = False
+        self.cache.apply(polled.cache)  # before the updates: a finished prompt's blocks
+        on_updates(self, polled.updates)

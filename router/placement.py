@@ -25,7 +25,7 @@ class Placement(ABC):
     starts it and returns at once (it may hand the stream back to the router with
     ``router.requeue`` when an instance turns it down); ``cancel(stream)`` takes it out
     of every instance holding it, which frees its KV blocks there; ``on_updates``
-    routes one poll's updates to their streams and returns those that ended;
+    routes one frame's updates to their streams and returns those that ended;
     ``on_dead`` deals with the requests a failed instance held (each migrates, through
     ``router.migrate``, or ends) and returns those that ended. A stream that ends gets a
     final ``Delta`` (finish reason or error).
@@ -114,7 +114,7 @@ class Colocated(Placement):
         stream.pair = (inst.name,)
         inst.hold(stream)
         stream.sent_to(inst.name)
-        inst.handle.add.remote(attempt)
+        inst.add(attempt)
 
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]:
         finished = []

@@ -1,6 +1,6 @@
-"""Hybrid placement (router/hybrid.py) on its own, over stand-in instance handles (no
-Ray): with every prefill instance down it still serves, prefilling on the decode
-instance; a failed remote attempt's next attempt is local."""
+"""Hybrid placement (router/hybrid.py) on its own, over instances whose commands are
+recorded (no Ray, no feed): with every prefill instance down it still serves,
+prefilling on the decode instance; a failed remote attempt's next attempt is local."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ from router.stream import RequestStream
 
 
 def instance(name: str, role: str, index: int, sent: list) -> Instance:
-    aborted: list = []
-    handle = SimpleNamespace(
-        add=SimpleNamespace(remote=sent.append), abort=SimpleNamespace(remote=aborted.extend)
-    )
-    inst = Instance(name, role, handle, index)
+    class Recorded(Instance):  # its commands recorded instead of sent up a feed
+        def add(self, attempt) -> None:
+            sent.append(attempt)
+
+        def abort(self, attempt_ids: list[str]) -> None:
+            pass
+
+    inst = Recorded(name, role, None, index)
     inst.info = {"max_batch_tokens": 128, "kv_bytes_per_token": 1000}
     inst.ready, inst.capacity = True, 4
     return inst
