@@ -137,7 +137,7 @@ class Served:
                 return done[0][4]
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no prefill step of {tokens} tokens came")
-            time.sleep(0.05)
+            time.sleep(0.5)  # seldom: each look is a Ray call the instance answers
 
     def close(self) -> None:
         import asyncio

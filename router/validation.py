@@ -28,6 +28,11 @@ class ModelLimits:
 # the roles a chat message may have (tool and function results need tool calling)
 ROLES = ("system", "developer", "user", "assistant")
 _SEEDS = (-(2**63), 2**63)  # torch's generators take 64-bit seeds
+_INT32_MAX = 2**31 - 1
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class RequestValidator:
@@ -71,8 +76,18 @@ class RequestValidator:
         kwargs = {name: getattr(s, name) for name in OPTIONAL_SAMPLING}
         kwargs = {name: value for name, value in kwargs.items() if value is not None}
         kwargs["top_k"] = 0 if s.top_k == -1 else kwargs.get("top_k", 0)  # -1: off, as vLLM
+        # Integers past what any model can use, which the HTTP API takes unbounded, are
+        # brought within the gRPC API's int32 (what the instances' feed carries, at
+        # most 64 bits) without changing an output: a top_k or max_tokens past any
+        # vocabulary or context is clamped, a stop token id no model can sample dropped.
+        for name in ("top_k", "max_tokens"):
+            if name in kwargs and _integer(kwargs[name]):
+                kwargs[name] = min(kwargs[name], _INT32_MAX)
+        vocab = self.limits.vocab_size
         kwargs.update(
-            stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos
+            stop=list(s.stop),
+            stop_token_ids=[t for t in s.stop_token_ids if not _integer(t) or 0 <= t < vocab],
+            ignore_eos=s.ignore_eos,
         )
         if s.seed is not None and not _SEEDS[0] <= s.seed < _SEEDS[1]:
             raise InvalidRequest(f"sampling.seed={s.seed!r}: must be in [-2**63, 2**63)")

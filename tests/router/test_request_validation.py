@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine import feed
+from engine.messages import Attempt
 from router.request import ChatMessage, GenerateRequest, SamplingOptions
 from router.validation import InvalidRequest, ModelLimits, RequestValidator
 
@@ -35,6 +37,20 @@ def test_sampling_unset_takes_the_defaults_and_seeds_fit_64_bits(validator):
     huge = GenerateRequest(prompt_token_ids=[5], sampling=SamplingOptions(seed=2**64))
     with pytest.raises(InvalidRequest, match=r"sampling.seed=18446744073709551616: must be in"):
         validator.sampling(huge)
+
+
+def test_integers_past_any_model_are_brought_within_the_wire_without_changing_outputs(validator):
+    """The HTTP API takes top_k, max_tokens and stop_token_ids unbounded (docs/openapi.yaml):
+    past any vocabulary or context they are clamped or dropped, and the attempt then
+    crosses the instances' feed (msgpack: 64-bit integers at most)."""
+    huge = SamplingOptions(top_k=2**90, max_tokens=2**70, stop_token_ids=[7, 2**80, -3, 255])
+    params = validator.sampling(GenerateRequest(prompt_token_ids=[5], sampling=huge))
+    assert (params.top_k, params.max_tokens) == (2**31 - 1, 2**31 - 1)
+    assert params.stop_token_ids == [7, 255]  # the ids a 256-token vocabulary can sample
+    attempt = Attempt("r#0.1", (5,), params, "router")
+    assert (
+        feed.decode_command(feed.encode_command("add", attempt)[feed.LENGTH.size :])[1] == attempt
+    )
 
 
 TEMPLATES = {
