@@ -1,5 +1,5 @@
 """The router's own overhead: the same requests through the router (gRPC client ->
-router actor -> instance) and straight to the instances (Ray handle -> instance), in
+router actor -> instance) and straight to the instances (their update feeds), in
 one run, on a tiny model so that the engine's share is small.
 
     .venv/bin/python -m bench.router [--requests 300] [--concurrency 1,16]
@@ -179,10 +179,7 @@ def _print(args, rows) -> None:
     )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c, d, r in rows:
-        print(
-            f"| {c} | direct (Ray handle) | {d['rps']:.1f} | {d['p50']:.1f} "
-            f"| {d['p99']:.1f} | | | |"
-        )
+        print(f"| {c} | direct (feed) | {d['rps']:.1f} | {d['p50']:.1f} | {d['p99']:.1f} | | | |")
         print(
             f"| {c} | router (gRPC) | {r['rps']:.1f} | {r['p50']:.1f} | {r['p99']:.1f} "
             f"| {r['p50'] - d['p50']:+.1f} | {r['p99'] - d['p99']:+.1f} "
