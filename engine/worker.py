@@ -7,11 +7,12 @@ before each step as ``(kind, *args)`` ops, each applied by the handler its kind 
 ``self._ops`` (``on_loop`` runs a function there and returns its result), and
 updates go into one outbox per consumer (the router, a benchmark) that ``poll`` hands
 over in one batch: everything produced since the last poll, so a busy instance costs
-its consumer one call per step at most, never one per token. The router does not call
-``poll`` through Ray: it takes the same batches pushed down the update feed
-(``open_feed``, engine/feed.py), which costs the step's threads far less. A consumer that passes a
-``CacheCursor`` also gets the prefix cache's changes since its last poll
-(engine/cache_log.py): the block hashes the router routes by.
+its consumer one call per step at most, never one per token. The router calls neither
+``poll`` nor ``add`` through Ray: it takes the same batches down the update feed and
+sends ``add``s and ``abort``s up it (``open_feed``, engine/feed.py), which costs the
+step's threads far less. A consumer that passes a ``CacheCursor`` also gets the prefix
+cache's changes since its last poll (engine/cache_log.py): the block hashes the router
+routes by.
 
 ``EngineWorker`` itself is the co-located instance: every step is the engine's mixed
 step, prompt chunks piggybacked on the running decodes (engine/scheduler.py). The
