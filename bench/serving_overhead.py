@@ -1,7 +1,9 @@
 """What serving costs over the engine (issue 23): the same requests, in one run,
 (a) through the offline engine, (b) on the served instances called directly (up and
 down their update feeds, as bench/router.py does), (c) through the router over gRPC
-and (d) over its OpenAI HTTP API, per mode and concurrency.
+and (d) over its OpenAI HTTP API, per mode and concurrency; and, as the floor under
+(c), the same gRPC calls answered by an echo with no router or engine behind it
+(bench/grpc_floor.py).
 
     .venv/bin/python -m bench.serving_overhead [--modes colocated,1p1d]
         [--concurrency 1,16,64] [--requests 300] [--prompt-tokens 16] [--max-tokens 8]
@@ -21,8 +23,10 @@ handoff is the router's), requests/s against offline and direct, and the per-ste
 the median of the engine steps with decodes only, served (``step_log``: one turn of the
 instance's loop, calls applied and the step) against offline (``engine.step()``); and
 the CPU time per request of the engine instances' processes (offline: this process)
-and of the router's process (/proc: user + system, every thread), which, unlike
-latency, does not move with what else runs on the machine.
+and of the router's process (/proc: user + system, every thread; on the floor row, the
+echo's), and of the caller (this process: the load's threads and their client), which,
+unlike latency, moves little with what else runs on the machine. A line per
+concurrency splits the router's CPU into the gRPC floor and the router's own work.
 
 ``--profile DIR``: afterwards, py-spy samples the router's and instance 0's processes
 for ``--profile-seconds`` while the gRPC path runs at concurrency 16 (co-located), and
@@ -41,6 +45,7 @@ from collections import deque
 from pathlib import Path
 
 from bench.endpoint import DONE, completion_body, parse_event
+from bench.grpc_floor import GrpcFloor
 from bench.router import DirectClient, _tiny_model, measure
 from bench.workloads import Request
 from engine.sampling_params import SamplingParams
@@ -51,7 +56,7 @@ MODES = {
     "colocated": {"mode": "colocated", "colocated": {"instances": 2, **POOL}},
     "1p1d": {"mode": "disaggregated", "prefill": dict(POOL), "decode": dict(POOL)},
 }
-PATHS = ("offline", "direct", "grpc", "http")
+PATHS = ("offline", "direct", "grpc floor", "grpc", "http")
 
 
 def cluster_config(model: str, mode: str) -> dict:
@@ -159,15 +164,22 @@ def run_mode(mode: str, model: str, work, args, levels: list[int]) -> tuple[str,
     cluster = launch(config, ["logging.level=WARNING"])
     try:
         handles = [ray.get_actor(name, namespace="pdserve") for name in cluster.workers]
-        client = cluster.client()
+        from router.client import RouterClient
+
+        client, floor = cluster.client(), GrpcFloor()
+        floor_client = RouterClient(floor.address)
         http, http_client = http_path(cluster.http_address)
 
-        def grpc(ids, max_tokens):
-            stream = client.generate(prompt_token_ids=ids, max_tokens=max_tokens,
-                                     temperature=0, ignore_eos=True)  # fmt: skip
-            return [t for chunk in stream for t in chunk.token_ids]
+        def caller(client):
+            def call(ids, max_tokens):
+                stream = client.generate(prompt_token_ids=ids, max_tokens=max_tokens,
+                                         temperature=0, ignore_eos=True)  # fmt: skip
+                return [t for chunk in stream for t in chunk.token_ids]
 
-        paths = {"grpc": grpc, "http": http}
+            return call
+
+        grpc = caller(client)
+        paths = {"grpc floor": caller(floor_client), "grpc": grpc, "http": http}
         direct = DirectClient(handles) if mode == "colocated" else None
         if direct is not None:
             paths = {"direct": direct.complete, **paths}
@@ -181,12 +193,14 @@ def run_mode(mode: str, model: str, work, args, levels: list[int]) -> tuple[str,
                 for h in handles:
                     ray.get(h.step_log.remote())
                 engine_cpu = sum(cpu_seconds(p) for p in pids)
-                router_cpu = cpu_seconds(router_pid)
+                server_pid = floor.pid if name == "grpc floor" else router_pid
+                router_cpu, client_cpu = cpu_seconds(server_pid), time.process_time()
                 f = figures[name] = measure(call, work, args.max_tokens, c)
+                f["client_cpu"] = (time.process_time() - client_cpu) / len(work) * 1000
                 f["engine_cpu"] = (
                     (sum(cpu_seconds(p) for p in pids) - engine_cpu) / len(work) * 1000
                 )
-                f["router_cpu"] = (cpu_seconds(router_pid) - router_cpu) / len(work) * 1000
+                f["router_cpu"] = (cpu_seconds(server_pid) - router_cpu) / len(work) * 1000
                 steps = [row for h in handles for row in ray.get(h.step_log.remote())]
                 f["step"] = decode_step_ms(steps)
         if args.profile and direct is not None:
@@ -194,6 +208,8 @@ def run_mode(mode: str, model: str, work, args, levels: list[int]) -> tuple[str,
         if direct is not None:
             direct.close()
         client.close()
+        floor_client.close()
+        floor.close()
         http_client.close()
     finally:
         cluster.shutdown(drain=False)
@@ -224,8 +240,8 @@ def _print(args, mode: str, cpu_path: str, rows) -> None:
           f"{args.max_tokens} tokens (greedy); {cpu_path}\n")  # fmt: skip
     print("| concurrency | path | requests/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
           "| req/s vs offline | req/s vs direct | decode step ms | step vs offline "
-          "| instances CPU ms/req | router CPU ms/req |")  # fmt: skip
-    print("| ---: | --- " + "| ---: " * 11 + "|")
+          "| instances CPU ms/req | router CPU ms/req | caller CPU ms/req |")  # fmt: skip
+    print("| ---: | --- " + "| ---: " * 12 + "|")
     for c, figures in rows:
         off, direct = figures["offline"], figures.get("direct")
         base = direct or off
@@ -238,13 +254,25 @@ def _print(args, mode: str, cpu_path: str, rows) -> None:
                 if routed
                 else ["", ""]
             )
-            cells.append(_ratio(f["rps"], off["rps"]) if name != "offline" else "")
+            cells.append(
+                _ratio(f["rps"], off["rps"]) if name not in ("offline", "grpc floor") else ""
+            )
             cells.append(_ratio(f["rps"], direct["rps"]) if routed and direct else "")
             cells.append("" if f["step"] is None else f"{f['step']:.2f}")
             cells.append(_ratio(f["step"], off["step"]) if name != "offline" else "")
             cells.append(f"{f['engine_cpu']:.2f}")
             cells.append(f"{f['router_cpu']:.2f}" if "router_cpu" in f else "")
+            cells.append(f"{f['client_cpu']:.2f}" if "client_cpu" in f else "")
             print(f"| {c} | {name} | " + " | ".join(cells) + " |")
+    print()
+    for c, figures in rows:
+        floor, grpc = figures.get("grpc floor"), figures.get("grpc")
+        if floor and grpc:
+            own = grpc["router_cpu"] - floor["router_cpu"]
+            print(f"concurrency {c}: router CPU {grpc['router_cpu']:.2f} ms/req = gRPC floor "
+                  f"{floor['router_cpu']:.2f} + the router's own {own:.2f}; caller "
+                  f"{grpc['client_cpu']:.2f} ms/req (on the floor "
+                  f"{floor['client_cpu']:.2f})")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

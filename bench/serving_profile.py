@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +22,7 @@ RATE_HZ = 100
 
 def py_spy() -> str:
     """The py-spy executable (the dev extra installs it)."""
-    found = shutil.which("py-spy")
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if found is None:
         raise SystemExit("--profile needs py-spy on PATH: pip install py-spy")
     return found

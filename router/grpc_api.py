@@ -24,7 +24,6 @@ an incident id only (router/incidents.py), never grpc's "Unexpected <exception>"
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -275,5 +274,4 @@ def generate_response(stream: RequestStream, delta: Delta) -> pb.GenerateRespons
 
 def timings_message(timings: Timings) -> pb.Timings:
     """``Timings`` as the protobuf message (same field names)."""
-    fields = dataclasses.asdict(timings)
-    return pb.Timings(**{**fields, "phases": pb.Phases(**fields["phases"])})
+    return pb.Timings(**{**vars(timings), "phases": pb.Phases(**vars(timings.phases))})

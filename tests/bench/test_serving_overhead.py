@@ -18,14 +18,21 @@ def test_quick_mode_prints_every_path_at_every_concurrency(capsys):
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
     rows = [[cell.strip() for cell in row] for row in rows if row[0].strip().isdigit()]
     assert [(r[0], r[1]) for r in rows] == [
-        (c, path) for c in ("1", "4") for path in ("offline", "direct", "grpc", "http")
+        (c, path)
+        for c in ("1", "4")
+        for path in ("offline", "direct", "grpc floor", "grpc", "http")
     ]
     for r in rows:
         assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) >= float(r[3])
         routed = r[1] in ("grpc", "http")
         assert bool(r[5]) == routed and bool(r[8]) == routed  # added latency, vs direct
-        assert bool(r[7]) == (r[1] != "offline")  # requests/s against offline
-        assert float(r[11]) > 0 and bool(r[12]) == (r[1] != "offline")  # CPU per request
+        assert bool(r[7]) == (r[1] not in ("offline", "grpc floor"))  # against offline
+        assert float(r[11]) >= 0 and bool(r[12]) == (r[1] != "offline")  # CPU per request
+        assert bool(r[13]) == (r[1] != "offline")  # the caller's CPU per request
+        if r[1] in ("grpc floor", "grpc"):
+            assert float(r[12]) > 0  # the echo's, the router's
+    for c in ("1", "4"):  # the router's CPU split into the floor and its own
+        assert f"concurrency {c}: router CPU " in out and "+ the router's own" in out
 
 
 def test_profile_summary_counts_threads_self_and_total(tmp_path):

@@ -1,16 +1,18 @@
 """Tokenization off the event loop, in arrival order (router/intake.py): the real
 ``Intake`` and ``RequestValidator`` on its thread pool, with prompts whose tokenization
 takes a set time; the loop keeps running meanwhile, a request that finished early waits
-for those that arrived before it, and a refused or cancelled one holds nobody up."""
+for those that arrived before it, and a refused or cancelled one holds nobody up. A
+short token-id prompt is checked on the loop, and still waits its turn."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
-from router.intake import Intake
+from router.intake import INLINE_IDS, Intake
 from router.request import GenerateRequest, Refused
 from router.validation import ModelLimits, RequestValidator
 
@@ -18,19 +20,28 @@ CONFIG = dict(max_prompt_tokens=8, max_stop_strings=2, max_stop_string_chars=4, 
 
 
 class TimedValidator(RequestValidator):
-    """Tokenizing a prompt takes ``prompt_token_ids[0]`` milliseconds (on a thread)."""
+    """A text prompt ``"MS ID ID ..."`` takes MS milliseconds to tokenize into
+    ``[MS, ID, ...]`` (then checked as token ids are); records each check's thread."""
+
+    def __init__(self, limits: ModelLimits):
+        super().__init__(None, limits)
+        self.threads: list[str] = []
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        time.sleep(request.prompt_token_ids[0] / 1000)
-        return super().prompt_ids(request)
+        self.threads.append(threading.current_thread().name)
+        if request.prompt is None:
+            return super().prompt_ids(request)
+        ids = [int(x) for x in request.prompt.split()]
+        time.sleep(ids[0] / 1000)
+        return super().prompt_ids(GenerateRequest(prompt_token_ids=ids))
 
 
 def _request(ms: int, *ids: int) -> GenerateRequest:
-    return GenerateRequest(prompt_token_ids=[ms, *ids])
+    return GenerateRequest(prompt=" ".join(str(x) for x in (ms, *ids)))
 
 
 def test_requests_leave_the_intake_in_arrival_order_and_the_loop_runs_meanwhile():
-    validator = TimedValidator(None, ModelLimits(max_context=64, vocab_size=1000, kv_tokens=64))
+    validator = TimedValidator(ModelLimits(max_context=64, vocab_size=1000, kv_tokens=64))
 
     async def run():
         intake, done, ticks = Intake(CONFIG), [], 0
@@ -69,6 +80,32 @@ def test_requests_leave_the_intake_in_arrival_order_and_the_loop_runs_meanwhile(
     assert ticks >= 20  # the loop ran through the 0.3 s of tokenization
 
 
+def test_short_token_id_prompts_are_checked_on_the_loop_and_keep_their_turn():
+    validator = TimedValidator(ModelLimits(max_context=2 * INLINE_IDS, vocab_size=1000,
+                                           kv_tokens=2 * INLINE_IDS))  # fmt: skip
+    config = {**CONFIG, "max_prompt_tokens": None}
+
+    async def run():
+        intake, done = Intake(config), []
+
+        async def one(name: str, request: GenerateRequest):
+            await intake.prepare(request, validator)
+            done.append(name)
+
+        await asyncio.gather(
+            one("slow text", _request(200)),
+            one("ids", GenerateRequest(prompt_token_ids=[5] * 16)),
+            one("long ids", GenerateRequest(prompt_token_ids=[5] * (INLINE_IDS + 1))),
+        )
+        intake.close()
+        return done
+
+    assert asyncio.run(run()) == ["slow text", "ids", "long ids"]
+    on_loop = threading.main_thread().name
+    assert validator.threads[1] == on_loop  # the short one: on the event loop
+    assert validator.threads[0] != on_loop and validator.threads[2] != on_loop
+
+
 def test_the_limits_name_the_key_the_value_and_the_bound():
     intake = Intake(CONFIG)
     try:
@@ -79,6 +116,6 @@ def test_the_limits_name_the_key_the_value_and_the_bound():
                 intake.check_limits(request)
         validator = RequestValidator(None, ModelLimits(64, 1000, 64))
         with pytest.raises(Refused, match=r"prompt: 9 tokens, past router.max_prompt_tokens=8"):
-            asyncio.run(intake.prepare(_request(0, *[5] * 8), validator))
+            asyncio.run(intake.prepare(GenerateRequest(prompt_token_ids=[5] * 9), validator))
     finally:
         intake.close()
