@@ -7,6 +7,12 @@ on every interface: docs/serving.md, "The embedded Ray"), and token authenticati
 with a token made for this process and passed to Ray's processes through the
 environment (``RAY_AUTH_TOKEN``), so nothing is read from or written to
 ``~/.ray``. A ``RAY_AUTH_MODE`` or ``RAY_AUTH_TOKEN`` set by the user wins.
+
+Its workers (the router, the instances, the supervisor) run at the niceness of the
+process that starts it, not at Ray's default of 15 (``RAY_worker_niceness=0``, unless
+the user set it): they are the service, and at 15 any other process that wakes on the
+node, a client, a shell, takes the CPU from an engine step (docs/serving.md, "Worker
+niceness").
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from cluster.config import RayConfig
 from cluster.security_checks import apply_ray_tls, check_connected
 
 NAMESPACE = "pdserve"
+RAY_WORKER_NICENESS = "RAY_worker_niceness"  # Ray's: added to its workers' niceness
 
 
 class RaySession:
@@ -46,6 +53,7 @@ class RaySession:
         )
         if self.embedded:
             _embedded_auth()
+            os.environ.setdefault(RAY_WORKER_NICENESS, "0")
             self.temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir=temp_base())
             cpus = self.config.num_cpus or os.cpu_count() or 1
             kwargs.update(

@@ -58,6 +58,14 @@ def test_instances_hold_their_resources_and_limit_torch_threads(cluster):
     assert all(i["max_context"] == 1024 and i["num_blocks"] == 512 for i in cluster.instances)
 
 
+def test_the_router_and_the_instances_run_at_the_drivers_niceness(cluster):
+    """Not Ray's default of 15 for its workers (cluster/ray_env.py): at 15, whatever else
+    wakes on the node takes the CPU from an engine step."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for pid in [i["pid"] for i in cluster.instances] + [cluster.router_pid()]:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == mine, f"pid {pid}"
+
+
 def test_every_instance_has_a_placement_group_of_its_pool(cluster):
     groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
     assert sorted((g["name"], g["strategy"]) for g in groups) == [

@@ -94,6 +94,8 @@ def test_ray_is_the_projects_and_joins_with_a_token():
     for command in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
         if "ray start" in command or "pdserve up" in command:
             assert "RAY_AUTH_MODE=token" in command, command
+        if "ray start" in command:  # its workers at the node's niceness, not 15
+            assert "RAY_worker_niceness=0" in command, command
     start = next(c for c in config["worker_start_ray_commands"] if "ray start" in c)
     assert command_flags(start.partition("ray start")[2])["address"] == "$RAY_HEAD_IP:6379"
 

@@ -163,6 +163,21 @@ def test_probes_leave_the_router_time_to_start():
     assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 120
 
 
+def test_every_ray_node_starts_its_workers_at_niceness_0():
+    """Not Ray's default of 15: the workers are the service (docs/serving.md, "Worker
+    niceness"); every container that runs ``ray start``."""
+    containers = [router_container()]
+    for variant in VARIANTS:
+        spec = cluster(variant)["spec"]
+        for template in [spec["headGroupSpec"]["template"]] + [
+            g["template"] for g in spec["workerGroupSpecs"]
+        ]:
+            containers += template["spec"]["containers"]
+    for container in containers:
+        env = {e["name"]: e for e in container["env"]}
+        assert env["RAY_worker_niceness"]["value"] == "0", container["name"]
+
+
 def test_every_ray_container_has_the_clusters_token():
     """Ray's token authentication on every Ray process: all take the same Secret key."""
     containers = [router_container()]
