@@ -93,7 +93,6 @@ class Router:
         from router.feed_reader import FeedReader
 
         ticket = await self.instance.open_feed.remote(n)
-        host, _, port = ticket.address.rpartition(":")
         got, done = 0, asyncio.get_running_loop().create_future()
 
         def on_frame(polled: Polled) -> None:
@@ -104,7 +103,7 @@ class Router:
 
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_connection(
-            lambda: FeedReader(ticket.token, on_frame), host, int(port)
+            lambda: FeedReader(ticket.token, on_frame), *ticket.endpoint()
         )
         await done
         transport.close()

@@ -78,8 +78,7 @@ class DirectClient:
         import ray
 
         ticket = ray.get(handle.open_feed.remote(CONSUMER, None))
-        host, _, port = ticket.address.rpartition(":")
-        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=30)
+        conn = socket.create_connection(ticket.endpoint(), timeout=30)
         conn.settimeout(None)
         conn.sendall(ticket.token.encode())
         return conn

@@ -72,6 +72,11 @@ class FeedTicket:
     address: str
     token: str
 
+    def endpoint(self) -> tuple[str, int]:
+        """(host, port) to connect to: ``address`` split, an IPv6 host without brackets."""
+        host, _, port = self.address.rpartition(":")
+        return host.strip("[]"), int(port)
+
 
 # ---- the frames ----
 

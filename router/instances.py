@@ -152,11 +152,9 @@ class Instance:
         transport = reader = None
         try:
             ticket = await self.handle.open_feed.remote(CONSUMER, self.cache.cursor)
-            host, _, port = ticket.address.rpartition(":")
             transport, reader = await asyncio.get_running_loop().create_connection(
                 lambda: FeedReader(ticket.token, lambda polled: self._on_frame(polled, on_updates)),
-                host.strip("[]"),
-                int(port),
+                *ticket.endpoint(),
             )
             self._feed, unsent, self._unsent = reader, self._unsent, []
             for frame in unsent:

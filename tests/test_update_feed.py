@@ -12,7 +12,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams, feed
-from engine.feed import HANDSHAKE_S, LENGTH, decode, encode, frames
+from engine.feed import HANDSHAKE_S, LENGTH, FeedTicket, decode, encode, frames
 from engine.messages import Attempt, CacheCursor, CacheDelta, Polled, Update
 from engine.outputs import Logprobs
 from engine.worker import EngineWorker
@@ -33,10 +33,10 @@ def served(tiny_model):
     worker.stop()
 
 
-def connect(address: str, token: str) -> socket.socket:
-    host, _, port = address.rpartition(":")
-    conn = socket.create_connection((host, int(port)), timeout=30)
-    conn.sendall(token.encode())
+def connect(ticket: FeedTicket, token: str | None = None) -> socket.socket:
+    """A connection to the ticket's listener that sent ``token`` (the ticket's own)."""
+    conn = socket.create_connection(ticket.endpoint(), timeout=30)
+    conn.sendall((ticket.token if token is None else token).encode())
     return conn
 
 
@@ -58,7 +58,7 @@ def test_frames_round_trip_every_field():
 def test_greedy_streams_down_the_feed_equal_offline(served):
     worker, want = served
     ticket = worker.open_feed("feed-test", CacheCursor())
-    with connect(ticket.address, ticket.token) as conn:
+    with connect(ticket) as conn:
         got: dict[str, list[int]] = {}
         ended: set[str] = set()
         cached: set[int] = set()
@@ -102,7 +102,7 @@ def test_an_abort_up_the_feed_frees_the_request(served):
     worker, _ = served
     ticket = worker.open_feed("abort-test", None)
     long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-    with connect(ticket.address, ticket.token) as conn:
+    with connect(ticket) as conn:
         conn.sendall(
             feed.encode_command("add", Attempt("long", tuple(PROMPTS[0]), long, "abort-test"))
         )
@@ -119,7 +119,7 @@ def test_an_abort_up_the_feed_frees_the_request(served):
 def test_anything_but_a_command_ends_the_feed(served):
     worker, _ = served
     ticket = worker.open_feed("rude", None)
-    with connect(ticket.address, ticket.token) as conn:
+    with connect(ticket) as conn:
         conn.sendall(encode(Polled([], {})))  # a frame of the other direction
         started = time.monotonic()
         for _ in frames(conn):
@@ -131,14 +131,13 @@ def test_the_feed_opens_only_to_a_live_token_once(served):
     worker, _ = served
     ticket = worker.open_feed("once", None)
     for token in ("0" * 32, ticket.token[::-1], "x" * 32):
-        with connect(ticket.address, token) as conn:
+        with connect(ticket, token) as conn:
             assert conn.recv(1) == b""  # closed, nothing sent
-    with connect(ticket.address, ticket.token) as conn:
+    with connect(ticket) as conn:
         assert next(frames(conn)).cache is None  # no cursor on the ticket: no cache changes
-    with connect(ticket.address, ticket.token) as conn:  # used already
+    with connect(ticket) as conn:  # used already
         assert conn.recv(1) == b""
-    host, _, port = ticket.address.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=30) as silent:
+    with socket.create_connection(ticket.endpoint(), timeout=30) as silent:
         started = time.monotonic()
         assert silent.recv(1) == b""  # never sent a token: closed after the handshake bound
         assert time.monotonic() - started < HANDSHAKE_S + 5
@@ -147,7 +146,7 @@ def test_the_feed_opens_only_to_a_live_token_once(served):
 def test_the_feed_ends_when_the_instance_stops(tiny_model):
     worker = EngineWorker("colocated-1", tiny_model("gqa2"), CONFIG, 1)
     ticket = worker.open_feed("router", None)
-    conn = connect(ticket.address, ticket.token)
+    conn = connect(ticket)
     next(frames(conn))
     worker.stop()
     started = time.monotonic()
@@ -155,3 +154,8 @@ def test_the_feed_ends_when_the_instance_stops(tiny_model):
         pass
     assert time.monotonic() - started < 10
     conn.close()
+
+
+def test_a_tickets_endpoint_is_its_address_split():
+    assert FeedTicket("127.0.0.1:4321", "t").endpoint() == ("127.0.0.1", 4321)
+    assert FeedTicket("[::1]:4321", "t").endpoint() == ("::1", 4321)  # as the listener writes it
