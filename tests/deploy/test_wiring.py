@@ -163,9 +163,9 @@ def test_probes_leave_the_router_time_to_start():
     assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 120
 
 
-def test_every_ray_node_starts_its_workers_at_niceness_0():
-    """Not Ray's default of 15: the workers are the service (docs/serving.md, "Worker
-    niceness"); every container that runs ``ray start``."""
+def ray_node_containers() -> list[dict]:
+    """Every container that runs ``ray start``: the router pod's, and each cluster
+    variant's head and worker groups'."""
     containers = [router_container()]
     for variant in VARIANTS:
         spec = cluster(variant)["spec"]
@@ -173,22 +173,21 @@ def test_every_ray_node_starts_its_workers_at_niceness_0():
             g["template"] for g in spec["workerGroupSpecs"]
         ]:
             containers += template["spec"]["containers"]
-    for container in containers:
+    return containers
+
+
+def test_every_ray_node_starts_its_workers_at_niceness_0():
+    """Not Ray's default of 15: the workers are the service (docs/serving.md, "Worker
+    niceness")."""
+    for container in ray_node_containers():
         env = {e["name"]: e for e in container["env"]}
         assert env["RAY_worker_niceness"]["value"] == "0", container["name"]
 
 
 def test_every_ray_container_has_the_clusters_token():
     """Ray's token authentication on every Ray process: all take the same Secret key."""
-    containers = [router_container()]
     job = one(KUBERAY / "rayjob.yaml", "RayJob")["spec"]
-    containers += job["submitterPodTemplate"]["spec"]["containers"]
-    for variant in VARIANTS:
-        spec = cluster(variant)["spec"]
-        for template in [spec["headGroupSpec"]["template"]] + [
-            g["template"] for g in spec["workerGroupSpecs"]
-        ]:
-            containers += template["spec"]["containers"]
+    containers = ray_node_containers() + job["submitterPodTemplate"]["spec"]["containers"]
     for container in containers:
         env = {e["name"]: e for e in container["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token", container["name"]
