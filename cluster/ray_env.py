@@ -28,7 +28,7 @@ from cluster.config import RayConfig
 from cluster.security_checks import apply_ray_tls, check_connected
 
 NAMESPACE = "pdserve"
-RAY_WORKER_NICENESS = "RAY_worker_niceness"  # Ray's: added to its workers' niceness
+RAY_WORKER_NICENESS = "RAY_worker_niceness"  # Ray's workers' niceness (its default: 15)
 
 
 class RaySession:
