@@ -54,8 +54,10 @@ def offline_period(engine, batch: int, window_s: float, max_tokens: int) -> floa
     engine.step()
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < window_s:
-        engine.step()
+        outputs = engine.step()
         steps += 1
+        if any(o.finish_reason is not None for o in outputs):
+            break  # the model's context is spent: steps from here would not be whole
     period = (time.perf_counter() - start) / steps
     for rid in ids:
         engine.abort_request(rid)
@@ -120,9 +122,14 @@ class Served:
         time.sleep(0.5)  # every prompt done: decode-only steps from here
         first, start = self.stats()["steps_total"], time.perf_counter()
         time.sleep(window_s)
-        last, end = self.stats()["steps_total"], time.perf_counter()
+        s, end = self.stats(), time.perf_counter()
         self.handle.abort.remote(ids)
-        return (end - start) / max(1, last - first)
+        if s["running"] < batch:  # the instance idled for part of the window
+            raise RuntimeError(
+                f"batch {batch}: its requests ended within the window (the model's context "
+                "runs out first); use a shorter --window-s or a model with a longer context"
+            )
+        return (end - start) / max(1, s["steps_total"] - first)
 
     def prefill(self, tokens: int) -> float:
         import ray
@@ -161,12 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    max_tokens = 4096  # far past any window: the batch stays whole
     pool = {"instances": 1, "resources": {"num_cpus": 1}, "prefix_caching": False,
             "max_batch_size": max(batches),
             "max_batch_tokens": max(512, args.prefill_tokens)}  # fmt: skip
     config = {"model": args.model, "router": {"port": 0, "http_port": 0}, "colocated": pool}
     engine, cpu_path = offline_engine(config)
+    max_tokens = engine.max_context - PROMPT  # decode until the context runs out
     offline_prefill(engine, args.prefill_tokens)  # warm up
     cluster = launch(config, ["logging.level=WARNING"])
     try:
