@@ -27,6 +27,10 @@ from tests.kv_transfer.faults import ENV, write_plan
 
 BS = 16
 MAX_TOKENS = 20
+# the preemption setup's answers: long enough that the four requests decode at once on
+# the decode instance however fast the CPU (at 20 tokens one could end before the next
+# landed, and then nothing was preempted)
+PREEMPT_TOKENS = 120
 PROMPTS = [
     [5 + (3 * i) % 200 for i in range(23)],
     [9 + (13 * i) % 230 for i in range(70)],
@@ -38,8 +42,8 @@ SETUPS = [  # model, backend, prefill TP, decode TP, prefill chunk, decode KV bl
     ("mla", "grpc", 2, 1, 1, 256),
     ("gla-2", "gloo", 2, 2, 256, 256),
     ("gla-2", "grpc", 1, 2, 7, 256),
-    # 19 blocks: the prompts' 2 + 5 + 1 + 10 fit, the KV at their ends (prompt + 19
-    # tokens: 3 + 6 + 2 + 11 blocks) does not, so decode preempts and recomputes
+    # 19 blocks: the prompts' 2 + 5 + 1 + 10 fit, the KV at their ends (prompt +
+    # PREEMPT_TOKENS: 9 + 12 + 8 + 17 blocks) does not, so decode preempts and recomputes
     ("mla", "gloo", 1, 1, 256, 19),
 ]
 
@@ -85,6 +89,11 @@ def test_latent_kv_hands_off_to_the_offline_greedy(
     from cluster import launch
 
     folder, outs, per_instance = models[model]
+    max_tokens = MAX_TOKENS if decode_blocks >= 256 else PREEMPT_TOKENS
+    if max_tokens != MAX_TOKENS:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        with LLM(folder, enable_prefix_caching=False) as llm:
+            outs = [o.token_ids for o in llm.generate(PROMPTS, params)]
     config = disagg_config(folder, backend, backend == "gloo", 1)
     config["prefill"].update(tensor_parallel=prefill_tp, prefix_caching=False,
                              max_batch_tokens=chunk, resources={"num_cpus": 0.5})  # fmt: skip
@@ -92,7 +101,7 @@ def test_latent_kv_hands_off_to_the_offline_greedy(
                             kv_blocks=decode_blocks, resources={"num_cpus": 0.5})  # fmt: skip
     with launch(config) as cluster:
         client = cluster.client()
-        got = run_concurrently(client, [(p, MAX_TOKENS) for p in PROMPTS])
+        got = run_concurrently(client, [(p, max_tokens) for p in PROMPTS])
         for prompt, chunks, want in zip(PROMPTS, got, outs, strict=True):
             assert [t for c in chunks for t in c.token_ids] == want
             blocks = -(-len(prompt) // BS)
