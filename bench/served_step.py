@@ -5,14 +5,15 @@ loop (inbox, outboxes, the update feed's frames, stats) adds to each step.
         [--prefill-tokens 512] [--window-s 2] [--rounds 7]
 
 One co-located instance of 1 CPU (prefix caching off), and the same engine in this
-process on one torch thread. For each batch size b: b requests of 16 prompt tokens
-that decode far longer than the window; once all b decode, the period of a decode step
-is measured over ``--window-s`` seconds, served and offline in turn, ``--rounds``
-times (the other side idle meanwhile: the instance's loop waits without spinning, the
-offline engine is not stepped). Served, the period is wall time over the instance's own
-step count (``stats()['steps_total']``), with the instance's updates taken by the
-router's own consumer (``router.instances.Instance``, on an event loop in a thread of
-this process): every cost of serving a step is in it. Then one prompt of
+process on one torch thread. For each batch size b: b requests of 16 prompt tokens that
+decode until the model's context runs out; once all b decode, the period of a decode
+step is measured over ``--window-s`` seconds (a window the batch does not outlast ends
+at its first finish offline, and is refused served), served and offline in turn,
+``--rounds`` times (the other side idle meanwhile: the instance's loop waits without
+spinning, the offline engine is not stepped). Served, the period is wall time over the
+instance's own step count (``stats()['steps_total']``), with the instance's updates
+taken by the router's own consumer (``router.instances.Instance``, on an event loop in a
+thread of this process): every cost of serving a step is in it. Then one prompt of
 ``--prefill-tokens`` tokens alone, ``--rounds`` times: its prefill step served
 (``step_log``) against ``engine.step()`` offline. Printed: per figure the best of the
 rounds (as ``timeit`` reports: what the step costs when nothing else on the machine
