@@ -53,11 +53,7 @@ class Intake:
         self._last = mine
         try:
             given = request.prompt_token_ids
-            if (
-                given is not None
-                and len(given) <= INLINE_IDS
-                and request.inputs_given() == ["prompt_token_ids"]
-            ):
+            if given is not None and len(given) <= INLINE_IDS:
                 ids, params = _validate(validator, request)
             else:
                 ids, params = await loop.run_in_executor(self._pool, _validate, validator, request)

@@ -149,16 +149,13 @@ class RouterMetrics:
         r.register(self.instances)
         for reason in REFUSAL_REASONS:  # every series present from the start, at 0
             self.refusals.labels(model_name, reason)
-        # the model's series, looked up once (a request's end observes each of them)
-        self._outcomes = {
-            r: self.success.labels(model_name, r) for r in (*SERVED, "abort", "error")
-        }
-        self._mine = {name: getattr(self, name).labels(model_name)
-                      for name in ("prompt_tokens", "generation_tokens", "ttft", "e2e", "queue",
-                                   "prefill", "decode", "itl", "tpot", "slo_attained")}  # fmt: skip
+        for reason in (*SERVED, "abort", "error"):
+            self.success.labels(model_name, reason)
         for where, reason in PREFILL_REASONS:
             self.prefill_placement.labels(model_name, where, reason)
-        self.migrations.labels(model_name)
+        for metric in (self.slo_attained, self.migrations, self.prompt_tokens,
+                       self.generation_tokens):  # fmt: skip
+            metric.labels(model_name)
 
     def refused(self, reason: str) -> None:
         if reason not in REFUSAL_REASONS:
@@ -177,27 +174,26 @@ class RouterMetrics:
     def finished(self, stream: RequestStream, outcome: str) -> None:
         """An admitted request ended with ``outcome``: a finish reason (stop, length,
         abort) or ``error``; a refused one is counted by ``refused`` instead."""
-        mine = self._mine
-        counted = self._outcomes.get(outcome) or self.success.labels(self.model_name, outcome)
-        counted.inc()
-        mine["prompt_tokens"].inc(len(stream.prompt_ids))
-        mine["generation_tokens"].inc(stream.num_tokens)
+        m = self.model_name
+        self.success.labels(m, outcome).inc()
+        self.prompt_tokens.labels(m).inc(len(stream.prompt_ids))
+        self.generation_tokens.labels(m).inc(stream.num_tokens)
         if outcome not in SERVED or stream.first_token_at is None:
             return
         t = stream.timings()
         ttft, tpot = t.ttft_ms / 1000.0, t.tpot_ms / 1000.0
-        mine["ttft"].observe(ttft)
-        mine["e2e"].observe(t.e2e_ms / 1000.0)
-        mine["queue"].observe(t.queue_ms / 1000.0)
-        mine["prefill"].observe(max(0.0, stream.first_token_at - stream.dispatched_at))
-        mine["decode"].observe(stream.last_token_at - stream.first_token_at)
-        itl = mine["itl"]
+        self.ttft.labels(m).observe(ttft)
+        self.e2e.labels(m).observe(t.e2e_ms / 1000.0)
+        self.queue.labels(m).observe(t.queue_ms / 1000.0)
+        self.prefill.labels(m).observe(max(0.0, stream.first_token_at - stream.dispatched_at))
+        self.decode.labels(m).observe(stream.last_token_at - stream.first_token_at)
+        itl = self.itl.labels(m)
         for gap in token_gaps(stream.token_walls):
             itl.observe(gap)
         if stream.num_tokens > 1:
-            mine["tpot"].observe(tpot)
+            self.tpot.labels(m).observe(tpot)
         if ttft <= self.slo_ttft_s and tpot <= self.slo_tpot_s:
-            mine["slo_attained"].inc()
+            self.slo_attained.labels(m).inc()
         if t.kv_bytes and len(stream.pair) == 2:
             self.kv_bytes.labels(*stream.pair).observe(t.kv_bytes)
             self.kv_seconds.labels(*stream.pair).observe(t.transfer_ms / 1000.0)

@@ -48,6 +48,12 @@ SETUPS = [  # model, backend, prefill TP, decode TP, prefill chunk, decode KV bl
 ]
 
 
+def greedy(llm: LLM, max_tokens: int) -> list[list[int]]:
+    """The offline engine's greedy answers to ``PROMPTS``."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """name -> (folder, the offline engine's greedy outputs, bytes per token a decode
@@ -63,9 +69,8 @@ def models(tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"latent-{name}")
         save(folder)
         save_byte_tokenizer(folder)
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         with LLM(str(folder), enable_prefix_caching=False) as llm:
-            outs = [o.token_ids for o in llm.generate(PROMPTS, params)]
+            outs = greedy(llm, MAX_TOKENS)
             cfg = llm.engine.model.cfg
         m = cfg.mla
         per_instance = {}  # every rank its row; MLA's replicated one once (rank 0 forwards)
@@ -91,9 +96,8 @@ def test_latent_kv_hands_off_to_the_offline_greedy(
     folder, outs, per_instance = models[model]
     max_tokens = MAX_TOKENS if decode_blocks >= 256 else PREEMPT_TOKENS
     if max_tokens != MAX_TOKENS:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         with LLM(folder, enable_prefix_caching=False) as llm:
-            outs = [o.token_ids for o in llm.generate(PROMPTS, params)]
+            outs = greedy(llm, max_tokens)
     config = disagg_config(folder, backend, backend == "gloo", 1)
     config["prefill"].update(tensor_parallel=prefill_tp, prefix_caching=False,
                              max_batch_tokens=chunk, resources={"num_cpus": 0.5})  # fmt: skip

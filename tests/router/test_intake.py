@@ -21,14 +21,16 @@ CONFIG = dict(max_prompt_tokens=8, max_stop_strings=2, max_stop_string_chars=4, 
 
 class TimedValidator(RequestValidator):
     """A text prompt ``"MS ID ID ..."`` takes MS milliseconds to tokenize into
-    ``[MS, ID, ...]`` (then checked as token ids are); records each check's thread."""
+    ``[MS, ID, ...]`` (then checked as token ids are); records the thread that checked
+    each prompt, by the prompt (its text, or its number of token ids)."""
 
     def __init__(self, limits: ModelLimits):
         super().__init__(None, limits)
-        self.threads: list[str] = []
+        self.threads: dict[str | int, str] = {}
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        self.threads.append(threading.current_thread().name)
+        prompt = request.prompt if request.prompt is not None else len(request.prompt_token_ids)
+        self.threads[prompt] = threading.current_thread().name
         if request.prompt is None:
             return super().prompt_ids(request)
         ids = [int(x) for x in request.prompt.split()]
@@ -102,8 +104,8 @@ def test_short_token_id_prompts_are_checked_on_the_loop_and_keep_their_turn():
 
     assert asyncio.run(run()) == ["slow text", "ids", "long ids"]
     on_loop = threading.main_thread().name
-    assert validator.threads[1] == on_loop  # the short one: on the event loop
-    assert validator.threads[0] != on_loop and validator.threads[2] != on_loop
+    assert validator.threads[16] == on_loop  # the short one: on the event loop
+    assert validator.threads["200"] != on_loop and validator.threads[INLINE_IDS + 1] != on_loop
 
 
 def test_the_limits_name_the_key_the_value_and_the_bound():
