@@ -3,12 +3,14 @@
 ``step()`` = schedule, run, postprocess. The serving workers drive it the same
 way the offline ``LLM`` does. A step that raises fails only the request that
 caused it (``StepFailed``): a failed step of several requests runs each of them
-again alone first (engine/scheduler.py, ``isolate``).
+again alone first (engine/scheduler.py, ``isolate``), unless KV was being sent
+during it (a hand-off's last chunk, engine/prefilled.py): then all of them fail.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -21,6 +23,7 @@ from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import Logprobs, RequestOutput
 from engine.parallel import SINGLE, TensorParallel
+from engine.prefilled import LastChunkHook, Prefilled
 from engine.request import Request, RequestStatus
 from engine.sampler import Sample
 from engine.sampling_params import SamplingParams
@@ -91,8 +94,10 @@ class LLMEngine:
         params: SamplingParams,
         delivered: tuple[int, ...] = (),
         delivered_chars: int = 0,
+        hand_off: bool = False,
     ) -> Request:
-        """Queue a request. A resumed one (``delivered``: the output tokens its client
+        """Queue a request (``hand_off``: it leaves at its first token, engine/prefilled.py).
+        A resumed one (``delivered``: the output tokens its client
         already received, ``delivered_chars``: the characters of text it received) starts
         with that output: the scheduler prefills prompt + delivered (as it recomputes a
         preempted request), ``max_tokens`` and the stop checks count the delivered tokens,
@@ -101,6 +106,7 @@ class LLMEngine:
         output position, ``engine.sampler``)."""
         ids = self.tokenize(prompt)
         request = self._admit(request_id, ids, params, delivered, delivered_chars)
+        request.hand_off = hand_off
         self.scheduler.add(request)
         return request
 
@@ -227,10 +233,29 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a hand-off request that left (its transfer is over)."""
+        self.blocks.free(request_id)
+
+    def step(self, on_last_chunk: LastChunkHook | None = None) -> list[RequestOutput | Prefilled]:
+        """One step: a ``RequestOutput`` per request that got a token, a ``Prefilled`` per
+        hand-off request that left (``on_last_chunk``: engine/prefilled.py)."""
         batch = self.scheduler.schedule()
         self.last_shape = batch.shape() if batch else None
-        sampled = self._run(batch)
+        now = time.time()
+        for request, _ in batch.items:
+            if request.started_s is None:
+                request.started_s = now
+        on_layer, extra = None, b""
+        if on_last_chunk is not None:
+            last = [
+                r
+                for r, n in batch.items
+                if r.hand_off and r.num_computed_tokens + n == r.num_tokens
+            ]
+            if last:
+                on_layer, extra = on_last_chunk(last)
+        sampled = self._run(batch, on_layer, extra)
         return self._postprocess(batch, sampled)
 
     def _run(self, batch: ScheduledBatch, on_layer=None, extra: bytes = b"") -> list:
@@ -244,7 +269,7 @@ class LLMEngine:
             self.scheduler.commit(batch)
         except Exception as e:
             requests = [r for r, _ in batch.items]
-            if len(requests) == 1 or self.model.tp.size > 1:
+            if len(requests) == 1 or self.model.tp.size > 1 or on_layer is not None:
                 raise StepFailed([r.request_id for r in requests]) from e
             log.warning("a step of %d requests failed; running each alone to find the cause",
                         len(requests), exc_info=True)  # fmt: skip
@@ -255,12 +280,33 @@ class LLMEngine:
                 self.scheduler.cleared(sample.request)
         return sampled
 
-    def _postprocess(self, batch: ScheduledBatch, sampled) -> list[RequestOutput]:
-        outputs = []
+    def _postprocess(self, batch: ScheduledBatch, sampled) -> list[RequestOutput | Prefilled]:
+        outputs: list[RequestOutput | Prefilled] = []
         for request in batch.out_of_cache:
-            outputs.append(self._finish(request, "length", []))
-        outputs += [self._append(sample) for sample in sampled]
+            if request.hand_off:
+                self.abort_request(request.request_id)
+                why = "the prompt does not fit in this instance's KV cache"
+                outputs.append(Prefilled(request, 0, [], error=why))
+            else:
+                outputs.append(self._finish(request, "length", []))
+        outputs += [self._leave(s) if s.request.hand_off else self._append(s) for s in sampled]
         return outputs
+
+    def _leave(self, sample: Sample) -> Prefilled:
+        """A hand-off request's first token: it leaves the scheduler and the engine,
+        keeping its blocks (engine/prefilled.py)."""
+        request = sample.request
+        request.token_ids.append(sample.token)
+        self.scheduler.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+        self.detokenizers.pop(request.request_id, None)
+        end = time.time()
+        return Prefilled(
+            request, sample.token, list(self.blocks.block_table(request.request_id)),
+            {"prefill_start": request.started_s or end, "prefill_end": end},
+            logprobs=sample.logprobs, cached_tokens=max(0, request.num_cached_tokens),
+        )  # fmt: skip
 
     def _append(self, sample: Sample) -> RequestOutput:
         """The sampled token joins its request's output; the output (maybe the last)."""

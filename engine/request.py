@@ -40,6 +40,10 @@ class Request:
     # admitted yet); the rest were computed for this request
     num_cached_tokens: int = -1
     logprobs: list[Logprobs] | None = field(init=False)
+    # leaves the engine at its first token, its KV bound for another instance
+    # (engine/prefilled.py)
+    hand_off: bool = False
+    started_s: float | None = None  # wall clock of its first scheduled chunk
     delivered: InitVar[tuple[int, ...]] = ()
 
     def __post_init__(self, delivered: tuple[int, ...]):

@@ -22,12 +22,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from engine.llm_engine import StepFailed
 from engine.messages import Attempt, Update
+from engine.prefilled import Prefilled
 from engine.worker import EngineWorker
 from kv_transfer import Handoff, KVDestination, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
 from kv_transfer.layout import cache_layout
-from prefill_worker.prefill_engine import Prefilled, PrefillEngine
 
 
 def ack_timeout_s(lease_s: float) -> float:
@@ -50,7 +51,8 @@ class Job:
 
 
 class PrefillWorker(EngineWorker):
-    engine_class = PrefillEngine
+    """Every request it takes hands off (engine/prefilled.py): its engine never decodes."""
+
     role = "prefill"
 
     def _setup(self, kv_config: dict) -> None:
@@ -93,7 +95,8 @@ class PrefillWorker(EngineWorker):
         try:
             dst = KVDestination.from_bytes(attempt.destination)
             self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params,
-                                    attempt.delivered, attempt.delivered_chars)  # fmt: skip
+                                    attempt.delivered, attempt.delivered_chars,
+                                    hand_off=True)  # fmt: skip
         except ValueError as e:
             return [Update(attempt.id, error=str(e))]
         self.jobs[attempt.id] = Job(attempt, dst)
@@ -114,7 +117,9 @@ class PrefillWorker(EngineWorker):
     def _step(self) -> list[Update]:
         try:
             done = self.engine.step(self._plan_sends)
-        except Exception:  # its layer-wise sends are under way: the whole step fails
+        except StepFailed as e:  # the request(s) that made it fail; all, had sends begun
+            return self._fail(e.request_ids)
+        except Exception:  # a bug outside the forward pass: every request fails
             return self._fail(list(self.engine.requests))
         self._totals["steps_total"] += 1
         return [u for p in done for u in self._hand_off(p)]
