@@ -28,6 +28,10 @@ decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
                       0's receiver): the reservation is released, Update(retryable)
     abort             released in any state
 
+In hybrid mode without a prefill pool (docs/serving.md, "Hybrid mode") a decode
+instance also prefills prompts for its peers, beside its own decodes: ``prefill`` as a
+prefill instance takes it (``kv_transfer.prefill_side``), one tensor-parallel rank only.
+
 Blocks are freed only once every rank released the transfer (its receiver writes no
 byte after that), so no byte of a released reservation lands in reused blocks; a
 forwarded reservation is expected by rank 0 alone, and its copy runs on the loop, which
@@ -44,9 +48,11 @@ from dataclasses import replace
 from engine.block_manager import window_start
 from engine.messages import Attempt, Update
 from engine.outputs import Logprobs
+from engine.prefilled import Prefilled
 from engine.worker import EngineWorker
 from kv_transfer import KVDestination, Outcome, State, get_transport
 from kv_transfer.layout import cache_layout
+from kv_transfer.prefill_side import PrefillSide
 
 
 def layer_skip(windows, n: int, block_size: int, sent_from: int) -> tuple[int, ...]:
@@ -87,8 +93,11 @@ class DecodeWorker(EngineWorker):
             self.addresses += [
                 i["kv_address"] for i in ray.get([r.ready.remote() for r in self.ranks])
             ]
-        self._ops.update(landed=self._op_landed, free=self._op_free)
+        self._ops.update(landed=self._op_landed, free=self._op_free, prefill=self._op_prefill,
+                         acked=self._op_acked)  # fmt: skip
         self._totals.update(kv_bytes_total=0, leases_expired_total=0)
+        self.side = PrefillSide(self.name, self.engine, self.layout, kv_config, 0, self._post)
+        self._last_chunk = self.side.on_last_chunk
 
     def ready(self) -> dict:
         """Also the KV receivers' addresses and the KV bytes of one token (all layers,
@@ -118,6 +127,11 @@ class DecodeWorker(EngineWorker):
                 raise
         return None if dst is None else dst.to_bytes()
 
+    def prefill(self, attempt: Attempt) -> None:
+        """Prefill ``attempt``'s prompt for the peer ``attempt.decode`` and send its KV to
+        that peer's reservation (``attempt.destination``), beside this one's decodes."""
+        self._post(("prefill", attempt))
+
     def rank_landed(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
         """Rank ``rank``'s part of a transfer landed (or failed): pushed by that rank."""
         self.receiver.rank_event(transfer_id, rank, nbytes, error)
@@ -125,6 +139,7 @@ class DecodeWorker(EngineWorker):
     def stop(self) -> None:
         super().stop()
         self.receiver.close()
+        self.side.close()
 
     # ---- on the step loop ----
 
@@ -238,10 +253,44 @@ class DecodeWorker(EngineWorker):
             self.engine.blocks.free(attempt_id)
         return []
 
+    def _op_prefill(self, attempt: Attempt) -> list[Update]:
+        if self._take_early_abort(attempt.id):
+            return []
+        self._consumer[attempt.id] = attempt.consumer
+        try:
+            if self.ranks:
+                ranks = 1 + len(self.ranks)
+                raise ValueError(f"{self.name} has {ranks} tensor-parallel ranks; a decode "
+                                 "instance prefills for a peer at 1 only")  # fmt: skip
+            if self._owns(attempt.id):
+                raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
+            self.side.add(attempt)
+        except ValueError as e:
+            return [Update(attempt.id, error=str(e), retryable=True)]
+        self._totals["requests_total"] += 1
+        return []
+
+    def _op_acked(self, tid: str, rank: int, nbytes: int, seconds: float, error: str | None):
+        updates = self.side.acked(tid, rank, nbytes, seconds, error)
+        self._totals["kv_bytes_total"] += sum(u.info.get("kv_bytes", 0) for u in updates)
+        return updates
+
+    def _prefilled(self, p: Prefilled) -> list[Update]:
+        return self.side.handed(p)
+
+    def _fail(self, request_ids: list[str]) -> list[Update]:
+        failed = super()._fail(request_ids)
+        self.side.fail(request_ids)
+        return failed
+
     def _owns(self, request_id: str) -> bool:
-        return request_id in self.reservations or super()._owns(request_id)
+        return (request_id in self.reservations or self.side.owns(request_id)
+                or super()._owns(request_id))  # fmt: skip
 
     def _abort(self, request_id: str) -> list[Update]:
+        if self.side.owns(request_id):
+            self.side.abort(request_id)
+            return []
         if self.reservations.pop(request_id, None) is None:
             return super()._abort(request_id)
         del self.destinations[request_id]
@@ -251,4 +300,5 @@ class DecodeWorker(EngineWorker):
     def _stats(self) -> dict:
         stats = super()._stats()
         stats["reserved"] = len(self.reservations)
+        stats["in_transfer"] = self.side.in_transfer
         return stats

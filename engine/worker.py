@@ -41,6 +41,7 @@ from engine.feed import FeedServer, FeedTicket
 from engine.llm_engine import StepFailed
 from engine.messages import Attempt, CacheCursor, Polled, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
+from engine.prefilled import LastChunkHook, Prefilled
 from engine.scheduler import StepShape
 from engine.step_log import StepLog
 
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 class EngineWorker:
     engine_class = LLMEngine
     role = "colocated"
+    # a role whose requests may hand off (engine/prefilled.py) sets the step's hook in
+    # ``_setup`` and overrides ``_prefilled``
+    _last_chunk: LastChunkHook | None = None
 
     def __init__(
         self,
@@ -291,7 +295,7 @@ class EngineWorker:
 
     def _step(self) -> list[Update]:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(self._last_chunk)
         except StepFailed as e:  # the request(s) that made the step fail
             return self._fail(e.request_ids)
         except Exception:  # a bug outside the forward pass: every request fails
@@ -299,6 +303,9 @@ class EngineWorker:
         self._totals["steps_total"] += 1
         out: list[Update] = []
         for o in outputs:
+            if isinstance(o, Prefilled):
+                out += self._prefilled(o)
+                continue
             self._totals["tokens_total"] += len(o.new_token_ids)
             # with the end: prompt tokens served from this instance's prefix cache; none
             # when 0 (a decode instance's handed-over request leaves the prefill's figure)
@@ -307,6 +314,10 @@ class EngineWorker:
             out.append(Update(o.request_id, o.new_token_ids, o.new_text, o.finish_reason,
                               info=info, logprobs=o.new_logprobs))  # fmt: skip
         return out
+
+    def _prefilled(self, p: Prefilled) -> list[Update]:
+        """A hand-off request left the engine; only a role that adds them gets here."""
+        raise NotImplementedError(f"{self.role} instances hand off no request")
 
     def _fail(self, request_ids: list[str]) -> list[Update]:
         """A step raised: these requests fail, the instance serves on. Under tensor

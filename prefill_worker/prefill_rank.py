@@ -12,7 +12,7 @@ from engine.tp_rank import RankActor
 from kv_transfer import KVDestination, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
 from kv_transfer.layout import cache_layout
-from prefill_worker.prefill_worker import ack_timeout_s
+from kv_transfer.prefill_side import ack_timeout_s
 
 
 class PrefillRank(RankActor):

@@ -1,0 +1,208 @@
+"""The prefilling instance's side of handoffs (docs/kv_transfer.md): the requests whose
+prompt this instance computes for another instance to decode, and their transfers.
+The prefill pool's worker hands off every request it takes; a decode instance in
+hybrid mode without a prefill pool hands off the prompts it computes for a peer
+(docs/serving.md, "Hybrid mode"). Each job:
+
+    add(attempt)         where its KV goes (the destination the decode instance
+                         reserved); the worker queues the prompt as a hand-off request
+                         (engine/prefilled.py)
+    on_last_chunk(last)  the step that completes these prompts: a per-layer callback
+                         that sends each layer as it is computed (kv_transfer.layerwise),
+                         and the ``SendList`` by which the other tensor-parallel ranks
+                         send their heads                                 [sending]
+    handed(prefilled)    the first token is sampled: all layers sent now unless sent
+                         layer-wise; on an ack thread, the END carrying the ``Handoff``
+                         to every decode rank this rank sends to, then every answer
+                         awaited; the outcome posted to the worker's loop as
+                         ("acked", id, rank, bytes, seconds, error)
+    acked(...)           every rank of the instance heard every END answered OK: the
+                         blocks are released, Update(handed_off)            [acked]
+                         a refusal, a broken link or no answer within the ack timeout:
+                         blocks released, Update(retryable); the router redoes the
+                         request on another pair                           [failed]
+
+Runs on the worker's step loop (``handed``'s ack threads only post to it).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from engine.messages import Attempt, Update
+from engine.prefilled import Prefilled
+from kv_transfer import Handoff, KVDestination, get_transport
+from kv_transfer import kv_transfer_pb2 as kv_pb
+
+
+def ack_timeout_s(lease_s: float) -> float:
+    """How long a sender waits for its ENDs' answers: past the decode lease, so that a
+    transfer that stalls is reported by the decode instance, which owns the reservation,
+    not by whichever side's timer fires first."""
+    return 1.5 * lease_s
+
+
+@dataclass(eq=False)
+class Job:
+    """A request prefilled here: where its KV goes and how its transfer stands."""
+
+    attempt: Attempt
+    destination: KVDestination
+    transfer_start: float | None = None  # wall clock, first layer handed to the transport
+    send_error: str | None = None
+    aborted: bool = False  # the client left while the KV was on its way
+    results: dict[int, tuple[int, float, str | None]] = field(default_factory=dict)  # by rank
+
+
+class PrefillSide:
+    def __init__(self, name: str, engine, layout, kv_config: dict, ranks: int, post):
+        """``engine``: the worker's ``LLMEngine``; ``ranks``: its other tensor-parallel
+        ranks (each sends its heads and reports through the worker's ``rank_acked``);
+        ``post``: puts an op in the worker's inbox."""
+        self.name, self.engine, self.layout, self.ranks, self.post = (
+            name,
+            engine,
+            layout,
+            ranks,
+            post,
+        )
+        self.sender = get_transport(kv_config["backend"]).sender(
+            layout, secret=kv_config["secret"], bind=kv_config["bind"],
+            advertise=kv_config["advertise"], checksum=kv_config["checksum"], name=name,
+        )  # fmt: skip
+        self.layerwise = kv_config["layerwise"]
+        self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
+        self.jobs: dict[str, Job] = {}
+        self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{name}-acks")
+        self.kv_bytes_total = 0
+
+    def add(self, attempt: Attempt) -> None:
+        """Queue ``attempt``'s prompt as a hand-off request bound for
+        ``attempt.destination``; ValueError (nothing kept) when either is refused."""
+        dst = KVDestination.from_bytes(attempt.destination)
+        self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params,
+                                attempt.delivered, attempt.delivered_chars,
+                                hand_off=True)  # fmt: skip
+        self.jobs[attempt.id] = Job(attempt, dst)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.jobs
+
+    @property
+    def in_transfer(self) -> int:
+        """Jobs whose prompt is done and whose transfer is not acknowledged yet."""
+        return sum(1 for tid in self.jobs if tid not in self.engine.requests)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.engine.requests:  # still prefilling: nothing was sent
+            self.engine.abort_request(request_id)
+            del self.jobs[request_id]
+        else:  # its KV is on the way: the blocks go when the transfer ends
+            self.jobs[request_id].aborted = True
+
+    def fail(self, request_ids: list[str]) -> None:
+        """These requests failed in a step (the engine dropped them): their transfers end."""
+        for tid in request_ids:
+            if self.jobs.pop(tid, None) is not None:
+                self.sender.abort(tid)
+
+    def on_last_chunk(self, last):
+        """``LastChunkHook`` (engine/prefilled.py) for the requests in ``last``."""
+        jobs = [self.jobs[r.request_id] for r in last]
+        tables = {}  # what each sends: its table past the blocks the destination holds
+        for j in jobs:
+            table = self.engine.blocks.block_table(j.attempt.id)
+            try:
+                tables[j.attempt.id] = j.destination.source_blocks(table)
+            except ValueError as e:  # sends nothing (the other ranks fail on no blocks)
+                tables[j.attempt.id], j.send_error = [], f"{type(e).__name__}: {e}"
+        caches = self.engine.runner.kv_caches
+
+        def on_layer(layer: int) -> None:
+            # (layer, k, v), or (layer, latent row) for a latent layout
+            parts = caches[layer] if self.layout.kind == "kv" else (caches[layer],)
+            entry = [(layer, *parts)]
+            for j in jobs:
+                ids, dst = tables[j.attempt.id], j.destination
+                self._send(
+                    j,
+                    lambda t=j.attempt.id, i=ids, d=dst: self.sender.send_layers(t, entry, i, d),
+                )
+
+        extra = b""
+        if self.ranks:
+            msg = kv_pb.SendList(layerwise=self.layerwise)
+            for j in jobs:
+                send = msg.sends.add(transfer_id=j.attempt.id, src_block_ids=tables[j.attempt.id])
+                j.destination.to_proto(send.destination)
+            extra = msg.SerializeToString()
+        return (on_layer if self.layerwise else None), extra
+
+    def _send(self, job: Job, send) -> None:
+        if job.send_error is not None:
+            return
+        job.transfer_start = job.transfer_start or time.time()
+        try:
+            send()
+        except Exception as e:  # a broken pair, a layout mismatch: the request is redone
+            job.send_error = f"{type(e).__name__}: {e}"
+
+    def handed(self, p: Prefilled) -> list[Update]:
+        """A job's request left the engine: END its transfer (module docstring)."""
+        job = self.jobs[p.request.request_id]
+        tid = job.attempt.id
+        if p.error is not None:
+            del self.jobs[tid]
+            return [Update(tid, error=p.error, retryable=True)]
+        if not self.layerwise:
+            kv, dst = self.engine.runner.kv_cache, job.destination
+            self._send(job, lambda: self.sender.send_all(tid, kv, dst.source_blocks(p.block_ids),
+                                                         dst))  # fmt: skip
+        times = {**p.times, "transfer_start": job.transfer_start or time.time()}
+        lp = p.logprobs  # the first token's, when the request asked
+        first = () if lp is None else (lp.logprob, lp.top_ids, lp.top_logprobs)
+        handoff = Handoff(p.first_token, times, self.name, *first, cached_tokens=p.cached_tokens)
+        self._acks.submit(self._finish, job, handoff)
+        return []
+
+    def _finish(self, job: Job, handoff: Handoff) -> None:
+        """On an ack thread: END the transfer (unless a send failed) and wait for every
+        answer, then report to the loop."""
+        tid, nbytes, seconds, error = job.attempt.id, 0, 0.0, job.send_error
+        if error is None:
+            try:
+                ack = self.sender.finish(tid, handoff, timeout=self.ack_timeout_s)
+                nbytes, seconds = ack.bytes, ack.seconds
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        else:
+            self.sender.abort(tid)
+        self.post(("acked", tid, 0, nbytes, seconds, error))
+
+    def acked(self, tid: str, rank: int, nbytes: int, seconds: float, error: str | None):
+        """Rank ``rank``'s outcome of transfer ``tid``; the request's update once every
+        rank's is in."""
+        job = self.jobs.get(tid)
+        if job is None:
+            return []
+        job.results[rank] = (nbytes, seconds, error)
+        if len(job.results) < 1 + self.ranks:
+            return []
+        self.engine.release(tid)
+        del self.jobs[tid]
+        if job.aborted:
+            return []
+        errors = [e for _, _, e in job.results.values() if e is not None]
+        if errors:
+            why = f"KV transfer {tid!r} {self.name} -> {job.attempt.decode} failed: {errors[0]}"
+            return [Update(tid, error=why, retryable=True)]
+        total = sum(n for n, _, _ in job.results.values())
+        self.kv_bytes_total += total
+        info = {"kv_bytes": total, "transfer_s": job.results[0][1]}
+        return [Update(tid, handed_off=True, info=info)]
+
+    def close(self) -> None:
+        self._acks.shutdown(wait=False, cancel_futures=True)
+        self.sender.close()
