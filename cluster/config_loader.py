@@ -148,7 +148,9 @@ def check_config(config: ClusterConfig) -> None:
     """Checks across keys: the pools this mode runs, security (cluster/security_checks.py),
     the model, the machine's CPUs."""
     for role, pool in config.pools().items():
-        if pool.instances < 1:
+        if role == "prefill" and config.mode == "hybrid" and pool.instances == 0:
+            check_peers(config)
+        elif pool.instances < 1:
             raise ConfigError(
                 f"{role}.instances",
                 f"{pool.instances} is not allowed; mode {config.mode} runs the {role} pool, "
@@ -165,10 +167,28 @@ def check_config(config: ClusterConfig) -> None:
         check_local_resources(config)
 
 
+def check_peers(config: ClusterConfig) -> None:
+    """Hybrid mode without a prefill pool: the decode instances prefill for each other
+    (docs/serving.md, "Hybrid mode"), so there are two at least, of one rank each."""
+    decode = config.decode
+    if decode.instances < 2:
+        raise ConfigError(
+            "decode.instances",
+            f"{decode.instances} is not allowed with prefill.instances=0 in mode hybrid: the "
+            "decode instances prefill for each other, so at least 2 are needed",
+        )
+    if decode.tensor_parallel != 1:
+        raise ConfigError(
+            "decode.tensor_parallel",
+            f"{decode.tensor_parallel} is not allowed with prefill.instances=0 in mode "
+            "hybrid: a decode instance prefills for a peer at tensor_parallel 1 only",
+        )
+
+
 def check_kv_transfer(config: ClusterConfig) -> None:
     """The pools must be able to exchange KV blocks over the chosen backend."""
     prefill, decode = config.prefill, config.decode
-    if decode.block_size != prefill.block_size:
+    if prefill.instances and decode.block_size != prefill.block_size:
         raise ConfigError(
             "decode.block_size",
             f"{decode.block_size} differs from prefill.block_size={prefill.block_size}; KV "
@@ -176,6 +196,8 @@ def check_kv_transfer(config: ClusterConfig) -> None:
         )
     backend = config.kv_transfer.backend
     for role, pool in (("prefill", prefill), ("decode", decode)):
+        if not pool.instances:
+            continue
         gpu = pool.resources.num_gpus > 0
         if backend == "nccl" and not gpu:
             raise ConfigError(

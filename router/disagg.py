@@ -130,7 +130,7 @@ class Disaggregated(Placement):
                 if stream.finished:
                     ended.append(stream)
                 continue
-            if inst.role == "prefill":
+            if self.prefills_for(inst, stream):
                 if u.handed_off:
                     self._release_prefill(inst, stream)
                 continue
@@ -160,7 +160,7 @@ class Disaggregated(Placement):
         the prefill instance (a lost acknowledgement, its death) no longer concerns it."""
         if reported_by is not None:  # it already dropped the attempt itself
             self._release(reported_by, stream)
-            if reported_by.role == "prefill" and stream.landed:
+            if self.prefills_for(reported_by, stream) and stream.landed:
                 log.warning("request %s: %s (after its KV landed)", stream.request_id, error)
                 return
         self._drop(stream, abort=True)
@@ -171,12 +171,18 @@ class Disaggregated(Placement):
 
     def _drop(self, stream: RequestStream, abort: bool) -> None:
         for inst in self.instances:
-            if inst.role == "prefill" and stream.attempt_id in inst.streams:
+            if self.prefills_for(inst, stream) and stream.attempt_id in inst.streams:
                 inst.load.prefill_tokens -= stream.prefill_cost
             inst.release(stream, abort=abort)
 
+    @staticmethod
+    def prefills_for(inst: Instance, stream: RequestStream) -> bool:
+        """``inst`` computes the prompt of ``stream``'s attempt for another instance: a
+        prefill instance, or a peer decode instance (hybrid mode, router/hybrid.py)."""
+        return len(stream.pair) == 2 and stream.pair[0] == inst.name
+
     def _release(self, inst: Instance, stream: RequestStream) -> None:
-        if inst.role == "prefill":
+        if self.prefills_for(inst, stream):
             self._release_prefill(inst, stream)
         else:
             inst.release(stream)

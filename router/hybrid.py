@@ -1,5 +1,9 @@
 """Hybrid placement: the pools of disaggregated serving, with the choice, per request, of
-where its prompt is computed (docs/serving.md, "Hybrid mode").
+where its prompt is computed (docs/serving.md, "Hybrid mode"). Without a prefill pool
+(``prefill.instances: 0``) the decode instances are each other's: the remote path
+prefills on a peer decode instance (the one with the fewest queued prompt tokens; the
+policy's choice when it is cache-aware) beside that peer's own decodes, whose running
+batch the choice counts as it counts the local one's.
 
 Per request (one ``Attempt``):
 
@@ -36,6 +40,7 @@ class Hybrid(Disaggregated):
         """``costs``: the learned costs; ``tpot_s``: slo.tpot_ms in seconds."""
         super().__init__(router, instances, policy)
         self.costs, self.tpot_s = costs, tpot_s
+        self.peers = not self.prefills  # the decode instances prefill for each other
         # local attempts whose prompt is not computed yet: attempt id -> (decode
         # instance, the tokens counted in its ``load.prefill_tokens``)
         self._local: dict[str, tuple[Instance, int]] = {}
@@ -52,7 +57,8 @@ class Hybrid(Disaggregated):
         return any(d.has_room() for d in self.decodes)
 
     def place(self, stream: RequestStream) -> None:
-        decode, prefill = self._decode_for(stream), self._prefill_for(stream)
+        decode = self._decode_for(stream)
+        prefill = self._peer_for(stream, decode) if self.peers else self._prefill_for(stream)
         self.costs.kv_bytes_per_token = decode.info.get("kv_bytes_per_token", 0)
         last = stream.prefill_choices[-1] if stream.prefill_choices else None
         inputs = PrefillInputs(
@@ -65,17 +71,35 @@ class Hybrid(Disaggregated):
             max_batch_tokens=decode.info["max_batch_tokens"],
             mixed_prefill_tokens=decode.info.get("mixed_prefill_tokens"),
             remote_max_batch_tokens=prefill.info["max_batch_tokens"] if prefill else 1,
+            remote_running=prefill.load.running if prefill and self.peers else 0,
+            remote_mixed_prefill_tokens=prefill.info.get("mixed_prefill_tokens")
+            if prefill and self.peers
+            else None,
             tpot_s=self.tpot_s,
             prefill_alive=prefill is not None,
             remote_failed=stream.attempt > 0 and last is not None and last.where == REMOTE,
         )
-        choice = choose_prefill(inputs, self.costs.costs(inputs.running))
+        peer_running = inputs.remote_running if self.peers else None
+        choice = choose_prefill(inputs, self.costs.costs(inputs.running, peer_running))
         stream.prefill_choices.append(choice)
         self.router.metrics.prefill_placed(choice.where, choice.reason)
         if choice.where == LOCAL:
             self._place_local(stream, decode, inputs.prompt_tokens - inputs.local_hit_tokens)
         else:
             self._place_remote(stream, decode, prefill)
+
+    def _peer_for(self, stream: RequestStream, decode: Instance) -> Instance | None:
+        """The peer decode instance that would prefill for ``decode``: fewest queued
+        prompt tokens, or the policy's choice when it is cache-aware, among those alive
+        and not avoided; None when ``decode`` has no live peer."""
+        alive = [d for d in self.decodes if d is not decode and d.alive]
+        if not alive:
+            return None
+        fresh = [d for d in alive if d.name not in stream.avoid] or alive
+        if self.policy.uses_cache:
+            choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
+            return self.by_name[choice.name]
+        return min(fresh, key=lambda d: (d.load.prefill_tokens, d.load.index))
 
     def _place_local(self, stream: RequestStream, decode: Instance, tokens: int) -> None:
         attempt = self.attempt(stream, decode=decode.name)
@@ -91,7 +115,9 @@ class Hybrid(Disaggregated):
         if inst.role == "decode":
             for u in updates:
                 self._prompt_done(u.request_id)  # its first token (or its end) is out
-                if u.info.get("kv_bytes"):
+                stream = inst.streams.get(u.request_id)
+                decoded = stream is not None and not self.prefills_for(inst, stream)
+                if decoded and u.info.get("kv_bytes"):  # the decode side's report
                     self.costs.observe_transfer(u.info["kv_bytes"], u.info["transfer_s"])
         return super().on_updates(inst, updates)
 

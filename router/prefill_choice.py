@@ -1,6 +1,7 @@
 """Where a request's prompt is computed in ``hybrid`` mode (docs/serving.md, "Hybrid
 mode"): locally, by chunked prefill on the decode instance that will generate its
-tokens, or remotely, on the prefill pool with its KV handed off to that instance.
+tokens, or remotely, on the prefill pool (or, without one, on a peer decode instance)
+with its KV handed off to that instance.
 
 ``choose_prefill(inputs, costs)`` is a pure function of typed inputs: the router
 (router/hybrid.py) calls it with what it knows of its instances, the planner's
@@ -17,13 +18,16 @@ The rule, in predicted seconds until the first token (queues included):
     remote = work x remote_token_s + steps x remote_step_s
              + (prompt - decode hit) x transfer_token_s   (the blocks decode lacks)
              work = prefill queue + prompt - prefill hit;
-             steps = ceil(work / the prefill instance's max_batch_tokens)
+             steps = ceil(work / remote budget), its budget as the local one's (a
+             prefill instance runs no decodes: its max_batch_tokens)
 
 Local wins when it is not slower, unless a chunk piggybacked on the running batch
 would stretch its step past the TPOT objective (``local_step_s + chunk x
-local_token_s > tpot_s``, chunk = min(prompt after hits, budget): refused, remote). A
-decode pool whose ``mixed_prefill_tokens`` keeps that step under the objective takes a
-prompt over several steps instead. With no prefill instance alive, or after
+local_token_s > tpot_s``, chunk = min(prompt after hits, budget): refused, remote) and
+the remote one would not (a peer decode instance's running batch is stretched alike;
+refused there, local; stretched on both sides, the faster). A decode pool whose
+``mixed_prefill_tokens`` keeps that step under the objective takes a prompt over
+several steps instead. With no prefill instance alive, or after
 the request's remote attempt failed, the prompt is prefilled locally whatever the
 prediction (the fallback: the request completes rather than waiting for a pair).
 
@@ -44,6 +48,7 @@ REASONS = (
     (LOCAL, "no_prefill"),  # no prefill instance is alive
     (REMOTE, "faster"),  # predicted first token sooner than the local path's
     (REMOTE, "tpot"),  # a local chunk would stretch the running batch past slo.tpot_ms
+    (LOCAL, "tpot"),  # a chunk on the peer would stretch its running batch past it
 )
 
 
@@ -56,8 +61,9 @@ class PrefillCosts:
     local_step_s: float  # a decode instance's step beside its prompt tokens (fixed part
     # and the running batch's decodes)
     local_token_s: float  # one prompt token more in a decode instance's step
-    remote_step_s: float  # a prefill instance's step beside its prompt tokens
-    remote_token_s: float  # one prompt token more in a prefill instance's step
+    remote_step_s: float  # a prefill instance's (or the peer's) step beside its prompt
+    # tokens (a peer's: its running batch's decodes included)
+    remote_token_s: float  # one prompt token more in that step
     transfer_token_s: float  # one token's KV sent from a prefill to a decode instance
 
 
@@ -77,11 +83,13 @@ class PrefillInputs:
     local_queue_tokens: int  # prompt tokens the decode instance has yet to compute
     running: int  # requests in the decode instance's running batch (its last report)
     max_batch_tokens: int  # the decode instance's step token budget
-    remote_max_batch_tokens: int  # the prefill instance's
+    remote_max_batch_tokens: int  # the prefill instance's (or the peer's)
     tpot_s: float  # slo.tpot_ms in seconds
     # the decode instance's prompt tokens beside running decodes (None: no cap)
     mixed_prefill_tokens: int | None = None
-    prefill_alive: bool = True  # some prefill instance can take the request
+    remote_running: int = 0  # the peer decode instance's running batch (0: a prefill one)
+    remote_mixed_prefill_tokens: int | None = None  # the peer's cap beside its decodes
+    prefill_alive: bool = True  # some prefill instance (or peer) can take the request
     remote_failed: bool = False  # the request's previous attempt was remote and failed
 
 
@@ -102,15 +110,15 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
     """The decision for one request (module docstring: the rule)."""
     local_tokens = max(1, i.prompt_tokens - i.local_hit_tokens)
     remote_tokens = max(1, i.prompt_tokens - i.remote_hit_tokens)
-    budget = max(1, i.max_batch_tokens - i.running)
-    if i.running and i.mixed_prefill_tokens is not None:
-        budget = min(budget, i.mixed_prefill_tokens)
+    budget = _budget(i.max_batch_tokens, i.running, i.mixed_prefill_tokens)
+    remote_budget = _budget(i.remote_max_batch_tokens, i.remote_running,
+                            i.remote_mixed_prefill_tokens)  # fmt: skip
     local_work = i.local_queue_tokens + local_tokens
     local_s = local_work * c.local_token_s + math.ceil(local_work / budget) * c.local_step_s
     remote_s = math.inf
     if i.prefill_alive:
         remote_work = i.remote_queue_tokens + remote_tokens
-        remote_steps = math.ceil(remote_work / max(1, i.remote_max_batch_tokens))
+        remote_steps = math.ceil(remote_work / remote_budget)
         remote_s = remote_work * c.remote_token_s + remote_steps * c.remote_step_s
         remote_s += local_tokens * c.transfer_token_s
     numbers = (
@@ -126,13 +134,29 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
         return decide(LOCAL, "fallback", f"the remote attempt failed; {numbers}")
     if not i.prefill_alive:
         return decide(LOCAL, "no_prefill", f"no prefill instance alive; {numbers}")
-    if i.running:
-        step_s = c.local_step_s + min(local_tokens, budget) * c.local_token_s
-        if step_s > i.tpot_s:
-            why = (f"a local chunk would make the running batch's ({i.running}) steps "
-                   f"{step_s * 1000:.1f} ms, past slo.tpot_ms={i.tpot_s * 1000:g}; "
-                   f"{numbers}")  # fmt: skip
-            return decide(REMOTE, "tpot", why)
+    step_s = c.local_step_s + min(local_tokens, budget) * c.local_token_s
+    remote_step_s = c.remote_step_s + min(remote_tokens, remote_budget) * c.remote_token_s
+    local_over = i.running > 0 and step_s > i.tpot_s
+    remote_over = i.remote_running > 0 and remote_step_s > i.tpot_s
+    if local_over and not remote_over:
+        why = (f"a local chunk would make the running batch's ({i.running}) steps "
+               f"{step_s * 1000:.1f} ms, past slo.tpot_ms={i.tpot_s * 1000:g}; "
+               f"{numbers}")  # fmt: skip
+        return decide(REMOTE, "tpot", why)
+    if remote_over and not local_over:
+        why = (f"a chunk on the peer would make its running batch's ({i.remote_running}) "
+               f"steps {remote_step_s * 1000:.1f} ms, past slo.tpot_ms="
+               f"{i.tpot_s * 1000:g}; {numbers}")  # fmt: skip
+        return decide(LOCAL, "tpot", why)
     if local_s <= remote_s:
         return decide(LOCAL, "faster", numbers)
     return decide(REMOTE, "faster", numbers)
+
+
+def _budget(max_batch_tokens: int, running: int, mixed_prefill_tokens: int | None) -> int:
+    """Prompt tokens a step of an instance running ``running`` decodes carries (as
+    engine/scheduler.py budgets it)."""
+    budget = max(1, max_batch_tokens - running)
+    if running and mixed_prefill_tokens is not None:
+        budget = min(budget, mixed_prefill_tokens)
+    return budget

@@ -65,9 +65,13 @@ class CostModel:
         self.kv_bytes_per_token = 0.0  # set from the decode instances' ready() facts
         self._steps_seen: dict[str, int] = {}  # instance name -> steps_total last sampled
 
-    def costs(self, running: int) -> PrefillCosts:
+    def costs(self, running: int, peer_running: int | None = None) -> PrefillCosts:
+        """``peer_running``: the remote side is a peer decode instance running that many
+        (hybrid mode without a prefill pool), its costs the decode pool's fit."""
         fixed, tokens, decodes = self.local.weights()
         remote_fixed, remote_tokens = self.remote.weights()
+        if peer_running is not None:
+            remote_fixed, remote_tokens = fixed + decodes * peer_running / DECODES, tokens
         return PrefillCosts(
             local_step_s=fixed + decodes * running / DECODES,
             local_token_s=tokens / TOKENS,

@@ -9,26 +9,35 @@ import math
 from router.prefill_choice import PrefillChoice, PrefillCosts, PrefillInputs, choose_prefill
 
 
+def _step_costs(cost, inst, n: int) -> tuple[float, float]:
+    """(step_s, token_s) of a prompt of ``n`` tokens on ``inst``: its running batch's
+    decode step (none on a prefill instance) and a token of the chunk it rides in."""
+    batch = len(inst.batch)
+    budget, mixed = inst.pool.max_batch_tokens, inst.pool.mixed_prefill_tokens
+    if batch and mixed is not None:
+        budget = min(budget, mixed)  # the chunk that rides with the running batch's step
+    chunk = max(1, min(n, budget))
+    step_s = cost.decode_s(batch, inst.batch.context, inst.pool.tp) if batch else 0.0
+    return step_s, cost.prefill_s(chunk, chunk**2, inst.pool.tp) / chunk
+
+
 def prefill_choice(
     sim, r, decode, prefill, local_hit: int = 0, remote_hit: int = 0
 ) -> PrefillChoice:
     """Where request ``r`` is prefilled: on ``decode`` (the instance that will decode it,
-    chosen already) or on ``prefill`` (the one the remote path would use). The hits:
-    leading prompt tokens each one's prefix cache holds (``bench.planner.prefix``).
-    Called before ``r`` counts in either instance's load, as the router does."""
-    cost, n, batch = sim.cost, r.prompt_len, len(decode.batch)
-    budget, mixed = decode.pool.max_batch_tokens, decode.pool.mixed_prefill_tokens
-    if batch and mixed is not None:
-        budget = min(budget, mixed)  # the chunk that rides with the running batch's step
-    chunk = max(1, min(n, budget))
-    remote_chunk = max(1, min(n, prefill.pool.max_batch_tokens))
+    chosen already) or on ``prefill`` (the one the remote path would use: a prefill
+    instance, or a peer decode instance; None: there is none). The hits: leading
+    prompt tokens each one's prefix cache holds (``bench.planner.prefix``). Called
+    before ``r`` counts in either instance's load, as the router does."""
+    cost, n = sim.cost, r.prompt_len
+    local_step_s, local_token_s = _step_costs(cost, decode, n)
+    remote_step_s, remote_token_s = _step_costs(cost, prefill, n) if prefill else (0.0, 0.0)
     kv_bytes = cost.transfer_bytes(n, decode.pool.tp)  # its cost per token, at this size
     costs = PrefillCosts(  # a step's fixed cost folded into this prompt's chunk's tokens
-        local_step_s=cost.decode_s(batch, decode.batch.context, decode.pool.tp) if batch else 0.0,
-        local_token_s=cost.prefill_s(chunk, chunk**2, decode.pool.tp) / chunk,
-        remote_step_s=0.0,
-        remote_token_s=cost.prefill_s(remote_chunk, remote_chunk**2, prefill.pool.tp)
-        / remote_chunk,
+        local_step_s=local_step_s,
+        local_token_s=local_token_s,
+        remote_step_s=remote_step_s,
+        remote_token_s=remote_token_s,
         transfer_token_s=cost.transfer_s(kv_bytes) / n,
     )
     tpot_ms = sim.cluster.tpot_ms
@@ -36,12 +45,15 @@ def prefill_choice(
         prompt_tokens=n,
         local_hit_tokens=local_hit,
         remote_hit_tokens=remote_hit,
-        remote_queue_tokens=prefill.queued_tokens,
+        remote_queue_tokens=prefill.queued_tokens if prefill else 0,
         local_queue_tokens=decode.queued_tokens,
-        running=batch,
+        running=len(decode.batch),
         max_batch_tokens=decode.pool.max_batch_tokens,
         mixed_prefill_tokens=decode.pool.mixed_prefill_tokens,
-        remote_max_batch_tokens=prefill.pool.max_batch_tokens,
+        remote_max_batch_tokens=prefill.pool.max_batch_tokens if prefill else 1,
+        remote_running=len(prefill.batch) if prefill else 0,
+        remote_mixed_prefill_tokens=prefill.pool.mixed_prefill_tokens if prefill else None,
         tpot_s=math.inf if tpot_ms is None else tpot_ms / 1000,
+        prefill_alive=prefill is not None,
     )
     return choose_prefill(inputs, costs)

@@ -7,7 +7,9 @@ What it models, as the engine and router do it:
   disaggregated, the decode instance reserves first, then the prefill instance with the
   fewest queued prompt tokens gets the prompt; hybrid, the router's prefill choice
   (``bench.planner.sim_hybrid``) sends it there or keeps it on the decode instance,
-  which then runs it as a co-located one does;
+  which then runs it as a co-located one does; without a prefill pool, the remote
+  side is the other decode instance with the fewest queued prompt tokens, whose mixed
+  steps carry the prompt beside its own decodes;
 - chunked prefill under the token budget, FCFS, several prompts per step;
 - continuous decode batching (one token per running request per step);
 - co-located mixed steps: decodes first, then prompt chunks, one step costing the cost
@@ -246,6 +248,8 @@ class Simulator:
         else:
             self.prefill = self._pool("prefill", cluster.prefill)
             self.front = self._pool("decode", cluster.decode)
+        # hybrid without a prefill pool: the decode instances prefill for each other
+        self.peers = cluster.mode == "hybrid" and not self.prefill
 
     def _pool(self, role: str, pool: PoolSpec) -> list[Instance]:
         blocks = pool.kv_blocks
@@ -306,9 +310,10 @@ class Simulator:
             if self.cluster.mode == "colocated":
                 self._start(inst, r, hit)
                 continue
-            pre = pick(self.prefill, r, policy, lambda i: i.queued_tokens)
+            candidates = [i for i in self.front if i is not inst] if self.peers else self.prefill
+            pre = pick(candidates, r, policy, lambda i: i.queued_tokens) if candidates else None
             if self.cluster.mode == "hybrid":  # the router's choice, the same function
-                remote_hit = expected_hit(pre, r) * pre.pool.block_size
+                remote_hit = expected_hit(pre, r) * pre.pool.block_size if pre else 0
                 if prefill_choice(self, r, inst, pre, hit, remote_hit).where == LOCAL:
                     self._start(inst, r, hit)
                     inst.queued_tokens += r.prompt_len - hit
@@ -337,7 +342,7 @@ class Simulator:
         """A prompt's last chunk is done: co-located (or prefilled locally in hybrid
         mode), it decodes there from now; else its KV lands on the reserved decode
         instance."""
-        if inst.mixed:
+        if r.decode_instance is None:
             r.first_token_s = self.now
             if not inst.batch.join(r):
                 inst.finish(r, self.now)

@@ -222,6 +222,24 @@ def test_shipped_configs_are_valid():
     assert config.router.prefill_ms_per_token == 1.0
     with pytest.raises(ConfigError, match="must be > 0"):
         load_config(ROOT / "configs" / "local-hybrid.yaml", ["router.transfer_mb_per_s=0"])
+    config = load_config(ROOT / "configs" / "local-hybrid-peers.yaml")
+    assert config.mode == "hybrid"
+    assert (config.prefill.instances, config.decode.instances) == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides,key,needle",
+    [
+        (["decode.instances=1"], "decode.instances", "at least 2 are needed"),
+        (["decode.tensor_parallel=2"], "decode.tensor_parallel", "tensor_parallel 1 only"),
+        (["mode=disaggregated"], "prefill.instances", "at least 1 instance"),
+    ],
+)
+def test_hybrid_without_a_prefill_pool_needs_peers_of_one_rank(overrides, key, needle):
+    path = ROOT / "configs" / "local-hybrid-peers.yaml"
+    with pytest.raises(ConfigError, match=needle) as err:
+        load_config(path, ["ray.address=auto", *overrides])
+    assert err.value.key == key
 
 
 @pytest.mark.parametrize(

@@ -123,6 +123,20 @@ def test_hybrid_prefills_locally_unless_the_running_batch_has_no_slack():
     assert long.instances == ["decode-0"]
 
 
+def test_hybrid_without_a_prefill_pool_prefills_on_the_peer_with_slack():
+    """Two decode instances prefilling for each other: a prompt stays on an idle decode
+    instance whose peer runs a batch, and goes to the peer when its own instance runs a
+    batch and the peer only computes a prompt (no decodes whose steps it would stretch)."""
+    cost = LinearCost(transfer=0.05)
+    peers = ClusterSpec("hybrid", PoolSpec(instances=0), PoolSpec(instances=2), tpot_ms=150)
+    runner, a, b = simulate(peers, cost, [(0.0, 10, 200), (0.05, 3000, 2), (0.5, 2000, 2)])
+    assert runner.instances == ["decode-0"]
+    assert a.instances == ["decode-1"] and a.kv_bytes == 0  # decode-0's batch has no slack
+    # decode-0 (more free blocks) decodes it; decode-1, still computing a's prompt,
+    # computes it after a's chunks (FCFS) and hands it off
+    assert b.instances == ["decode-1", "decode-0"] and b.kv_bytes == 2000 * 1000
+
+
 def test_free_decode_steps_run_at_once_with_the_same_records():
     """A cost model that leaves decode out (the planner's prefill-only phase) runs a
     batch's free steps up to its next finish in one event: every record equals the

@@ -63,3 +63,24 @@ def test_after_a_failed_remote_attempt_the_next_is_local():
     placement.place(stream)
     assert placed == [(LOCAL, "fallback")] and len(sent) == 1
     assert stream.prefill_choices[-1].detail.startswith("local (fallback): the remote attempt")
+
+
+def test_without_a_prefill_pool_the_remote_side_is_the_other_decode_instance():
+    sent: list = []
+    placed: list = []
+    router = SimpleNamespace(metrics=SimpleNamespace(prefill_placed=lambda *c: placed.append(c)))
+    insts = [instance(f"decode-{i}", "decode", i, sent) for i in range(3)]
+    costs = CostModel(prefill_ms_per_token=1.0, transfer_mb_per_s=1000.0)
+    placement = Hybrid(router, insts, make_policy("least_loaded"), costs, tpot_s=0.15)
+    assert placement.peers
+    d0, d1, d2 = insts
+    stream = RequestStream("r3", list(range(3, 203)), SamplingParams(max_tokens=4))
+    d1.load.prefill_tokens = 50  # the fewest queued prompt tokens among the others: d2
+    assert placement._peer_for(stream, d0) is d2
+    stream.avoid.add("decode-2")  # a failed attempt's pair is avoided while another is up
+    assert placement._peer_for(stream, d0) is d1
+    for d in (d1, d2):
+        d.fail(f"instance {d.name} failed: gone", restarting=False)
+    assert placement._peer_for(stream, d0) is None
+    placement.place(stream)  # no live peer: local
+    assert placed == [(LOCAL, "no_prefill")] and [a.decode for a in sent] == ["decode-0"]

@@ -101,6 +101,31 @@ def test_hits_count_on_their_own_side():
     assert (c.where, c.reason) == (REMOTE, "faster")
 
 
+def test_a_peer_decode_instance_counts_its_running_batch():
+    """Without a prefill pool the remote side is a peer decode instance: its step carries
+    its own decodes (``remote_step_s``), its budget shrinks by them and by its
+    ``mixed_prefill_tokens``, and its TPOT is kept as the local one is."""
+    peer = dict(remote_running=6, remote_mixed_prefill_tokens=50, remote_max_batch_tokens=512)
+    # 200 tokens, the local batch (8) stretched past 150 ms by one chunk; the peer's
+    # chunks of 50 keep its steps at 10 + 50 ms: remote, for TPOT
+    c = choose_prefill(inputs(200, running=8, **peer), COSTS)
+    assert (c.where, c.reason) == (REMOTE, "tpot")
+    assert c.remote_s == pytest.approx(0.2 + 4 * 0.01 + 0.02)  # 4 steps of 50
+    # the peer uncapped: its one 210 ms step would stretch its batch; local, even behind
+    # a queue that makes it slower (1440 ms against 230 ms)
+    uncapped = {**peer, "remote_mixed_prefill_tokens": None}
+    c = choose_prefill(
+        inputs(200, running=1, mixed_prefill_tokens=100, local_queue_tokens=1000, **uncapped),
+        COSTS,
+    )
+    assert (c.where, c.reason) == (LOCAL, "tpot") and c.local_s > c.remote_s
+    assert "a chunk on the peer would make its running batch's (6) steps 210.0 ms" in c.detail
+    # stretched on both sides: the sooner one
+    c = choose_prefill(inputs(200, running=8, local_queue_tokens=400, **uncapped), COSTS)
+    assert (c.where, c.reason) == (REMOTE, "faster")
+    assert (LOCAL, "tpot") in REASONS
+
+
 def test_no_prefill_and_a_failed_transfer_go_local():
     c = choose_prefill(inputs(2000, running=8, prefill_alive=False), COSTS)
     assert (c.where, c.reason) == (LOCAL, "no_prefill") and math.isinf(c.remote_s)
