@@ -48,11 +48,10 @@ from dataclasses import replace
 from engine.block_manager import window_start
 from engine.messages import Attempt, Update
 from engine.outputs import Logprobs
-from engine.prefilled import Prefilled
 from engine.worker import EngineWorker
 from kv_transfer import KVDestination, Outcome, State, get_transport
 from kv_transfer.layout import cache_layout
-from kv_transfer.prefill_side import PrefillSide
+from kv_transfer.prefill_side import PrefillsForOthers, PrefillSide
 
 
 def layer_skip(windows, n: int, block_size: int, sent_from: int) -> tuple[int, ...]:
@@ -67,7 +66,7 @@ def layer_skip(windows, n: int, block_size: int, sent_from: int) -> tuple[int, .
     return tuple(skip) if any(skip) else ()
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(PrefillsForOthers, EngineWorker):
     role = "decode"
 
     def _setup(self, kv_config: dict) -> None:
@@ -96,6 +95,8 @@ class DecodeWorker(EngineWorker):
         self._ops.update(landed=self._op_landed, free=self._op_free, prefill=self._op_prefill,
                          acked=self._op_acked)  # fmt: skip
         self._totals.update(kv_bytes_total=0, leases_expired_total=0)
+        # prefills for a peer (hybrid mode without a prefill pool) at one rank only: the
+        # other ranks would have to send their heads (the config check refuses more)
         self.side = PrefillSide(self.name, self.engine, self.layout, kv_config, 0, self._post)
         self._last_chunk = self.side.on_last_chunk
 
@@ -126,11 +127,6 @@ class DecodeWorker(EngineWorker):
                 self.abort([attempt.id])
                 raise
         return None if dst is None else dst.to_bytes()
-
-    def prefill(self, attempt: Attempt) -> None:
-        """Prefill ``attempt``'s prompt for the peer ``attempt.decode`` and send its KV to
-        that peer's reservation (``attempt.destination``), beside this one's decodes."""
-        self._post(("prefill", attempt))
 
     def rank_landed(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
         """Rank ``rank``'s part of a transfer landed (or failed): pushed by that rank."""
@@ -252,36 +248,6 @@ class DecodeWorker(EngineWorker):
             del self._releasing[attempt_id]
             self.engine.blocks.free(attempt_id)
         return []
-
-    def _op_prefill(self, attempt: Attempt) -> list[Update]:
-        if self._take_early_abort(attempt.id):
-            return []
-        self._consumer[attempt.id] = attempt.consumer
-        try:
-            if self.ranks:
-                ranks = 1 + len(self.ranks)
-                raise ValueError(f"{self.name} has {ranks} tensor-parallel ranks; a decode "
-                                 "instance prefills for a peer at 1 only")  # fmt: skip
-            if self._owns(attempt.id):
-                raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
-            self.side.add(attempt)
-        except ValueError as e:
-            return [Update(attempt.id, error=str(e), retryable=True)]
-        self._totals["requests_total"] += 1
-        return []
-
-    def _op_acked(self, tid: str, rank: int, nbytes: int, seconds: float, error: str | None):
-        updates = self.side.acked(tid, rank, nbytes, seconds, error)
-        self._totals["kv_bytes_total"] += sum(u.info.get("kv_bytes", 0) for u in updates)
-        return updates
-
-    def _prefilled(self, p: Prefilled) -> list[Update]:
-        return self.side.handed(p)
-
-    def _fail(self, request_ids: list[str]) -> list[Update]:
-        failed = super()._fail(request_ids)
-        self.side.fail(request_ids)
-        return failed
 
     def _owns(self, request_id: str) -> bool:
         return (request_id in self.reservations or self.side.owns(request_id)

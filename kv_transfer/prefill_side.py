@@ -23,6 +23,7 @@ hybrid mode without a prefill pool hands off the prompts it computes for a peer
                          request on another pair                           [failed]
 
 Runs on the worker's step loop (``handed``'s ack threads only post to it).
+``PrefillsForOthers`` is the worker's part: its ``prefill`` call and inbox ops.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ class PrefillSide:
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self.jobs: dict[str, Job] = {}
         self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{name}-acks")
-        self.kv_bytes_total = 0
 
     def add(self, attempt: Attempt) -> None:
         """Queue ``attempt``'s prompt as a hand-off request bound for
@@ -199,10 +199,47 @@ class PrefillSide:
             why = f"KV transfer {tid!r} {self.name} -> {job.attempt.decode} failed: {errors[0]}"
             return [Update(tid, error=why, retryable=True)]
         total = sum(n for n, _, _ in job.results.values())
-        self.kv_bytes_total += total
         info = {"kv_bytes": total, "transfer_s": job.results[0][1]}
         return [Update(tid, handed_off=True, info=info)]
 
     def close(self) -> None:
         self._acks.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
+
+
+class PrefillsForOthers:
+    """Mixed into an ``EngineWorker`` subclass (before it) whose ``_setup`` makes
+    ``self.side``, a ``PrefillSide``: the ``prefill`` call, its ops on the step loop
+    (``prefill``, ``acked``), the step's hand-offs and failures. A role with more
+    requests of its own chains ``_owns`` and ``_abort`` to these."""
+
+    def prefill(self, attempt: Attempt) -> None:
+        """Prefill ``attempt``'s prompt and send its KV to ``attempt.destination`` (the
+        reservation of the decode instance ``attempt.decode``)."""
+        self._post(("prefill", attempt))
+
+    def _op_prefill(self, attempt: Attempt) -> list[Update]:
+        if self._take_early_abort(attempt.id):
+            return []
+        self._consumer[attempt.id] = attempt.consumer
+        try:
+            if self._owns(attempt.id):
+                raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
+            self.side.add(attempt)
+        except ValueError as e:
+            return [Update(attempt.id, error=str(e))]
+        self._totals["requests_total"] += 1
+        return []
+
+    def _op_acked(self, tid: str, rank: int, nbytes: int, seconds: float, error: str | None):
+        updates = self.side.acked(tid, rank, nbytes, seconds, error)
+        self._totals["kv_bytes_total"] += sum(u.info.get("kv_bytes", 0) for u in updates)
+        return updates
+
+    def _prefilled(self, p: Prefilled) -> list[Update]:
+        return self.side.handed(p)
+
+    def _fail(self, request_ids: list[str]) -> list[Update]:
+        failed = super()._fail(request_ids)
+        self.side.fail(request_ids)
+        return failed

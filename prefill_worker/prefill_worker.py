@@ -15,14 +15,13 @@ Ranks 1..N-1 (``PrefillRank``) send their heads and push their own outcome here.
 
 from __future__ import annotations
 
-from engine.messages import Attempt, Update
-from engine.prefilled import Prefilled
+from engine.messages import Update
 from engine.worker import EngineWorker
 from kv_transfer.layout import cache_layout
-from kv_transfer.prefill_side import PrefillSide
+from kv_transfer.prefill_side import PrefillsForOthers, PrefillSide
 
 
-class PrefillWorker(EngineWorker):
+class PrefillWorker(PrefillsForOthers, EngineWorker):
     """Every request it takes hands off: its engine never decodes."""
 
     role = "prefill"
@@ -33,14 +32,10 @@ class PrefillWorker(EngineWorker):
                                 len(self.ranks), self._post)  # fmt: skip
         self._last_chunk = self.side.on_last_chunk
         self._ops.update(prefill=self._op_prefill, acked=self._op_acked)
+        self._totals["kv_bytes_total"] = 0
 
     def ready(self) -> dict:
         return {**super().ready(), "kv_tp_size": self.layout.tp_size}
-
-    def prefill(self, attempt: Attempt) -> None:
-        """Prefill ``attempt``'s prompt and send its KV to ``attempt.destination`` (the
-        reservation of the decode instance ``attempt.decode``)."""
-        self._post(("prefill", attempt))
 
     def rank_acked(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
         """Rank ``rank``'s ENDs of a transfer were answered (or failed): pushed by it."""
@@ -52,20 +47,6 @@ class PrefillWorker(EngineWorker):
 
     # ---- on the step loop ----
 
-    def _op_prefill(self, attempt: Attempt) -> list[Update]:
-        if self._take_early_abort(attempt.id):
-            return []
-        self._consumer[attempt.id] = attempt.consumer
-        try:
-            self.side.add(attempt)
-        except ValueError as e:
-            return [Update(attempt.id, error=str(e))]
-        self._totals["requests_total"] += 1
-        return []
-
-    def _op_acked(self, tid: str, rank: int, nbytes: int, seconds: float, error: str | None):
-        return self.side.acked(tid, rank, nbytes, seconds, error)
-
     def _owns(self, request_id: str) -> bool:
         return self.side.owns(request_id)
 
@@ -73,16 +54,7 @@ class PrefillWorker(EngineWorker):
         self.side.abort(request_id)
         return []
 
-    def _prefilled(self, p: Prefilled) -> list[Update]:
-        return self.side.handed(p)
-
-    def _fail(self, request_ids: list[str]) -> list[Update]:
-        failed = super()._fail(request_ids)
-        self.side.fail(request_ids)
-        return failed
-
     def _stats(self) -> dict:
         stats = super()._stats()
         stats["in_transfer"] = self.side.in_transfer
-        stats["kv_bytes_total"] = self.side.kv_bytes_total
         return stats

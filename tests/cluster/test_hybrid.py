@@ -34,15 +34,19 @@ SHORT = [([5, 6, 7, 8, 9], 6), ([40] * 17, 5), (list(range(30, 50)), 7)]
 LONG = [(list(range(3, 153)), 6), ([(7 * i) % 250 + 3 for i in range(300)], 5)]
 
 
-@pytest.fixture
-def cluster(chat_model, tmp_path_factory):
+def hybrid_cluster(chat_model, tmp_path_factory, prefills: int, decode=None, router=None):
+    """A hybrid cluster of ``prefills`` prefill instances (the ``decode`` and ``router``
+    sections updated), its KV through the test transport, tiny ``slo.tpot_ms``, JSON
+    logs; ``.plan``: the transport's fault plan (empty)."""
     from cluster import launch
 
     plan = tmp_path_factory.mktemp("faults") / "plan.json"
     write_plan(plan, [])
-    config = disagg_config(chat_model, "tests.kv_transfer.faults:gloo", True, 1, lease_s=LEASE_S)
+    kv = "tests.kv_transfer.faults:gloo"
+    config = disagg_config(chat_model, kv, True, prefills, lease_s=LEASE_S)
     config["mode"] = "hybrid"
-    config["router"]["migration_limit"] = 1
+    config["decode"].update(decode or {})
+    config["router"].update(migration_limit=1, **(router or {}))
     config["slo"] = {"ttft_ms": 60_000, "tpot_ms": 0.001}
     config["logging"] = {"format": "json", "level": "INFO"}
     with pytest.MonkeyPatch.context() as mp:
@@ -50,6 +54,11 @@ def cluster(chat_model, tmp_path_factory):
         with launch(config) as c:
             c.plan = plan
             yield c
+
+
+@pytest.fixture
+def cluster(chat_model, tmp_path_factory):
+    yield from hybrid_cluster(chat_model, tmp_path_factory, 1)
 
 
 @pytest.fixture(scope="module")

@@ -19,30 +19,24 @@ import asyncio
 
 import pytest
 
-from tests.cluster.test_disagg import check_pools, disagg_config
-from tests.cluster.test_hybrid import LONG, RUNNER, SHORT, greedy, log_line, placements
-from tests.kv_transfer.faults import ENV, write_plan
-
-LEASE_S = 2.0
+from tests.cluster.test_disagg import check_pools
+from tests.cluster.test_hybrid import (
+    LEASE_S,
+    LONG,
+    RUNNER,
+    SHORT,
+    greedy,
+    hybrid_cluster,
+    log_line,
+    placements,
+)
+from tests.kv_transfer.faults import write_plan
 
 
 @pytest.fixture
 def cluster(chat_model, tmp_path_factory):
-    from cluster import launch
-
-    plan = tmp_path_factory.mktemp("faults") / "plan.json"
-    write_plan(plan, [])
-    config = disagg_config(chat_model, "tests.kv_transfer.faults:gloo", True, 0, lease_s=LEASE_S)
-    config["mode"] = "hybrid"
-    config["decode"].update(instances=2, resources={"num_cpus": 0.5})
-    config["router"].update(migration_limit=1, policy="round_robin")
-    config["slo"] = {"ttft_ms": 60_000, "tpot_ms": 0.001}
-    config["logging"] = {"format": "json", "level": "INFO"}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV, str(plan))  # the cluster's processes inherit it
-        with launch(config) as c:
-            c.plan = plan
-            yield c
+    decode = {"instances": 2, "resources": {"num_cpus": 0.5}}
+    yield from hybrid_cluster(chat_model, tmp_path_factory, 0, decode, {"policy": "round_robin"})
 
 
 @pytest.fixture(scope="module")
