@@ -226,6 +226,12 @@ class EngineWorker:
             produced = [u for op in ops for u in self._apply(op)]
             step = None
             if self.engine.has_unfinished_requests():
+                if produced:  # out before the step, which may be a long prompt chunk: a
+                    # landed request's first token, an op's error do not wait for it
+                    with self._lock:
+                        self._route(produced)
+                        self._produced.notify_all()
+                    produced = []
                 produced += self._step()
                 if self.engine.last_shape is not None:  # recorded before its updates go out
                     step = (self.engine.last_shape, time.perf_counter() - started)
@@ -233,17 +239,21 @@ class EngineWorker:
             cache_events = self.engine.blocks.take_events()
             with self._lock:
                 self._cache_log.record(cache_events)
-                for update in produced:
-                    consumer = self._consumer.get(update.request_id)
-                    if consumer is not None:
-                        self._outboxes[consumer].append(update)
-                    if update.final:
-                        self._consumer.pop(update.request_id, None)
+                self._route(produced)
                 self._snapshot = snapshot = self._stats()
                 self._produced.notify_all()
             self._busy_since = None
             for observe in self.step_observers if step is not None else ():
                 observe(*step, snapshot)
+
+    def _route(self, updates: list[Update]) -> None:
+        """Each update into its consumer's outbox (under ``_lock``)."""
+        for update in updates:
+            consumer = self._consumer.get(update.request_id)
+            if consumer is not None:
+                self._outboxes[consumer].append(update)
+            if update.final:
+                self._consumer.pop(update.request_id, None)
 
     def _setup(self) -> None:
         """A role's own state (the KV transfer endpoints), before the step loop starts."""
