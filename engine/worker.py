@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 
 class EngineWorker:
-    engine_class = LLMEngine
     role = "colocated"
     # a role whose requests may hand off (engine/prefilled.py) sets the step's hook in
     # ``_setup`` and overrides ``_prefilled``
@@ -82,7 +81,7 @@ class EngineWorker:
             self._store, address = serve_store(parallel["bind"], int(port), host)
             tp = TensorParallel.join(address, 0, parallel["size"], config.device)
             self.ranks = list(parallel["ranks"])
-        self.engine = self.engine_class(model, config, tp)
+        self.engine = LLMEngine(model, config, tp)
         self.engine.model.pack_panels()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
