@@ -98,7 +98,6 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         # prefills for a peer (hybrid mode without a prefill pool) at one rank only: the
         # other ranks would have to send their heads (the config check refuses more)
         self.side = PrefillSide(self.name, self.engine, self.layout, kv_config, 0, self._post)
-        self._last_chunk = self.side.on_last_chunk
 
     def ready(self) -> dict:
         """Also the KV receivers' addresses and the KV bytes of one token (all layers,

@@ -239,20 +239,19 @@ class LLMEngine:
 
     def step(self, on_last_chunk: LastChunkHook | None = None) -> list[RequestOutput | Prefilled]:
         """One step: a ``RequestOutput`` per request that got a token, a ``Prefilled`` per
-        hand-off request that left (``on_last_chunk``: engine/prefilled.py)."""
+        hand-off request that left. ``on_last_chunk`` (engine/prefilled.py): the hook of
+        hand-off requests' last chunks, given while there are any (their prefill is
+        timed then too)."""
         batch = self.scheduler.schedule()
         self.last_shape = batch.shape() if batch else None
-        now = time.time()
-        for request, _ in batch.items:
-            if request.started_s is None:
-                request.started_s = now
         on_layer, extra = None, b""
-        if on_last_chunk is not None:
-            last = [
-                r
-                for r, n in batch.items
-                if r.hand_off and r.num_computed_tokens + n == r.num_tokens
-            ]
+        if on_last_chunk is not None:  # only while hand-off requests are here
+            now, last = time.time(), []
+            for r, n in batch.items:
+                if r.hand_off:
+                    r.started_s = r.started_s or now
+                    if r.num_computed_tokens + n == r.num_tokens:
+                        last.append(r)
             if last:
                 on_layer, extra = on_last_chunk(last)
         sampled = self._run(batch, on_layer, extra)

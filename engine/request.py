@@ -43,7 +43,7 @@ class Request:
     # leaves the engine at its first token, its KV bound for another instance
     # (engine/prefilled.py)
     hand_off: bool = False
-    started_s: float | None = None  # wall clock of its first scheduled chunk
+    started_s: float | None = None  # a hand-off's: wall clock of its first scheduled chunk
     delivered: InitVar[tuple[int, ...]] = ()
 
     def __post_init__(self, delivered: tuple[int, ...]):

@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 
 class EngineWorker:
     role = "colocated"
-    # a role whose requests may hand off (engine/prefilled.py) sets the step's hook in
-    # ``_setup`` and overrides ``_prefilled``
+    # a role whose requests may hand off (engine/prefilled.py) gives the step's hook
+    # here and overrides ``_prefilled``
     _last_chunk: LastChunkHook | None = None
 
     def __init__(

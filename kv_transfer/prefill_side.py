@@ -62,13 +62,8 @@ class PrefillSide:
         """``engine``: the worker's ``LLMEngine``; ``ranks``: its other tensor-parallel
         ranks (each sends its heads and reports through the worker's ``rank_acked``);
         ``post``: puts an op in the worker's inbox."""
-        self.name, self.engine, self.layout, self.ranks, self.post = (
-            name,
-            engine,
-            layout,
-            ranks,
-            post,
-        )
+        self.name, self.engine, self.layout = name, engine, layout
+        self.ranks, self.post = ranks, post
         self.sender = get_transport(kv_config["backend"]).sender(
             layout, secret=kv_config["secret"], bind=kv_config["bind"],
             advertise=kv_config["advertise"], checksum=kv_config["checksum"], name=name,
@@ -212,6 +207,12 @@ class PrefillsForOthers:
     ``self.side``, a ``PrefillSide``: the ``prefill`` call, its ops on the step loop
     (``prefill``, ``acked``), the step's hand-offs and failures. A role with more
     requests of its own chains ``_owns`` and ``_abort`` to these."""
+
+    @property
+    def _last_chunk(self):
+        """The step's hook while jobs are here; None otherwise, so that a decode
+        instance's steps without one do no hand-off work (engine/prefilled.py)."""
+        return self.side.on_last_chunk if self.side.jobs else None
 
     def prefill(self, attempt: Attempt) -> None:
         """Prefill ``attempt``'s prompt and send its KV to ``attempt.destination`` (the

@@ -30,7 +30,6 @@ class PrefillWorker(PrefillsForOthers, EngineWorker):
         self.layout = cache_layout(self.engine)
         self.side = PrefillSide(self.name, self.engine, self.layout, kv_config,
                                 len(self.ranks), self._post)  # fmt: skip
-        self._last_chunk = self.side.on_last_chunk
         self._ops.update(prefill=self._op_prefill, acked=self._op_acked)
         self._totals["kv_bytes_total"] = 0
 
