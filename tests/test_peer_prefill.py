@@ -13,6 +13,7 @@ process, a real KV transfer over gRPC and gloo:
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -84,24 +85,35 @@ def test_a_decode_instance_prefills_for_its_peer_beside_its_own_decodes(pair, of
     decoder, prefiller = (d0, d1) if direction == "1-for-0" else (d1, d0)
     tag = f"{decoder.transport.name}-{direction}"
     own = {f"{k}-{tag}#0": p for k, p in OWN.items()}
-    for rid, prompt in own.items():
-        prefiller.add(Attempt(rid, prompt, LONG, "test"))
-    deadline = time.monotonic() + 30  # its own requests decode: the peer's prompt joins them
-    while prefiller.stats()["running"] < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    prefiller.step_log()  # drained: the steps from here on carry the peer's prompt
-    rid = f"peer-{tag}#0"
-    a = Attempt(rid, PEER, PARAMS, "test", prefill=prefiller.name, decode=decoder.name)
-    raw = decoder.reserve(a)
-    assert raw is not None
-    prefiller.prefill(replace(a, destination=raw))
+    # hold the prefiller's loop after its first step that decodes both its own requests,
+    # and let it go once the peer's prompt waits in its inbox: the next steps carry both
+    holding, go = threading.Event(), threading.Event()
+
+    def hold(shape, seconds, stats) -> None:  # on the prefiller's loop, after a step
+        if shape.decodes == 2 and not holding.is_set():
+            holding.set()
+            go.wait(30)
+
+    prefiller.step_observers.append(hold)
+    try:
+        for rid, prompt in own.items():
+            prefiller.add(Attempt(rid, prompt, LONG, "test"))
+        assert holding.wait(30)
+        prefiller.step_log()  # drained: the steps from here on carry the peer's prompt
+        rid = f"peer-{tag}#0"
+        a = Attempt(rid, PEER, PARAMS, "test", prefill=prefiller.name, decode=decoder.name)
+        raw = decoder.reserve(a)
+        assert raw is not None
+        prefiller.prefill(replace(a, destination=raw))
+    finally:
+        go.set()
+        prefiller.step_observers.remove(hold)
     wanted = {f"{decoder.name}:{rid}", f"{prefiller.name}:{rid}"}
     wanted |= {f"{prefiller.name}:{r}" for r in own}
     got = collect([d0, d1], wanted)
     # the peer's prompt chunks rode in steps with the prefilling instance's own decodes
-    # (its own prompts were computed alone, before): [prompt tokens, _, decodes, ...]
-    assert any(row[0] > 0 and row[2] > 0 for row in prefiller.step_log())
+    # (its own prompts were computed before the hold): [prompt tokens, _, decodes, ...]
+    assert any(row[0] > 0 and row[2] == 2 for row in prefiller.step_log())
     for r in own:
         assert tokens(got[f"{prefiller.name}:{r}"]) == offline[r.split("-" + tag)[0]]
     decoded = got[f"{decoder.name}:{rid}"]

@@ -1,8 +1,9 @@
 """Overload on a cluster of its own (2 instances x 4 requests, router.queue_timeout_s
-0.5, router.max_concurrent_requests 10): a request still queued past the timeout is
-refused (429 with Retry-After / RESOURCE_EXHAUSTED with retry-after); a call past the
-bound is refused at once, before the core sees it, while Health, Stats and /health
-still answer; afterwards every block is free and the cluster serves."""
+0.5, router.max_concurrent_requests 10): a request still queued past the timeout (both
+instances full, their step loops held asleep) is refused (429 with Retry-After /
+RESOURCE_EXHAUSTED with retry-after); a call past the bound is refused at once, before
+the core sees it, while Health, Stats and /health still answer; afterwards every block
+is free and the cluster serves."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import grpc
 import httpx
 import pytest
+import ray
 
 from cluster import launch
 from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config, wait_until
@@ -51,9 +53,13 @@ async def _release(streams, readers) -> None:
 def test_queued_past_the_timeout_is_refused_with_retry_after(cluster):
     client = cluster.client()
     http = httpx.AsyncClient(base_url=f"http://{cluster.http_address}", timeout=30)
+    workers = list(cluster.workers.values())
 
     async def run():
         held = await _hold(client, RUNNING)
+        # both instances' step loops sleep: no held request ends (and frees its place)
+        # before the timeout, however fast the machine decodes
+        paused = [h.on_loop.remote(time.sleep, 3 * QUEUE_TIMEOUT_S) for h in workers]
         try:
             started = time.monotonic()
             over_http = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
@@ -64,6 +70,7 @@ def test_queued_past_the_timeout_is_refused_with_retry_after(cluster):
             await _release(*held)
             await client.aclose()
             await http.aclose()
+            ray.get(paused)
         return r, err, waited
 
     r, err, waited = asyncio.run(run())

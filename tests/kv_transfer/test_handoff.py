@@ -26,10 +26,15 @@ from tests.kv_transfer.helpers import Peer
 
 LEASE_S = 1.0
 LATE_S = 1.6  # a delay past the lease
-# the prefill side's answer comes within its wait for answers (1.5 x lease) after the
-# sends, which the delay of a row and the store connect to a dying receiver (a plain
-# connect, then 5 s tries) can precede
-PREFILL_BOUND_S = 1.5 * LEASE_S + LATE_S + 2 * 5.0
+# the prefill side's wait for answers: past the lease, so that the decode side's lease
+# ends a stalled transfer first (docs/kv_transfer.md). Production waits 1.5 x lease_s
+# (15 s past a 30 s lease); at a 1 s lease half a second is less than a loaded machine
+# can delay the decode side's claim of the first layer, which starts its lease
+ACK_WAIT_S = LEASE_S + 1.5
+# the prefill side's answer comes within that wait after the sends, which the delay of a
+# row and the store connect to a dying receiver (a plain connect, then 5 s tries) can
+# precede
+PREFILL_BOUND_S = ACK_WAIT_S + LATE_S + 2 * 5.0
 COUNT = 5  # blocks per transfer (3 layers of K and V each)
 POOL = 64
 
@@ -72,8 +77,9 @@ ROWS = [
         "KVTransferError", LATE_S + 1.0, "made no progress"),
     Row("receiving", "message lost", (("receiver", "data", "drop", 2),), "failed",
         "KVTransferError", 2.0, "missing"),
+    # (seen after the prefill side's answer, which comes once its wait runs out)
     Row("receiving", "link cut", (("sender", "data", "cut", 2),), "expired",
-        "KVTransferTimeout", LEASE_S + 1.0, "made no progress"),
+        "KVTransferTimeout", ACK_WAIT_S + 0.5, "made no progress"),
     Row("receiving", "corrupted chunk", (("sender", "data", "corrupt", 2),), "failed",
         "KVChecksumError", 2.0, "checksum mismatch"),
     Row("receiving", "duplicated message", (("sender", "data", "duplicate", 2),), "landed", "ok",
@@ -191,7 +197,7 @@ def _run_row(sides: Sides, row: Row, tid: str) -> None:
     dst_ids = reply["ids"]
     started = time.monotonic()
     sent = _ask_or_dead(sides.prefill, op="handoff", key="p", tid=tid, seed=7, count=COUNT,
-                        dst=reply["dst"], timeout=1.5 * LEASE_S)  # fmt: skip
+                        dst=reply["dst"], timeout=ACK_WAIT_S)  # fmt: skip
     assert time.monotonic() - started < PREFILL_BOUND_S, "the prefill side's answer came late"
     if sent is None:
         sides.prefill = None
