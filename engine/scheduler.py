@@ -65,6 +65,17 @@ class ScheduledBatch:
         return StepShape(tokens, sum_sq, decodes, context)
 
 
+def prompt_budget(max_batch_tokens: int, decodes: int, mixed_prefill_tokens: int | None) -> int:
+    """Prompt tokens a step that decodes ``decodes`` requests has room for: what they
+    leave of ``max_batch_tokens``, at most ``mixed_prefill_tokens`` (when set) if the
+    step decodes. The router's prefill choice and the planner's simulator size chunks by
+    this same rule."""
+    budget = max(0, max_batch_tokens - decodes)
+    if decodes and mixed_prefill_tokens is not None:
+        budget = min(budget, mixed_prefill_tokens)
+    return budget
+
+
 @dataclass(frozen=True)
 class StepShape:
     prefill_tokens: int
@@ -135,9 +146,8 @@ class Scheduler:
         batch = ScheduledBatch()
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
         prefills = [r for r in self.running if r.num_pending_tokens > 1]
-        budget = self._continue(decodes, self.max_batch_tokens, batch)
-        if batch.items and self.mixed_prefill_tokens is not None:
-            budget = min(budget, self.mixed_prefill_tokens)  # the step decodes
+        self._continue(decodes, self.max_batch_tokens, batch)  # a token each
+        budget = prompt_budget(self.max_batch_tokens, len(batch.items), self.mixed_prefill_tokens)
         budget = self._continue(prefills, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             if batch.preempted:

@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.scheduler import prompt_budget
+
 LOCAL, REMOTE = "local", "remote"
 # (where, reason) pairs a decision can have
 REASONS = (
@@ -154,9 +156,6 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
 
 
 def _budget(max_batch_tokens: int, running: int, mixed_prefill_tokens: int | None) -> int:
-    """Prompt tokens a step of an instance running ``running`` decodes carries (as
-    engine/scheduler.py budgets it)."""
-    budget = max(1, max_batch_tokens - running)
-    if running and mixed_prefill_tokens is not None:
-        budget = min(budget, mixed_prefill_tokens)
-    return budget
+    """Prompt tokens a step of an instance running ``running`` decodes carries (at least
+    one: a prompt always moves)."""
+    return max(1, prompt_budget(max_batch_tokens, running, mixed_prefill_tokens))

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import math
 
+from engine.scheduler import prompt_budget
 from router.prefill_choice import PrefillChoice, PrefillCosts, PrefillInputs, choose_prefill
 
 
 def _step_costs(cost, inst, n: int) -> tuple[float, float]:
     """(step_s, token_s) of a prompt of ``n`` tokens on ``inst``: its running batch's
     decode step (none on a prefill instance) and a token of the chunk it rides in."""
-    batch = len(inst.batch)
-    budget, mixed = inst.pool.max_batch_tokens, inst.pool.mixed_prefill_tokens
-    if batch and mixed is not None:
-        budget = min(budget, mixed)  # the chunk that rides with the running batch's step
-    chunk = max(1, min(n, budget))
+    batch, pool = len(inst.batch), inst.pool
+    chunk = max(1, min(n, prompt_budget(pool.max_batch_tokens, batch, pool.mixed_prefill_tokens)))
     step_s = cost.decode_s(batch, inst.batch.context, inst.pool.tp) if batch else 0.0
     return step_s, cost.prefill_s(chunk, chunk**2, inst.pool.tp) / chunk
 

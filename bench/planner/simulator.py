@@ -45,6 +45,7 @@ from bench.planner.prefix import (
     take_hit,
 )
 from bench.planner.sim_hybrid import prefill_choice
+from engine.scheduler import prompt_budget
 from router.prefill_choice import LOCAL
 
 
@@ -199,9 +200,7 @@ class Instance:
                 self.finish(r, now)
         self.joining = []
         decodes = len(self.batch)
-        budget = self.pool.max_batch_tokens - decodes
-        if decodes and self.pool.mixed_prefill_tokens is not None:
-            budget = min(budget, self.pool.mixed_prefill_tokens)  # as engine/scheduler.py
+        budget = prompt_budget(self.pool.max_batch_tokens, decodes, self.pool.mixed_prefill_tokens)
         items, sq = self.chunks(budget, admit=self.mixed)
         tokens = sum(n for _, n in items)
         if not decodes and not tokens:
