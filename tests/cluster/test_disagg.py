@@ -133,7 +133,7 @@ def check_logprobs(client, expected_logprobs) -> None:
     ids=[f"{b}-{'layerwise' if lw else 'whole'}-{p}P1D" for b, lw, p in SETUPS],
 )
 def test_32_concurrent_requests_equal_offline(
-    chat_model, expected, expected_logprobs, backend, layerwise, prefills
+    chat_model, expected, expected_logprobs, on_shared_ray, backend, layerwise, prefills
 ):
     from cluster import launch
 
@@ -167,7 +167,7 @@ def test_32_concurrent_requests_equal_offline(
         client.close()
 
 
-def test_a_queued_prefill_never_expires_its_lease(chat_model):
+def test_a_queued_prefill_never_expires_its_lease(chat_model, on_shared_ray):
     """48 long prompts at once on one prefill instance with a small token budget: most
     wait in its queue several times kv_transfer.lease_s, with their decode blocks reserved.
     The lease runs from the first byte of a transfer, so none expires and none is redone."""

@@ -115,7 +115,7 @@ def colocated_config(model: str, tp: int, chunk: int) -> dict:
     ids=[f"{m}-{b or 'colocated'}-P{p}D{d}-chunk{c}" for m, _, b, p, d, c in SETUPS],
 )
 def test_family_serves_the_offline_greedy(
-    models, model, mode, backend, prefill_tp, decode_tp, chunk
+    models, on_shared_ray, model, mode, backend, prefill_tp, decode_tp, chunk
 ):
     from cluster import launch
 

@@ -60,7 +60,7 @@ def blocks(n: int) -> int:
     ids=[f"{b}-P{p}D{d}-{'cached' if c else 'off'}" for b, p, d, c in SETUPS],
 )
 def test_second_turns_move_only_what_decode_lacks(
-    kv4_model, expected, backend, prefill_tp, decode_tp, caching
+    kv4_model, expected, on_shared_ray, backend, prefill_tp, decode_tp, caching
 ):
     from cluster import launch
 

@@ -44,7 +44,7 @@ def _check(cluster, work, want, logprobs) -> None:
     client.close()
 
 
-def test_colocated_tp2(kv4_model, expected):
+def test_colocated_tp2(kv4_model, expected, on_shared_ray):
     from cluster import launch
 
     config = {
@@ -72,7 +72,9 @@ def test_colocated_tp2(kv4_model, expected):
 # each backend once, each side at 2 ranks once; tests/cluster/test_prefix_handoff.py
 # runs the other two pairings (and kv_transfer/test_head_mapping every one, no cluster)
 @pytest.mark.parametrize("backend,prefill_tp,decode_tp", [("gloo", 2, 1), ("grpc", 1, 2)])
-def test_disaggregated_with_different_degrees(kv4_model, expected, backend, prefill_tp, decode_tp):
+def test_disaggregated_with_different_degrees(
+    kv4_model, expected, on_shared_ray, backend, prefill_tp, decode_tp
+):
     from cluster import launch
 
     # layer-wise sending over gloo, all layers after the pass over gRPC
