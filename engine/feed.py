@@ -24,9 +24,12 @@ consumer's updates since the previous frame, the instance's stats, and (when the
 ticket carried a ``CacheCursor``) the prefix cache's changes since the previous
 frame's cursor; one goes out as soon as there is news, and at least every
 ``HEARTBEAT_S``. Consumer to instance (``encode_command``/``decode_command``), one
-command each: ``add`` (an ``Attempt``) or ``abort`` (attempt ids), applied in the order
-sent, as the worker's ``add``/``abort`` apply them (what a Ray call per request cost
-both processes, a frame does not); a frame naming anything else ends the connection.
+command each: ``add`` (an ``Attempt``), ``prefill`` (an ``Attempt`` with its
+``destination``, to an instance that prefills for others: kv_transfer/prefill_side.py)
+or ``abort`` (attempt ids), applied in the order sent, as the worker's methods of those
+names apply them (what a Ray call per request cost both processes, a frame does not); a
+frame naming anything else, or a command this instance does not take, ends the
+connection.
 
 Lifecycle: the connection lasts as long as the instance; its end (EOF, reset) tells
 the consumer the instance is gone. Its sender thread ends when the server closes (the
@@ -80,7 +83,8 @@ class FeedTicket:
 
 # ---- the frames ----
 
-COMMANDS = ("add", "abort")
+COMMANDS = ("add", "prefill", "abort")
+ATTEMPT_COMMANDS = ("add", "prefill")  # their value: an ``Attempt``
 
 _UPDATE_DEFAULTS = {
     "token_ids": [], "text": "", "finish_reason": None, "error": None, "retryable": False,
@@ -113,8 +117,9 @@ def decode(body: bytes) -> Polled:
 
 
 def encode_command(kind: str, value: Attempt | list[str]) -> bytes:
-    """One consumer-to-instance frame: ``add`` an ``Attempt``, or ``abort`` attempt ids."""
-    if kind == "add":
+    """One consumer-to-instance frame: ``add`` or ``prefill`` an ``Attempt``, or ``abort``
+    attempt ids."""
+    if kind in ATTEMPT_COMMANDS:
         value = {**value.__dict__, "params": value.params.__dict__}
     body = msgpack.packb({kind: value}, use_bin_type=True)
     return LENGTH.pack(len(body)) + body
@@ -127,7 +132,7 @@ def decode_command(body: bytes) -> tuple[str, Attempt | list[str]]:
     if not isinstance(d, dict) or len(d) != 1 or next(iter(d)) not in COMMANDS:
         raise ValueError(f"feed command {str(d)[:80]!r}: must be one of {COMMANDS}")
     [(kind, value)] = d.items()
-    if kind == "add":
+    if kind in ATTEMPT_COMMANDS:
         value["params"] = SamplingParams(**value["params"])
         value["prompt_ids"] = tuple(value["prompt_ids"])
         value["delivered"] = tuple(value["delivered"])
@@ -192,7 +197,8 @@ class FeedServer:
         bind: str,
         advertise: str,
     ):
-        """``commands``: what applies each of ``COMMANDS`` (the worker's ``add``, ``abort``)."""
+        """``commands``: what applies each of ``COMMANDS`` this instance takes (the
+        worker's ``add``, ``abort`` and, prefilling for others, ``prefill``)."""
         self._poll, self._commands = poll, commands
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         self._listener = socket.create_server((bind, 0), family=family, backlog=64)
@@ -276,6 +282,9 @@ class FeedServer:
                 buf += chunk
                 for body in cut(buf):
                     kind, value = decode_command(body)
+                    if kind not in self._commands:
+                        raise ValueError(f"feed command {kind!r}: this instance takes "
+                                         f"{sorted(self._commands)}")  # fmt: skip
                     self._commands[kind](value)
         except OSError:  # the connection ended
             return

@@ -9,10 +9,10 @@ updates go into one outbox per consumer (the router, a benchmark) that ``poll`` 
 over in one batch: everything produced since the last poll, so a busy instance costs
 its consumer one call per step at most, never one per token. The router calls neither
 ``poll`` nor ``add`` through Ray: it takes the same batches down the update feed and
-sends ``add``s and ``abort``s up it (``open_feed``, engine/feed.py), which costs the
-step's threads far less. A consumer that passes a ``CacheCursor`` also gets the prefix
-cache's changes since its last poll (engine/cache_log.py): the block hashes the router
-routes by.
+sends ``add``s and ``abort``s (and ``prefill``s: ``feed_commands``) up it
+(``open_feed``, engine/feed.py), which costs the step's threads far less. A consumer
+that passes a ``CacheCursor`` also gets the prefix cache's changes since its last poll
+(engine/cache_log.py): the block hashes the router routes by.
 
 ``EngineWorker`` itself is the co-located instance: every step is the engine's mixed
 step, prompt chunks piggybacked on the running decodes (engine/scheduler.py). The
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 class EngineWorker:
     role = "colocated"
+    feed_commands = ("add", "abort")  # the methods a consumer calls up its feed (engine/feed.py)
     # a role whose requests may hand off (engine/prefilled.py) gives the step's hook
     # here and overrides ``_prefilled``
     _last_chunk: LastChunkHook | None = None
@@ -104,7 +105,7 @@ class EngineWorker:
         self._snapshot = self._stats()
         self._stopping = False
         feed = feed or {"bind": "127.0.0.1", "advertise": "127.0.0.1"}
-        commands = {"add": self.add, "abort": self.abort}
+        commands = {kind: getattr(self, kind) for kind in self.feed_commands}
         self._feed = FeedServer(name, self.poll, commands, feed["bind"], feed["advertise"])
         self._busy_since: float | None = None  # monotonic start of the work under way
         self._loop = threading.Thread(target=self._run, name=f"{name}-steps", daemon=True)

@@ -208,6 +208,8 @@ class PrefillsForOthers:
     (``prefill``, ``acked``), the step's hand-offs and failures. A role with more
     requests of its own chains ``_owns`` and ``_abort`` to these."""
 
+    feed_commands = ("add", "prefill", "abort")  # the router sends ``prefill`` up the feed
+
     @property
     def _last_chunk(self):
         """The step's hook while jobs are here; None otherwise, so that a decode

@@ -116,7 +116,7 @@ class Disaggregated(Placement):
             return
         stream.sent_to(prefill.name)
         stream.sent_to(decode.name)
-        prefill.handle.prefill.remote(replace(attempt, destination=destination))
+        prefill.prefill(replace(attempt, destination=destination))
 
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]:
         ended = []

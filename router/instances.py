@@ -97,6 +97,11 @@ class Instance:
         """Have the instance run ``attempt`` (``EngineWorker.add``, sent up its feed)."""
         self._send(encode_command("add", attempt))
 
+    def prefill(self, attempt: Attempt) -> None:
+        """Have the instance prefill ``attempt`` and hand its KV to
+        ``attempt.destination`` (``PrefillsForOthers.prefill``, sent up its feed)."""
+        self._send(encode_command("prefill", attempt))
+
     def abort(self, attempt_ids: list[str]) -> None:
         """Have the instance drop these attempts and free their blocks (none when dead)."""
         if self.dead is None:

@@ -1,8 +1,8 @@
 """An instance's update feed (engine/feed.py) on a real ``EngineWorker`` and real
 sockets: requests added up it stream down it equal to the offline engine's, cache
 changes come with them, an abort up it frees the request's blocks, anything but a
-command ends it, it opens only to its ticket's token, once, and it ends when the
-instance stops."""
+command (or one the instance does not take) ends it, it opens only to its ticket's
+token, once, and it ends when the instance stops."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_greedy_streams_down_the_feed_equal_offline(served):
 def test_commands_round_trip():
     attempt = Attempt("a#1.2", (5, 6), SamplingParams(temperature=0.5, stop=["x"], seed=3),
                       "router", prefill_tp=2, destination=b"\x00\xff", delivered=(9,))  # fmt: skip
-    for kind, value in (("add", attempt), ("abort", ["a#1.2", "b#0.1"])):
+    for kind, value in (("add", attempt), ("prefill", attempt), ("abort", ["a#1.2", "b#0.1"])):
         frame = feed.encode_command(kind, value)
         assert feed.decode_command(frame[LENGTH.size :]) == (kind, value)
     with pytest.raises(ValueError, match="must be one of"):
@@ -125,6 +125,22 @@ def test_anything_but_a_command_ends_the_feed(served):
         for _ in frames(conn):
             pass
         assert time.monotonic() - started < 10
+
+
+def test_a_command_the_instance_does_not_take_ends_the_feed(served):
+    """A co-located instance prefills for no one: ``prefill`` up its feed ends it, and
+    nothing of the attempt is kept."""
+    worker, _ = served
+    ticket = worker.open_feed("not-a-prefiller", None)
+    a = Attempt("p#0", tuple(PROMPTS[0]), PARAMS, "not-a-prefiller", destination=b"\x01")
+    with connect(ticket) as conn:
+        conn.sendall(feed.encode_command("prefill", a))
+        started = time.monotonic()
+        for polled in frames(conn):
+            assert not polled.updates
+        assert time.monotonic() - started < 10
+    assert worker.stats()["running"] == 0
+    assert worker.check_integrity()["free_blocks"] == CONFIG["num_kv_blocks"]
 
 
 def test_the_feed_opens_only_to_a_live_token_once(served):
