@@ -70,7 +70,7 @@ def test_queued_past_the_timeout_is_refused_with_retry_after(cluster):
             await _release(*held)
             await client.aclose()
             await http.aclose()
-            ray.get(paused)
+            ray.get(paused, timeout=30)
         return r, err, waited
 
     r, err, waited = asyncio.run(run())
