@@ -33,8 +33,12 @@ connection.
 
 Lifecycle: the connection lasts as long as the instance; its end (EOF, reset) tells
 the consumer the instance is gone. Its sender thread ends when the server closes (the
-instance stops) or a send fails (the consumer went away). Invariant: one connection per
-consumer name; two would split one outbox between them.
+instance stops) or a send fails (the consumer went away). A consumer whose connection
+ends while the instance runs is gone for good (a router treats the end as the
+instance's failure and moves its requests elsewhere): the server calls ``left`` with
+its name, and the worker drops that consumer's requests, freeing their blocks, and its
+outbox. Invariant: one connection per consumer name; two would split one outbox
+between them.
 """
 
 from __future__ import annotations
@@ -196,10 +200,13 @@ class FeedServer:
         commands: dict[str, Callable],
         bind: str,
         advertise: str,
+        left: Callable[[str], None] = lambda consumer: None,
     ):
         """``commands``: what applies each of ``COMMANDS`` this instance takes (the
-        worker's ``add``, ``abort`` and, prefilling for others, ``prefill``)."""
-        self._poll, self._commands = poll, commands
+        worker's ``add``, ``abort`` and, prefilling for others, ``prefill``); ``left``:
+        called with a consumer's name when its connection ends before the server closes
+        (the worker's ``consumer_left``)."""
+        self._poll, self._commands, self._left = poll, commands, left
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         self._listener = socket.create_server((bind, 0), family=family, backlog=64)
         host = f"[{advertise}]" if ":" in advertise else advertise
@@ -266,6 +273,9 @@ class FeedServer:
             finally:
                 with self._lock:
                     self._connections.discard(conn)
+                    gone = not self._closed
+                if gone:
+                    self._left(consumer)
 
     def _take_commands(self, conn: socket.socket) -> None:
         """Apply each command the consumer sends, in order, until it stops sending (or

@@ -86,7 +86,9 @@ class EngineWorker:
         self.engine.model.pack_panels()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
-        self._produced = threading.Condition(self._lock)  # poll waits here for updates
+        # where each consumer's poll waits for its updates (under _lock): a step wakes only
+        # the consumers it gave updates to, or every one when the prefix cache changed
+        self._waits: dict[str, threading.Condition] = {}
         self._inbox: deque[tuple] = deque()
         self._outboxes: dict[str, list[Update]] = defaultdict(list)
         self._consumer: dict[str, str] = {}  # request id -> whose outbox
@@ -100,13 +102,15 @@ class EngineWorker:
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
         # the inbox's op kinds and their handlers (a role's ``_setup`` adds its own)
-        self._ops = {"call": self._op_call, "abort": self._op_abort, "add": self._op_add}
+        self._ops = {"call": self._op_call, "abort": self._op_abort, "add": self._op_add,
+                     "consumer_left": self._op_consumer_left}  # fmt: skip
         self._setup(*setup)
         self._snapshot = self._stats()
         self._stopping = False
         feed = feed or {"bind": "127.0.0.1", "advertise": "127.0.0.1"}
         commands = {kind: getattr(self, kind) for kind in self.feed_commands}
-        self._feed = FeedServer(name, self.poll, commands, feed["bind"], feed["advertise"])
+        self._feed = FeedServer(name, self.poll, commands, feed["bind"], feed["advertise"],
+                                self.consumer_left)  # fmt: skip
         self._busy_since: float | None = None  # monotonic start of the work under way
         self._loop = threading.Thread(target=self._run, name=f"{name}-steps", daemon=True)
         self._loop.start()
@@ -142,17 +146,25 @@ class EngineWorker:
         """Drop requests (queued, running or not yet arrived) and free their blocks."""
         self._post(("abort", list(request_ids)))
 
+    def consumer_left(self, consumer: str) -> None:
+        """``consumer`` is gone (its update feed ended): drop its requests, freeing
+        their blocks, and its outbox."""
+        self._post(("consumer_left", consumer))
+
     def poll(self, consumer: str, timeout_s: float, cache: CacheCursor | None = None) -> Polled:
         """Everything produced for ``consumer`` since its last poll, and with ``cache`` the
         prefix cache's changes since that cursor (waits up to timeout_s for either)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             log = self._cache_log
+            wait = self._waits.get(consumer)
+            if wait is None:
+                wait = self._waits[consumer] = threading.Condition(self._lock)
             while not (self._outboxes.get(consumer) or log.has_news(cache) or self._stopping):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._produced.wait(left)
+                wait.wait(left)
             items = self._outboxes.pop(consumer, [])
             return Polled(items, dict(self._snapshot), log.since(cache))
 
@@ -201,7 +213,7 @@ class EngineWorker:
         with self._lock:
             self._stopping = True
             self._work.notify_all()
-            self._produced.notify_all()
+            self._wake(self._waits)
         self._loop.join(timeout=10)
         self.engine.close()
 
@@ -229,8 +241,7 @@ class EngineWorker:
                 if produced:  # out before the step, which may be a long prompt chunk: a
                     # landed request's first token, an op's error do not wait for it
                     with self._lock:
-                        self._route(produced)
-                        self._produced.notify_all()
+                        self._wake(self._route(produced))
                     produced = []
                 produced += self._step()
                 if self.engine.last_shape is not None:  # recorded before its updates go out
@@ -239,21 +250,32 @@ class EngineWorker:
             cache_events = self.engine.blocks.take_events()
             with self._lock:
                 self._cache_log.record(cache_events)
-                self._route(produced)
+                fed = self._route(produced)
                 self._snapshot = snapshot = self._stats()
-                self._produced.notify_all()
+                self._wake(self._waits if cache_events.stored or cache_events.removed else fed)
             self._busy_since = None
             for observe in self.step_observers if step is not None else ():
                 observe(*step, snapshot)
 
-    def _route(self, updates: list[Update]) -> None:
-        """Each update into its consumer's outbox (under ``_lock``)."""
+    def _route(self, updates: list[Update]) -> set[str]:
+        """Each update into its consumer's outbox (under ``_lock``); the consumers given
+        some."""
+        fed = set()
         for update in updates:
             consumer = self._consumer.get(update.request_id)
             if consumer is not None:
                 self._outboxes[consumer].append(update)
+                fed.add(consumer)
             if update.final:
                 self._consumer.pop(update.request_id, None)
+        return fed
+
+    def _wake(self, consumers) -> None:
+        """Wake the polls of these consumers (under ``_lock``)."""
+        for consumer in consumers:
+            wait = self._waits.get(consumer)
+            if wait is not None:
+                wait.notify_all()
 
     def _setup(self) -> None:
         """A role's own state (the KV transfer endpoints), before the step loop starts."""
@@ -278,6 +300,19 @@ class EngineWorker:
                 self._early_aborts[request_id] = None
                 while len(self._early_aborts) > 10_000:
                     self._early_aborts.popitem(last=False)
+        return out
+
+    def _op_consumer_left(self, consumer: str) -> list[Update]:
+        theirs = [rid for rid, c in self._consumer.items() if c == consumer]
+        out = self._op_abort([rid for rid in theirs if self._owns(rid)])
+        for rid in theirs:  # finished meanwhile, or never started: nothing left to route
+            self._consumer.pop(rid, None)
+        with self._lock:
+            self._outboxes.pop(consumer, None)
+            self._waits.pop(consumer, None)
+        if theirs:
+            log.warning("%s: consumer %r left; dropped its %d requests", self.name, consumer,
+                        len(theirs))  # fmt: skip
         return out
 
     def _take_early_abort(self, request_id: str) -> bool:

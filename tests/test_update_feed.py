@@ -1,6 +1,7 @@
 """An instance's update feed (engine/feed.py) on a real ``EngineWorker`` and real
 sockets: requests added up it stream down it equal to the offline engine's, cache
-changes come with them, an abort up it frees the request's blocks, anything but a
+changes come with them, an abort up it frees the request's blocks, so does its
+consumer leaving, anything but a
 command (or one the instance does not take) ends it, it opens only to its ticket's
 token, once, and it ends when the instance stops."""
 
@@ -113,6 +114,39 @@ def test_an_abort_up_the_feed_frees_the_request(served):
         for polled in frames(conn):
             if polled.stats["running"] == 0:
                 break
+    assert worker.check_integrity()["free_blocks"] == CONFIG["num_kv_blocks"]
+
+
+def test_a_consumer_that_leaves_has_its_requests_dropped(served):
+    """A consumer whose connection ends (a router process killed) is gone for good: its
+    requests stop running and their blocks are freed; another consumer's go on."""
+    worker, want = served
+    long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    stay = worker.open_feed("stays", None)
+    with connect(stay) as kept:
+        kept.sendall(
+            feed.encode_command("add", Attempt("kept", tuple(PROMPTS[1]), PARAMS, "stays"))
+        )
+        with connect(worker.open_feed("leaves", None)) as conn:
+            for i in range(2):
+                a = Attempt(f"left{i}", tuple(PROMPTS[0]), long, "leaves")
+                conn.sendall(feed.encode_command("add", a))
+            for polled in frames(conn):
+                if sum(bool(u.token_ids) for u in polled.updates) and polled.stats["running"] >= 2:
+                    break
+            left_at = polled.stats["tokens_total"]
+        got = []
+        for polled in frames(kept):
+            got += [t for u in polled.updates for t in u.token_ids]
+            if polled.stats["running"] == 0:
+                break
+        assert got == want[1]  # the staying consumer's request ran to its end
+    deadline = time.monotonic() + 10
+    while worker.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.stats()["running"] == 0
+    # dropped within a few steps of leaving, not run to their end (~250 tokens each)
+    assert worker.stats()["tokens_total"] - left_at < 100 + len(want[1])
     assert worker.check_integrity()["free_blocks"] == CONFIG["num_kv_blocks"]
 
 
