@@ -84,12 +84,12 @@ class Served:
 
         from router import instances
 
-        instances.CONSUMER = CONSUMER  # the router's consumer, under this bench's name
         self.handle, self.vocab = handle, vocab
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._instance = instances.Instance("bench", "colocated", handle, 0)
+        # the router's consumer, under this bench's name
+        self._instance = instances.Instance("bench", "colocated", handle, 0, consumer=CONSUMER)
 
         async def start():
             await self._instance.wait_ready()

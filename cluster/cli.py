@@ -66,12 +66,22 @@ def _generate_offline(args: argparse.Namespace) -> int:
 
 
 def _router_alive(cluster) -> None:
-    """Raises ``RouterGone`` once the router actor died; a router that is only slow
-    to answer (its loop busy) passes: only its death means nothing listens."""
+    """Raises ``RouterGone`` once every router replica died; a replica that is only
+    slow to answer (its loop busy) passes: only the death of all means nothing listens
+    (with several, the live ones serve the port)."""
     from ray.exceptions import ActorUnavailableError, GetTimeoutError
 
-    with contextlib.suppress(GetTimeoutError, ActorUnavailableError):
-        cluster.router_pid(timeout_s=5.0)
+    from cluster.launcher import RouterGone
+
+    gone = []
+    for k in range(len(cluster.routers)):
+        try:
+            with contextlib.suppress(GetTimeoutError, ActorUnavailableError):
+                cluster.router_pid(timeout_s=5.0, replica=k)
+        except RouterGone as e:
+            gone.append(e)
+    if len(gone) == len(cluster.routers):
+        raise gone[0] if len(gone) == 1 else RouterGone("every router replica died")
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -110,8 +120,10 @@ def _up(args: argparse.Namespace) -> int:
     code = 0
     scheme = "https" if config.router.tls.cert_file else "http"
     try:
+        replicas = len(cluster.routers)
+        who = f"{replicas} replicas" if replicas > 1 else f"pid {cluster.router_pid()}"
         print(
-            f"pdserve: router listening on {cluster.address} (pid {cluster.router_pid()}, "
+            f"pdserve: router listening on {cluster.address} ({who}, "
             f"policy {config.router.policy}, ready in {time.monotonic() - started:.1f} s), "
             f"OpenAI-compatible HTTP on {scheme}://{cluster.http_address}/v1; Ctrl-C to stop",
             flush=True,

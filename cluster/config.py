@@ -184,6 +184,9 @@ class RouterConfig:
     port: int = spec(50051, tcp_port, "gRPC port (0: any free port)")
     http_port: int = spec(8000, tcp_port, "OpenAI-compatible HTTP port (0: any free port)")
     policy: str = spec("least_loaded", one_of(*POLICIES), "routing policy")
+    replicas: int = spec(
+        1, at_least(1), "router processes on the same ports (SO_REUSEPORT), the bounds split"
+    )
     max_queue: int = spec(1024, at_least(0), "requests waiting for an instance before refusal")
     max_expected_ttft_s: float | None = spec(
         None,

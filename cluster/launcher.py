@@ -5,15 +5,18 @@ Each engine instance is a Ray actor named ``<role>-<index>`` (``colocated-0``) i
 the namespace ``pdserve``, holding its pool's resources; it loads the model once
 and limits torch to its CPU share. The supervisor (cluster/supervisor.py) starts
 them, watches them and restarts one that fails; the router is an async actor
-(``router``) serving gRPC and HTTP. Both run on the driver's node with no CPU
-reserved: on an existing Ray, the head when ``pdserve up`` runs on the head's host (a
-driver joins the head of its host; docs/serving.md, "Running across nodes").
+(``router``) serving gRPC and HTTP, or with ``router.replicas`` N, N of them on the
+same ports (``router``, ``router-1``, ...; router/replicas.py). All run on the
+driver's node with no CPU reserved: on an existing Ray, the head when ``pdserve up``
+runs on the head's host (a driver joins the head of its host; docs/serving.md,
+"Running across nodes").
 Everything is checked before Ray starts; a failure while starting stops whatever had
 started.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class RouterGone(RuntimeError):
-    """The router actor died: nothing serves the cluster's address any more."""
+    """A router actor died: it serves the cluster's address no more."""
 
 
 @dataclass
@@ -34,8 +37,8 @@ class Cluster:
     config: ClusterConfig
     session: RaySession
     supervisor: object = None  # actor handle: starts, watches and restarts the instances
-    router: object = None  # actor handle
-    address: str = ""  # host:port of the router's gRPC server
+    routers: list = field(default_factory=list)  # actor handles, replica 0 first
+    address: str = ""  # host:port of the router's gRPC server (every replica's)
     http_address: str = ""  # host:port of its OpenAI-compatible HTTP API
     instances: list[dict] = field(default_factory=list)  # each instance's ready() facts
 
@@ -68,52 +71,70 @@ class Cluster:
 
         return ray.get(self.supervisor.handles.remote(name), timeout=30)
 
+    @property
+    def router(self):
+        """Replica 0's actor handle (None once stopped)."""
+        return self.routers[0] if self.routers else None
+
     def stats(self) -> dict:
+        """``RouterCore.stats()``, as replica 0 sums them over the replicas."""
         import ray
 
         return ray.get(self.router.stats.remote(), timeout=30)
 
-    def router_pid(self, timeout_s: float = 10.0) -> int:
-        """The router actor's process id (bounded); raises ``RouterGone`` once the
+    def router_pid(self, timeout_s: float = 10.0, replica: int = 0) -> int:
+        """A router replica's process id (bounded); raises ``RouterGone`` once the
         actor is dead (it is never restarted), and ``GetTimeoutError`` or
         ``ActorUnavailableError`` (``ray.exceptions``) when it did not answer this time."""
         import ray
 
         try:
-            return ray.get(self.router.pid.remote(), timeout=timeout_s)
+            return ray.get(self.routers[replica].pid.remote(), timeout=timeout_s)
         except ray.exceptions.ActorDiedError as e:
-            raise RouterGone(f"the router actor died: {e}") from e
+            who = "the router actor" if len(self.routers) == 1 else f"router replica {replica}"
+            raise RouterGone(f"{who} died: {e}") from e
 
     def drain(self, timeout_s: float | None = None) -> int:
-        """Stop taking requests and wait for those in flight; returns how many were cut."""
+        """Stop taking requests and wait for those in flight, on every router replica;
+        returns how many were cut."""
         import ray
 
         if timeout_s is None:
             timeout_s = self.config.router.drain_timeout_s
-        return ray.get(self.router.drain.remote(timeout_s), timeout=timeout_s + 30)
+        cut = 0
+        for ref in [r.drain.remote(timeout_s) for r in self.routers]:
+            # a replica gone: its streams went with it
+            with contextlib.suppress(ray.exceptions.ActorDiedError):
+                cut += ray.get(ref, timeout=timeout_s + 30)
+        return cut
 
     def shutdown(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Drain (optionally), then stop the router, the instances and an embedded Ray."""
         import ray
 
         try:
-            if self.router is not None and ray.is_initialized():
+            if self.routers and ray.is_initialized():
                 if drain:
                     self.drain(timeout_s)
-                ray.get(self.router.stop.remote(), timeout=30)
+                stops = [r.stop.remote() for r in self.routers]
+                for k, ref in enumerate(stops):
+                    try:
+                        ray.get(ref, timeout=30)
+                    except Exception as e:  # stopping anyway (a replica already dead)
+                        log.warning("router replica %d did not stop cleanly: %s", k, e)
         except Exception as e:  # stopping anyway
-            log.warning("router did not stop cleanly: %s", e)
+            log.warning("router did not drain cleanly: %s", e)
         finally:
             if ray.is_initialized():
-                if self.router is not None:
-                    ray.kill(self.router, no_restart=True)
+                for router in self.routers:
+                    ray.kill(router, no_restart=True)
                 if self.supervisor is not None:
                     try:
                         ray.get(self.supervisor.stop.remote(), timeout=60)
                     except Exception as e:  # its instances go with the session anyway
                         log.warning("supervisor did not stop cleanly: %s", e)
                     ray.kill(self.supervisor, no_restart=True)
-            self.router, self.supervisor = None, None
+            self.routers, self.supervisor = [], None
             self.session.stop()
 
     def __enter__(self):
@@ -170,6 +191,7 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
 
     from cluster.placement_groups import PlacementError
     from cluster.supervisor import Supervisor
+    from router.replicas import replica_name
     from router.server import RouterServer
 
     config = cluster.config
@@ -192,20 +214,36 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
             raise e.cause from None
         raise
     sections = config.to_dict()
-    cluster.router = (
-        ray.remote(RouterServer)
-        .options(name="router", max_concurrency=10_000, **options)
-        .remote(
-            config.model,
-            sections["router"],
-            specs,
-            config.mode,
-            cluster.supervisor,
-            slo=sections["slo"],
-            logging_config=sections["logging"],
+
+    def router(replica: int, router_section: dict):
+        return (
+            ray.remote(RouterServer)
+            .options(name=replica_name(replica), max_concurrency=10_000, **options)
+            .remote(
+                config.model,
+                router_section,
+                specs,
+                config.mode,
+                cluster.supervisor,
+                slo=sections["slo"],
+                logging_config=sections["logging"],
+                replica=replica,
+            )
         )
-    )
+
+    # replica 0 binds the ports (0: any free one); the others bind the same ones
+    cluster.routers = [router(0, sections["router"])]
     cluster.address = ray.get(cluster.router.start.remote(), timeout=ready_timeout_s)
     cluster.http_address = ray.get(cluster.router.get_http_address.remote())
-    cluster.instances = ray.get(cluster.router.wait_ready.remote(), timeout=ready_timeout_s)
-    ray.get(cluster.supervisor.watch.remote(cluster.router))
+    ports = {
+        "port": int(cluster.address.rsplit(":", 1)[1]),
+        "http_port": int(cluster.http_address.rsplit(":", 1)[1]),
+    }
+    for k in range(1, config.router.replicas):
+        cluster.routers.append(router(k, {**sections["router"], **ports}))
+    ray.get([r.start.remote() for r in cluster.routers[1:]], timeout=ready_timeout_s)
+    ray.get([r.set_peers.remote([p for p in cluster.routers if p is not r])
+             for r in cluster.routers])  # fmt: skip
+    ready = [r.wait_ready.remote() for r in cluster.routers]
+    cluster.instances = ray.get(ready, timeout=ready_timeout_s)[0]
+    ray.get(cluster.supervisor.watch.remote(cluster.routers))

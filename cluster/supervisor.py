@@ -10,8 +10,9 @@ of every serving instance (rank 0 and the tensor-parallel ranks) each
 - has been inside one engine step for ``supervisor.step_timeout_s`` (a collective whose
   peer is gone): rank 0's ``ping`` reports how long its loop has been busy.
 
-The router reports what it sees first (a feed that ended) through ``report``. Either
-way, per instance and generation, once (docs/serving.md, "Supervision and migration")::
+A router replica reports what it sees first (a feed that ended) through ``report``.
+Either way, per instance and generation, once, to every router replica (docs/serving.md,
+"Supervision and migration")::
 
     serving --failed--> router.eject (routing stops; its requests migrate)
             --> kill every process, remove the placement group
@@ -25,6 +26,7 @@ router migrates them (router/placement.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -73,7 +75,7 @@ class Supervisor:
         self.kv = {**config["kv_transfer"], "secret": kv_secret}
         self.limits = self.config.supervisor
         self.instances: dict[str, Supervised] = {}
-        self.router = None
+        self.routers: list = []  # every router replica's actor handle
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -126,9 +128,10 @@ class Supervisor:
             "key_digests": [d.hex() for d in keys.digests],
         }
 
-    def watch(self, router) -> None:
-        """Every instance is ready: start pinging them; failures go to ``router``."""
-        self.router = router
+    def watch(self, routers: list) -> None:
+        """Every instance is ready: start pinging them; failures go to ``routers`` (every
+        router replica)."""
+        self.routers = list(routers)
         self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
         self._watcher.start()
 
@@ -194,7 +197,8 @@ class Supervisor:
             will_restart = s.restarts < self.limits.max_restarts and not self._stopping.is_set()
             s.state = "restarting" if will_restart else "failed"
         log.error("%s; %s", why, "restarting it" if will_restart else "left out")
-        self._router().eject.remote(name, generation, why, will_restart)
+        for router in self._routers():
+            router.eject.remote(name, generation, why, will_restart)
         _kill(s.handles)
         if will_restart:
             restart = threading.Thread(target=self._restart, args=(s,), name=f"restart-{name}")
@@ -229,7 +233,8 @@ class Supervisor:
                 if s.restarts >= self.limits.max_restarts:
                     with self._lock:
                         s.state = "failed"
-                    self._router().eject.remote(s.name, s.generation, why, False)
+                    for router in self._routers():
+                        router.eject.remote(s.name, s.generation, why, False)
                     return
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
@@ -240,17 +245,25 @@ class Supervisor:
             with self._lock:
                 s.handles, s.generation, s.state = handles, s.generation + 1, "serving"
             log.warning("instance %s: restarted (generation %d)", s.name, s.generation)
-            self._router().readmit.remote(s.name, s.generation, handles.worker, info)
+            for router in self._routers():
+                router.readmit.remote(s.name, s.generation, handles.worker, info)
             return
 
-    def _router(self):
-        """The router's handle: given to ``watch``, or found by its name when an instance
-        fails before that (the router reported it)."""
-        if self.router is None:
-            import ray
+    def _routers(self) -> list:
+        """The router replicas' handles: given to ``watch``, or found by their names when
+        an instance fails before that (a replica reported it)."""
+        if self.routers:
+            return self.routers
+        import ray
 
-            self.router = ray.get_actor("router", namespace=NAMESPACE)
-        return self.router
+        from router.replicas import replica_name
+
+        found = []
+        for k in range(self.config.router.replicas):
+            # one not started yet finds the instance failed itself
+            with contextlib.suppress(ValueError):
+                found.append(ray.get_actor(replica_name(k), namespace=NAMESPACE))
+        return found
 
     def _wait_ready(self, handles: InstanceHandles) -> dict | None:
         """Its ``ready()`` facts once the model is loaded; None when the supervisor stops

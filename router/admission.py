@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
@@ -111,7 +111,15 @@ class CallLimit:
     one at least), each at most ``per_owner``; a call past a bound is refused at once,
     before it reads its body or reaches the core."""
 
-    def __init__(self, max_calls: int, per_owner: int | None = None):
+    def __init__(
+        self,
+        max_calls: int,
+        per_owner: int | None = None,
+        describe: Callable[[str], str] | None = None,
+    ):
+        """``describe``: a bound's config key (``max_concurrent_requests``,
+        ``max_concurrent_requests_per_key``) as a refusal names it (default
+        ``router.<key>=<bound>``; a router replica names its share, router/replicas.py)."""
         if max_calls < 1:
             raise ValueError(f"router.max_concurrent_requests={max_calls!r}: must be >= 1")
         if per_owner is not None and per_owner < 1:
@@ -119,6 +127,11 @@ class CallLimit:
                 f"router.max_concurrent_requests_per_key={per_owner!r}: must be >= 1 or null"
             )
         self.max_calls, self.per_owner = max_calls, per_owner
+        bounds = {
+            "max_concurrent_requests": max_calls,
+            "max_concurrent_requests_per_key": per_owner,
+        }
+        self.describe = describe or (lambda key: f"router.{key}={bounds[key]}")
         self.active = 0
         self.by_owner: dict[str, int] = {}
 
@@ -129,7 +142,7 @@ class CallLimit:
             raise Refused(
                 Refusal.BUSY,
                 f"{self.active} requests in progress, the most the router serves at once "
-                f"(router.max_concurrent_requests={self.max_calls}); retry later",
+                f"({self.describe('max_concurrent_requests')}); retry later",
                 reason="concurrency",
             )
         mine = self.by_owner.get(owner, 0)
@@ -137,7 +150,7 @@ class CallLimit:
             raise Refused(
                 Refusal.BUSY,
                 f"{mine} requests in progress with this API key, the most one key may have "
-                f"(router.max_concurrent_requests_per_key={self.per_owner}); retry later",
+                f"({self.describe('max_concurrent_requests_per_key')}); retry later",
                 reason="concurrency_per_key",
             )
         self.active += 1

@@ -172,10 +172,14 @@ class RouterClient:
         self._aio: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> channel
 
     def _open(self, module):
-        """A channel of ``module`` (``grpc`` or ``grpc.aio``) to the router."""
+        """A channel of ``module`` (``grpc`` or ``grpc.aio``) to the router, on a
+        connection of its own (not shared with another client's channel through gRPC's
+        process-wide pool): router replicas share one port and each connection is one
+        replica's (router/replicas.py), so separate clients spread over them."""
+        options = [("grpc.use_local_subchannel_pool", 1)]
         if self._credentials is None:
-            return module.insecure_channel(self.address)
-        return module.secure_channel(self.address, self._credentials)
+            return module.insecure_channel(self.address, options=options)
+        return module.secure_channel(self.address, self._credentials, options=options)
 
     # ---- sync ----
 

@@ -28,6 +28,7 @@ from router.metrics import RouterMetrics
 from router.placement import Colocated
 from router.policies import make_policy
 from router.prefill_costs import CostModel
+from router.replicas import Peers, Replica, merge_stats
 from router.request import GenerateRequest, Refusal, Refused
 from router.request_log import log_request
 from router.stream import Delta, RequestStream
@@ -58,29 +59,43 @@ class RouterCore:
         *,
         model_name: str,
         slo: dict,
+        replica: Replica | None = None,
     ):
         """``workers``: (name, role, Ray actor handle) of every engine instance;
         ``tokenizer``: the model's, None when it has none (token ids only);
         ``supervisor``: the cluster's supervisor (cluster/supervisor.py), told of every
         instance this router sees fail; None: a failed instance stays out;
         ``model_name``: the label ``model_name`` of the request metrics; ``slo``: the
-        cluster's ``slo`` section, for SLO attainment."""
+        cluster's ``slo`` section, for SLO attainment; ``replica``: which of the
+        cluster's router replicas this is (router/replicas.py): its consumer name on the
+        instances' feeds and its share of the bounds."""
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics(model_name, slo)
         self.supervisor = supervisor
-        self.instances = [Instance(n, r, h, i) for i, (n, r, h) in enumerate(workers)]
+        replica = replica or Replica()
+        self.replica, self.peers = replica, Peers()
+        shared = replica.count > 1
+        self.instances = [
+            Instance(n, r, h, i, consumer=replica.name, shared=shared)
+            for i, (n, r, h) in enumerate(workers)
+        ]
         self.by_name = {i.name: i for i in self.instances}
         self.migration_limit: int = router_config["migration_limit"]
         self.on_health = lambda serving: None  # the owner's: called when ``serving`` flips
         self._serving = False
-        self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(router_config["max_queue"])
+        share = replica.share
+        self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(
+            share(router_config["max_queue"])
+        )
         self.queue_timeout_s: float = router_config["queue_timeout_s"]
         self.max_expected_ttft_s: float | None = router_config["max_expected_ttft_s"]
         self.first_tokens = FirstTokens()
         self.calls = CallLimit(
-            router_config["max_concurrent_requests"],
-            router_config["max_concurrent_requests_per_key"],
+            share(router_config["max_concurrent_requests"]),
+            share(router_config["max_concurrent_requests_per_key"]),
+            lambda key: replica.describe(key, router_config[key]),
         )
+        self._queue_bound = replica.describe("max_queue", router_config["max_queue"])
         self.intake = Intake(router_config)
         policy = make_policy(router_config["policy"])
         if mode == "hybrid":
@@ -220,10 +235,12 @@ class RouterCore:
 
     async def stats(self) -> dict:
         """The queue and every instance's load: ``queued``, ``max_queue``, ``in_flight``,
-        ``draining``, ``instances`` (each instance's ``stats()`` with ``role``, ``state``
-        (starting, serving, failed, restarting), ``restarts`` (its generation),
-        ``outstanding`` and ``requests_total``; ``dead`` (why) instead of the load for
-        one that is down or does not answer within ``STATS_TIMEOUT_S``)."""
+        ``draining``, ``replicas`` (the router replicas counted), ``instances`` (each
+        instance's ``stats()`` with ``role``, ``state`` (starting, serving, failed,
+        restarting), ``restarts`` (its generation), ``outstanding`` and
+        ``requests_total``; ``dead`` (why) instead of the load for one that is down or
+        does not answer within ``STATS_TIMEOUT_S``). The router-side counts are summed
+        over the replicas that answer (router/replicas.py)."""
         per = await asyncio.gather(
             *(asyncio.wait_for(i.stats(), STATS_TIMEOUT_S) for i in self.instances),
             return_exceptions=True,
@@ -235,13 +252,28 @@ class RouterCore:
             s["restarts"] = inst.generation
             s["requests_total"] = inst.requests_total
             instances.append(s)
+        own = {**self._queue_counts(), "instances": instances}
+        return merge_stats(own, await self.peers.counts())
+
+    def _queue_counts(self) -> dict:
         return {
             "queued": len(self.admission),
             "max_queue": self.admission.max_size,
             "in_flight": len(self.streams),
             "draining": self.draining,
-            "instances": instances,
         }
+
+    async def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """A metrics scrape (``RouterMetrics.exposition``): this moment's ``stats`` and
+        the request metrics summed over the router replicas."""
+        stats, peers = await asyncio.gather(self.stats(), self.peers.samples())
+        return self.metrics.exposition(stats, accept, peers)
+
+    def own_counts(self) -> dict:
+        """This replica's share of ``stats``, for the other replicas to sum: the queue
+        counts and, by instance name, (outstanding, requests_total)."""
+        instances = {i.name: (i.load.outstanding, i.requests_total) for i in self.instances}
+        return {**self._queue_counts(), "instances": instances}
 
     # ---- requests (called by the front ends) ----
 
@@ -331,6 +363,10 @@ class RouterCore:
             return False
         return self.cancel(stream, "abort")
 
+    async def abort_anywhere(self, request_id: str, owner: str = "") -> bool:
+        """``abort`` here, else on the router replica that holds the request."""
+        return self.abort(request_id, owner) or await self.peers.abort(request_id, owner)
+
     # ---- the placement's side ----
 
     def admit(self, stream: RequestStream) -> None:
@@ -346,7 +382,7 @@ class RouterCore:
             raise Refused(
                 Refusal.BUSY,
                 f"admission queue full: {self.admission.max_size} requests are waiting "
-                "for an instance (router.max_queue); retry later",
+                f"for an instance ({self._queue_bound}); retry later",
                 reason="queue_full",
             )
         self.streams[stream.request_id] = stream

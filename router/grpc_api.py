@@ -78,14 +78,17 @@ class GrpcApi:
         keys: ApiKeys | None = None,
         tls: dict | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        reuse_port: bool = False,
     ):
         """``keys``: None, anyone may call; ``tls``: the ``router.tls`` section (None or
         no ``cert_file``: plain text); ``max_message_bytes``: each way (gRPC refuses a
-        larger one with RESOURCE_EXHAUSTED naming both sizes)."""
+        larger one with RESOURCE_EXHAUSTED naming both sizes); ``reuse_port``: bind with
+        SO_REUSEPORT, the port shared by the router's replicas (router/replicas.py)."""
         keys = keys or ApiKeys([])
         limits = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", int(reuse_port)),
         ]
         interceptors = [GrpcAuth(keys, core.metrics.refused)]
         self._server = grpc.aio.server(interceptors=interceptors, options=limits)
@@ -202,7 +205,8 @@ class RouterService(pb_grpc.RouterServicer):
     @_no_tracebacks
     async def Abort(self, request, context):
         owner = _owner(self.keys, context)
-        return pb.AbortResponse(found=self.core.abort(request.request_id, owner))
+        found = await self.core.abort_anywhere(request.request_id, owner)
+        return pb.AbortResponse(found=found)
 
     @_no_tracebacks
     async def Stats(self, request, context):

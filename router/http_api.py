@@ -100,13 +100,16 @@ class HttpApi:
         keys: ApiKeys | None = None,
         tls: dict | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        reuse_port: bool = False,
     ):
         """``keys``: None, anyone may call; ``tls``: the ``router.tls`` section (None or
-        no ``cert_file``: plain HTTP); ``max_body_bytes``: past it, 413."""
+        no ``cert_file``: plain HTTP); ``max_body_bytes``: past it, 413; ``reuse_port``:
+        bind with SO_REUSEPORT, the port shared by the router's replicas
+        (router/replicas.py)."""
         self.core, self.model = core, model
         self.names = model_names(model)
         self.created = int(time.time())
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.reuse_port = max_body_bytes, reuse_port
         self._tls = tls if tls and router_tls.enabled(tls) else None
         keys = keys or ApiKeys([])
         app = web.Application(
@@ -130,7 +133,9 @@ class HttpApi:
         """Serve on ``host:port`` (0: any free port); the bound port."""
         await self._runner.setup()
         ssl_context = None if self._tls is None else router_tls.ssl_context(self._tls)
-        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
+        site = web.TCPSite(
+            self._runner, host, port, ssl_context=ssl_context, reuse_port=self.reuse_port
+        )
         try:
             await site.start()
         except OSError as e:
@@ -160,7 +165,7 @@ class HttpApi:
 
     async def metrics(self, request: web.Request) -> web.Response:
         accept = request.headers.get("Accept", "")
-        body, content_type = self.core.metrics.exposition(await self.core.stats(), accept)
+        body, content_type = await self.core.exposition(accept)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def metrics_targets(self, request: web.Request) -> web.Response:

@@ -33,12 +33,16 @@ from router.stream import RequestStream
 
 log = logging.getLogger(__name__)
 
-CONSUMER = "router"  # our outbox name on the workers
-
 
 class Instance:
-    def __init__(self, name: str, role: str, handle, index: int):
+    def __init__(
+        self, name: str, role: str, handle, index: int, consumer: str = "router", shared=False
+    ):
+        """``consumer``: this router's outbox name on the instance (its replica's name,
+        router/replicas.py); ``shared``: other router replicas place on the instance too,
+        so its room counts what it reports holding."""
         self.name, self.role, self.handle = name, role, handle
+        self.consumer, self.shared = consumer, shared
         self.load = InstanceLoad(name=name, index=index)
         self.capacity = 0  # max requests held and unfinished (its max_batch_size)
         self.info: dict = {}
@@ -50,6 +54,7 @@ class Instance:
         # it refused a reservation: no room until its next report says otherwise
         self.refused = False
         self.requests_total = 0
+        self.placed_since_frame = 0  # holds since the latest frame's stats (shared room)
         self.streams: dict[str, RequestStream] = {}  # by the id the instance knows
         self.cache = CacheIndex()  # the block hashes its prefix cache holds (as last fed)
         self._task: asyncio.Task | None = None
@@ -67,7 +72,16 @@ class Instance:
         return "serving" if self.ready else "starting"
 
     def has_room(self) -> bool:
-        return self.alive and not self.refused and self.load.outstanding < self.capacity
+        return self.alive and not self.refused and self.held() < self.capacity
+
+    def held(self) -> int:
+        """Requests the instance holds as far as this router knows: its own placements
+        not finished; with other router replicas, at least what the instance last
+        reported (running and queued, everyone's) plus this router's placements since."""
+        if not self.shared:
+            return self.load.outstanding
+        reported = self.load.running + self.load.queued + self.placed_since_frame
+        return max(self.load.outstanding, reported)
 
     async def wait_ready(self) -> dict:
         self.info = await self.handle.ready.remote()
@@ -81,6 +95,7 @@ class Instance:
         """The instance now holds (part of) this request."""
         self.streams[stream.attempt_id] = stream
         self.load.outstanding += 1
+        self.placed_since_frame += 1
         self.requests_total += 1
 
     def release(self, stream: RequestStream, abort: bool = False) -> bool:
@@ -143,6 +158,7 @@ class Instance:
         self.handle, self.generation, self.info = handle, generation, info
         self.dead, self.restarting, self.refused = None, False, False
         self.load.outstanding = self.load.running = self.load.queued = 0
+        self.placed_since_frame = 0
         self.load.prefill_tokens = 0
         self.load.free_blocks = info["num_blocks"]
         self.cache = CacheIndex()
@@ -156,7 +172,7 @@ class Instance:
         """Follow the instance's update feed until it ends (then ``on_dead``)."""
         transport = reader = None
         try:
-            ticket = await self.handle.open_feed.remote(CONSUMER, self.cache.cursor)
+            ticket = await self.handle.open_feed.remote(self.consumer, self.cache.cursor)
             transport, reader = await asyncio.get_running_loop().create_connection(
                 lambda: FeedReader(ticket.token, lambda polled: self._on_frame(polled, on_updates)),
                 *ticket.endpoint(),
@@ -181,6 +197,7 @@ class Instance:
         self.last_stats = stats
         self.load.running, self.load.queued = stats["running"], stats["queued"]
         self.load.free_blocks = stats["free_blocks"]
+        self.placed_since_frame = 0
         self.refused = False
         self.cache.apply(polled.cache)  # before the updates: a finished prompt's blocks
         on_updates(self, polled.updates)

@@ -16,10 +16,13 @@ Where each observation happens (all on the router's event loop):
   it go (``RouterCore.finish``). ``request_success_total`` counts every outcome but a
   refusal; the latency histograms, the token counters' output side and SLO attainment
   count only requests served to their end (``stop`` or ``length``);
-- ``exposition(stats, accept)``: a scrape, in the format its ``Accept`` header asks
-  for (prometheus_client's negotiation: the Prometheus text format unless the scraper
-  asks for OpenMetrics); the gauges of the queue and the per-instance view
-  (router/metrics_instances.py) come from that moment's ``RouterCore.stats()``.
+- ``exposition(stats, accept, peers)``: a scrape, in the format its ``Accept`` header
+  asks for (prometheus_client's negotiation: the Prometheus text format unless the
+  scraper asks for OpenMetrics); the gauges of the queue and the per-instance view
+  (router/metrics_instances.py) come from that moment's ``RouterCore.stats()``. With
+  router replicas (router/replicas.py), the other replicas' ``samples()``: each
+  series of the request metrics (the counters and histograms above) is their sum over
+  the replicas, whichever one is scraped.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
 
 from router.metrics_instances import InstanceCollector
 from router.prefill_choice import REASONS as PREFILL_REASONS
@@ -156,6 +161,13 @@ class RouterMetrics:
         for metric in (self.slo_attained, self.migrations, self.prompt_tokens,
                        self.generation_tokens):  # fmt: skip
             metric.labels(model_name)
+        # what a scrape sums over the router replicas: every request metric
+        self._summed = (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
+                        self.decode, self.kv_bytes, self.kv_seconds, self.success,
+                        self.slo_attained, self.refusals, self.migrations,
+                        self.prefill_placement, self.prompt_tokens,
+                        self.generation_tokens)  # fmt: skip
+        self._summed_names = {family.name for m in self._summed for family in m.collect()}
 
     def refused(self, reason: str) -> None:
         if reason not in REFUSAL_REASONS:
@@ -198,10 +210,22 @@ class RouterMetrics:
             self.kv_bytes.labels(*stream.pair).observe(t.kv_bytes)
             self.kv_seconds.labels(*stream.pair).observe(t.transfer_ms / 1000.0)
 
-    def exposition(self, stats: dict, accept: str = "") -> tuple[bytes, str]:
+    def samples(self) -> dict[str, list[tuple[str, dict, float]]]:
+        """The request metrics' series, by family name: (sample name, labels, value)
+        each; what another router replica adds to its own in a scrape."""
+        return {
+            family.name: [(s.name, s.labels, s.value) for s in family.samples]
+            for metric in self._summed
+            for family in metric.collect()
+        }
+
+    def exposition(
+        self, stats: dict, accept: str = "", peers: list[dict] = ()
+    ) -> tuple[bytes, str]:
         """(the registry, its content type) in the format ``accept`` (the scraper's
         ``Accept`` header) asks for, with the gauges of ``stats``
-        (``RouterCore.stats()``: the queue, every instance's load)."""
+        (``RouterCore.stats()``: the queue, every instance's load) and each request
+        series summed with the other router replicas' (``peers``: their ``samples()``)."""
         m = self.model_name
         self.waiting.labels(m).set(stats["queued"])
         self.in_flight.labels(m).set(stats["in_flight"])
@@ -209,7 +233,34 @@ class RouterMetrics:
         self.draining.labels(m).set(int(stats["draining"]))
         self.instances.instances = stats["instances"]
         encode, content_type = choose_encoder(accept)
-        return encode(self.registry), content_type
+        return encode(_Summed(self.registry, self._summed_names, peers)), content_type
+
+
+class _Summed:
+    """A registry's families as a scrape reads them (``collect``), the families named in
+    ``names`` with each series' value summed with ``peers``' (``RouterMetrics.samples``);
+    a series only a peer has comes after the registry's of its family."""
+
+    def __init__(self, registry: CollectorRegistry, names: set[str], peers: list[dict]):
+        self.registry, self.names, self.peers = registry, names, peers
+
+    def collect(self):
+        for family in self.registry.collect():
+            if family.name not in self.names or not self.peers:
+                yield family
+                continue
+            extra: dict[tuple, float] = {}
+            for peer in self.peers:
+                for name, labels, value in peer.get(family.name, ()):
+                    key = (name, tuple(sorted(labels.items())))
+                    extra[key] = extra.get(key, 0.0) + value
+            summed = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                summed.samples.append(s._replace(value=s.value + extra.pop(key, 0.0)))
+            for (name, labels), value in extra.items():
+                summed.samples.append(Sample(name, dict(labels), value))
+            yield summed
 
 
 def token_gaps(walls: list[float]) -> list[float]:

@@ -12,7 +12,7 @@ import uuid
 from abc import ABC, abstractmethod
 
 from engine.messages import Attempt, Update, attempt_id
-from router.instances import CONSUMER, Instance
+from router.instances import Instance
 from router.policies import InstanceLoad, RoutingPolicy
 from router.stream import Delta, RequestStream
 
@@ -34,6 +34,8 @@ class Placement(ABC):
     def __init__(self, router, instances: list[Instance], policy: RoutingPolicy):
         self.router, self.instances, self.policy = router, instances, policy
         self.by_name = {i.name: i for i in instances}
+        # this router's outbox name on every instance (one per router replica)
+        self.consumer = instances[0].consumer if instances else "router"
         self._incarnation = uuid.uuid4().hex[:8]
         self._serial = itertools.count()
 
@@ -55,7 +57,7 @@ class Placement(ABC):
             stream.attempt_id,
             tuple(stream.prompt_ids),
             stream.params,
-            CONSUMER,
+            self.consumer,
             delivered=tuple(stream.token_ids),
             delivered_chars=stream.text_chars,
             **fields,

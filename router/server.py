@@ -7,8 +7,10 @@ gRPC (router/grpc_api.py, with the ``grpc.health.v1`` service) on
 on ``router.http_port``; both with the same API keys (router/auth.py), TLS
 (router/tls.py) and limits (docs/serving.md, "Authentication, TLS and limits").
 cluster/launcher.py calls its methods through the actor
-handle: ``start``, ``get_http_address``, ``wait_ready``, ``drain``, ``stop``,
-``stats``, ``pid``.
+handle: ``start``, ``get_http_address``, ``set_peers``, ``wait_ready``, ``drain``,
+``stop``, ``stats``, ``pid``. With ``router.replicas`` above 1 each replica is one such
+actor on the same ports (router/replicas.py); the others call ``abort_here``,
+``own_counts`` and ``metric_samples``.
 
 Health, on both front ends: serving while the core is (``RouterCore.serving``: every
 instance loaded once, each role has a live instance, not draining); the gRPC health
@@ -27,6 +29,7 @@ from router.auth import ApiKeys
 from router.core import RouterCore
 from router.grpc_api import GrpcApi
 from router.http_api import HttpApi
+from router.replicas import Replica
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +45,13 @@ class RouterServer:
         *,
         slo: dict,
         logging_config: dict,
+        replica: int = 0,
     ):
         """``workers``: (name, role, Ray actor handle) of every engine instance;
         ``supervisor``: the cluster's (told of every failure this router sees);
         ``slo``, ``logging_config``: the cluster's ``slo`` and ``logging`` sections
-        (the log format and level apply to this actor's process)."""
+        (the log format and level apply to this actor's process); ``replica``: which of
+        the ``router.replicas`` this one is (0 binds the ports first)."""
         from engine.checkpoint import load_checkpoint
 
         request_log.configure(logging_config["format"], logging_config["level"])
@@ -54,8 +59,9 @@ class RouterServer:
         self.model = model
         tokenizer = load_checkpoint(model).tokenizer
         self.core = RouterCore(
-            router_config, workers, mode, tokenizer, supervisor, model_name=model, slo=slo
-        )
+            router_config, workers, mode, tokenizer, supervisor, model_name=model, slo=slo,
+            replica=Replica(replica, router_config["replicas"]),
+        )  # fmt: skip
         self.keys = ApiKeys.from_config(router_config)
         self.address = ""  # host:port of the gRPC API
         self.http_address = ""  # host:port of the OpenAI-compatible HTTP API
@@ -67,7 +73,8 @@ class RouterServer:
         """Bind and serve (not serving until every instance is ready); the gRPC host:port."""
         host, port = self.config["host"], self.config["port"]
         tls = self.config["tls"]
-        self._grpc = GrpcApi(self.core, self.keys, tls, self.config["max_message_bytes"])
+        shared = self.core.replica.count > 1  # the ports are every replica's
+        self._grpc = GrpcApi(self.core, self.keys, tls, self.config["max_message_bytes"], shared)
         bound = await self._grpc.start(host, port)
         loop = asyncio.get_running_loop()
         self.core.on_health = lambda serving: loop.create_task(self._grpc.set_serving(serving))
@@ -77,7 +84,9 @@ class RouterServer:
 
             shown = ray.util.get_node_ip_address()
         self.address = f"{shown}:{bound}"
-        self._http = HttpApi(self.core, self.model, self.keys, tls, self.config["max_body_bytes"])
+        self._http = HttpApi(
+            self.core, self.model, self.keys, tls, self.config["max_body_bytes"], shared
+        )
         http_port = await self._http.start(host, self.config["http_port"])
         self.http_address = f"{shown}:{http_port}"
         self._ready = asyncio.get_running_loop().create_task(self._bring_up())
@@ -85,6 +94,20 @@ class RouterServer:
 
     async def get_http_address(self) -> str:
         return self.http_address
+
+    async def set_peers(self, handles: list) -> None:
+        """The other router replicas' actor handles (router/replicas.py)."""
+        self.core.peers.handles = list(handles)
+
+    async def abort_here(self, request_id: str, owner: str) -> bool:
+        """Another replica was asked to abort a request it does not hold."""
+        return self.core.abort(request_id, owner)
+
+    async def own_counts(self) -> dict:
+        return self.core.own_counts()
+
+    async def metric_samples(self) -> dict:
+        return self.core.metrics.samples()
 
     async def wait_ready(self) -> list[dict]:
         """Every instance's ``ready()`` facts, once all have loaded the model."""

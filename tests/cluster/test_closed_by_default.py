@@ -8,7 +8,8 @@ decode TP 2; grpc: prefill TP 2), serves both checks:
   worker's gRPC server, which Ray 2.60 binds to ``::`` whatever ``_node_ip_address``
   says (and advertises as the machine's address). That one is excluded by its port,
   read from the process's own Ray core worker (the owner address of an object it puts),
-  and required to be there, so nothing else can hide behind it;
+  and required to be there, so nothing else can hide behind it; and the router's ports
+  cannot be bound beside it (SO_REUSEPORT);
 - an outsider changes nothing: while long greedy streams run, a separate OS process
   without the secret (tests/cluster/kv_attacker.py) pushes a join under the real
   prefill instance's name, a header announcing 2^40 blocks, 100 bogus joins, or pushes
@@ -19,9 +20,11 @@ decode TP 2; grpc: prefill TP 2), serves both checks:
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -123,6 +126,15 @@ def test_every_listener_is_on_loopback(closed):
     # the sockets checked are there: the decode ranks' KV receivers, the TP stores
     tp_rank0 = "decode-0 rank 0" if decode_tp > 1 else "prefill-0 rank 0"
     assert ours["decode-0 rank 0"] and ours[tp_rank0] and ours["router"], ours
+    # one router: its ports are its own (no SO_REUSEPORT, which gRPC would turn on), so
+    # no other process of the user can bind beside it and take a share of its clients
+    for address in (cluster.address, cluster.http_address):
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with pytest.raises(OSError) as taken:
+                s.bind((host, int(port)))
+            assert taken.value.errno == errno.EADDRINUSE
     check_pools(cluster)
 
 

@@ -36,7 +36,7 @@ class BrokenCore:
     async def open_stream(self, request, arrival, deadline=None, owner=""):
         raise RuntimeError(SECRET)
 
-    def abort(self, request_id, owner=""):
+    async def abort_anywhere(self, request_id, owner=""):
         raise KeyError(SECRET)
 
     async def stats(self):
