@@ -43,15 +43,23 @@ drops its references to them, and they stay cached.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
 from engine.block_manager import window_start
-from engine.messages import Attempt, Update
+from engine.messages import Attempt, Reserved, Update
 from engine.outputs import Logprobs
 from engine.worker import EngineWorker
 from kv_transfer import KVDestination, Outcome, State, get_transport
 from kv_transfer.layout import cache_layout
 from kv_transfer.prefill_side import PrefillsForOthers, PrefillSide
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as a ``Reserved`` error: its type and its message's first line."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def layer_skip(windows, n: int, block_size: int, sent_from: int) -> tuple[int, ...]:
@@ -66,8 +74,21 @@ def layer_skip(windows, n: int, block_size: int, sent_from: int) -> tuple[int, .
     return tuple(skip) if any(skip) else ()
 
 
+@dataclass
+class Expecting:
+    """A reservation waiting for the other ranks' receivers to expect it: ``left`` of
+    their answers still to come, the first ``error`` among them, and where the answer
+    goes (``tell``)."""
+
+    left: int
+    tell: Callable[[Reserved], None]
+    error: str | None = None
+
+
 class DecodeWorker(PrefillsForOthers, EngineWorker):
     role = "decode"
+    # ``reserve`` up the feed: its ``Reserved`` answer comes down it
+    feed_commands = {**PrefillsForOthers.feed_commands, "reserve": "reserve_for"}
 
     def _setup(self, kv_config: dict) -> None:
         self.layout = cache_layout(self.engine)
@@ -93,7 +114,9 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
                 i["kv_address"] for i in ray.get([r.ready.remote() for r in self.ranks])
             ]
         self._ops.update(landed=self._op_landed, free=self._op_free, prefill=self._op_prefill,
-                         acked=self._op_acked)  # fmt: skip
+                         acked=self._op_acked, reserve=self._op_reserve,
+                         expected=self._op_expected)  # fmt: skip
+        self._expecting: dict[str, Expecting] = {}  # by attempt id
         self._totals.update(kv_bytes_total=0, leases_expired_total=0)
         # prefills for a peer (hybrid mode without a prefill pool) at one rank only: the
         # other ranks would have to send their heads (the config check refuses more)
@@ -113,19 +136,19 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
     def reserve(self, attempt: Attempt) -> bytes | None:
         """Hold blocks for ``attempt``'s prompt + delivered tokens (the KV the prefill
         instance computes); the ``KVDestination`` (protobuf bytes) to send that KV to, or
-        None when this instance has no room."""
-        dst = self.on_loop(self._reserve, attempt)
-        if dst is not None and self.ranks and not self.forwards:  # off the step loop
-            import ray
+        None when this instance has no room. Raises ``RuntimeError`` naming what failed
+        (nothing is held then)."""
+        future: Future = Future()
+        self._post(("reserve", attempt, future.set_result))
+        answer: Reserved = future.result()
+        if answer.error is not None:
+            raise RuntimeError(answer.error)
+        return answer.destination
 
-            try:
-                ray.get([r.expect.remote(attempt.id, list(dst.block_ids), attempt.prefill_tp,
-                                         dst.token, attempt.prefill, list(dst.layer_skip))
-                         for r in self.ranks])  # fmt: skip
-            except Exception:
-                self.abort([attempt.id])
-                raise
-        return None if dst is None else dst.to_bytes()
+    def reserve_for(self, attempt: Attempt) -> None:
+        """``reserve`` sent up the update feed (the router's way): its answer, a
+        ``Reserved``, goes down the feed of ``attempt.consumer``."""
+        self._post(("reserve", attempt, lambda answer: self._answer(attempt.consumer, answer)))
 
     def rank_landed(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
         """Rank ``rank``'s part of a transfer landed (or failed): pushed by that rank."""
@@ -137,6 +160,43 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         self.side.close()
 
     # ---- on the step loop ----
+
+    def _op_reserve(self, attempt: Attempt, tell: Callable[[Reserved], None]) -> list[Update]:
+        """Reserve, then ``tell`` the answer; with other ranks that receive, once each
+        has answered ``expect`` (their Ray calls complete off the loop, as ``expected``
+        ops): nothing may be sent to a rank that does not expect it."""
+        try:
+            dst = self._reserve(attempt)
+        except Exception as e:  # a layout the receiver refuses, an id in use
+            tell(Reserved(attempt.id, error=_one_line(e)))
+            return []
+        if dst is None or not self.ranks or self.forwards:
+            tell(Reserved(attempt.id, None if dst is None else dst.to_bytes()))
+            return []
+        refs = [r.expect.remote(attempt.id, list(dst.block_ids), attempt.prefill_tp,
+                                dst.token, attempt.prefill, list(dst.layer_skip))
+                for r in self.ranks]  # fmt: skip
+        self._expecting[attempt.id] = Expecting(len(refs), tell)
+        for ref in refs:
+            ref.future().add_done_callback(
+                lambda f, rid=attempt.id: self._post(("expected", rid, f.exception()))
+            )
+        return []
+
+    def _op_expected(self, attempt_id: str, error: BaseException | None) -> list[Update]:
+        waiting = self._expecting[attempt_id]
+        waiting.left -= 1
+        if error is not None and waiting.error is None:
+            waiting.error = _one_line(error)
+        if waiting.left:
+            return []
+        del self._expecting[attempt_id]
+        dst = self.destinations.get(attempt_id)
+        if dst is not None and waiting.error is None:
+            waiting.tell(Reserved(attempt_id, dst.to_bytes()))
+            return []
+        waiting.tell(Reserved(attempt_id, error=waiting.error or "released meanwhile"))
+        return self._op_abort([attempt_id]) if dst is not None else []
 
     def _reserve(self, attempt: Attempt) -> KVDestination | None:
         if self._take_early_abort(attempt.id):

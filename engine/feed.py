@@ -22,14 +22,15 @@ Wire, after the token: frames, each a 4-byte little-endian length and a msgpack 
 (no pickle). Instance to consumer (``encode``/``decode``), one ``Polled`` each: the
 consumer's updates since the previous frame, the instance's stats, and (when the
 ticket carried a ``CacheCursor``) the prefix cache's changes since the previous
-frame's cursor; one goes out as soon as there is news, and at least every
-``HEARTBEAT_S``. Consumer to instance (``encode_command``/``decode_command``), one
-command each: ``add`` (an ``Attempt``), ``prefill`` (an ``Attempt`` with its
-``destination``, to an instance that prefills for others: kv_transfer/prefill_side.py)
-or ``abort`` (attempt ids), applied in the order sent, as the worker's methods of those
-names apply them (what a Ray call per request cost both processes, a frame does not); a
-frame naming anything else, or a command this instance does not take, ends the
-connection.
+frame's cursor, and the answers to its ``reserve``s; one goes out as soon as there is
+news, and at least every ``HEARTBEAT_S``. Consumer to instance
+(``encode_command``/``decode_command``), one command each: ``add`` (an ``Attempt``),
+``prefill`` (an ``Attempt`` with its ``destination``, to an instance that prefills for
+others: kv_transfer/prefill_side.py), ``reserve`` (an ``Attempt``, to a decode
+instance: its ``Reserved`` answer comes down the feed) or ``abort`` (attempt ids),
+applied in the order sent, as the worker's methods for them apply them (what a Ray
+call per request cost both processes, a frame does not); a frame naming anything else,
+or a command this instance does not take, ends the connection.
 
 Lifecycle: the connection lasts as long as the instance; its end (EOF, reset) tells
 the consumer the instance is gone. Its sender thread ends when the server closes (the
@@ -55,7 +56,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from engine.messages import Attempt, CacheCursor, CacheDelta, Polled, Update
+from engine.messages import Attempt, CacheCursor, CacheDelta, Polled, Reserved, Update
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
@@ -87,8 +88,8 @@ class FeedTicket:
 
 # ---- the frames ----
 
-COMMANDS = ("add", "prefill", "abort")
-ATTEMPT_COMMANDS = ("add", "prefill")  # their value: an ``Attempt``
+COMMANDS = ("add", "prefill", "reserve", "abort")
+ATTEMPT_COMMANDS = ("add", "prefill", "reserve")  # their value: an ``Attempt``
 
 _UPDATE_DEFAULTS = {
     "token_ids": [], "text": "", "finish_reason": None, "error": None, "retryable": False,
@@ -103,6 +104,7 @@ def encode(polled: Polled) -> bytes:
             "updates": [_pack_update(u) for u in polled.updates],
             "stats": polled.stats,
             "cache": None if polled.cache is None else polled.cache.__dict__,
+            "reserved": [r.__dict__ for r in polled.reserved],
         },
         use_bin_type=True,
     )
@@ -117,12 +119,13 @@ def decode(body: bytes) -> Polled:
         [_unpack_update(u) for u in d["updates"]],
         d["stats"],
         None if cache is None else CacheDelta(**cache),
+        [Reserved(**r) for r in d["reserved"]],
     )
 
 
 def encode_command(kind: str, value: Attempt | list[str]) -> bytes:
-    """One consumer-to-instance frame: ``add`` or ``prefill`` an ``Attempt``, or ``abort``
-    attempt ids."""
+    """One consumer-to-instance frame: ``add``, ``prefill`` or ``reserve`` an ``Attempt``,
+    or ``abort`` attempt ids."""
     if kind in ATTEMPT_COMMANDS:
         value = {**value.__dict__, "params": value.params.__dict__}
     body = msgpack.packb({kind: value}, use_bin_type=True)

@@ -135,10 +135,24 @@ class CacheDelta:
 
 
 @dataclass
+class Reserved:
+    """A decode instance's answer to ``reserve`` sent up its update feed: the
+    ``KVDestination`` (protobuf bytes) the prefill instance sends ``attempt_id``'s KV
+    to; None with no ``error``: no room now; ``error``: the reservation failed (the
+    exception's type and message), nothing is held."""
+
+    attempt_id: str
+    destination: bytes | None = None
+    error: str | None = None
+
+
+@dataclass
 class Polled:
-    """One ``EngineWorker.poll``: the consumer's updates, the instance's ``stats()``, and
-    its prefix cache's changes when the consumer passed a ``CacheCursor`` (else None)."""
+    """One ``EngineWorker.poll``: the consumer's updates, the instance's ``stats()``, its
+    prefix cache's changes when the consumer passed a ``CacheCursor`` (else None), and
+    the answers to the ``reserve``s it sent up its feed."""
 
     updates: list[Update]
     stats: dict
     cache: CacheDelta | None = None
+    reserved: list[Reserved] = field(default_factory=list)

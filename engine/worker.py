@@ -9,7 +9,7 @@ updates go into one outbox per consumer (the router, a benchmark) that ``poll`` 
 over in one batch: everything produced since the last poll, so a busy instance costs
 its consumer one call per step at most, never one per token. The router calls neither
 ``poll`` nor ``add`` through Ray: it takes the same batches down the update feed and
-sends ``add``s and ``abort``s (and ``prefill``s: ``feed_commands``) up it
+sends ``add``s and ``abort``s (and ``prefill``s and ``reserve``s: ``feed_commands``) up it
 (``open_feed``, engine/feed.py), which costs the step's threads far less. A consumer
 that passes a ``CacheCursor`` also gets the prefix cache's changes since its last poll
 (engine/cache_log.py): the block hashes the router routes by.
@@ -39,7 +39,7 @@ from engine import EngineConfig, LLMEngine
 from engine.cache_log import CacheLog
 from engine.feed import FeedServer, FeedTicket
 from engine.llm_engine import StepFailed
-from engine.messages import Attempt, CacheCursor, Polled, Update
+from engine.messages import Attempt, CacheCursor, Polled, Reserved, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
 from engine.prefilled import LastChunkHook, Prefilled
 from engine.scheduler import StepShape
@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 class EngineWorker:
     role = "colocated"
-    feed_commands = ("add", "abort")  # the methods a consumer calls up its feed (engine/feed.py)
+    # what a consumer may send up its feed (engine/feed.py): command -> the method applying it
+    feed_commands = {"add": "add", "abort": "abort"}
     # a role whose requests may hand off (engine/prefilled.py) gives the step's hook
     # here and overrides ``_prefilled``
     _last_chunk: LastChunkHook | None = None
@@ -91,6 +92,7 @@ class EngineWorker:
         self._waits: dict[str, threading.Condition] = {}
         self._inbox: deque[tuple] = deque()
         self._outboxes: dict[str, list[Update]] = defaultdict(list)
+        self._reserved: dict[str, list[Reserved]] = defaultdict(list)  # answers, per consumer
         self._consumer: dict[str, str] = {}  # request id -> whose outbox
         # aborts that arrived before their request (a threaded actor may reorder calls)
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
@@ -108,7 +110,7 @@ class EngineWorker:
         self._snapshot = self._stats()
         self._stopping = False
         feed = feed or {"bind": "127.0.0.1", "advertise": "127.0.0.1"}
-        commands = {kind: getattr(self, kind) for kind in self.feed_commands}
+        commands = {kind: getattr(self, method) for kind, method in self.feed_commands.items()}
         self._feed = FeedServer(name, self.poll, commands, feed["bind"], feed["advertise"],
                                 self.consumer_left)  # fmt: skip
         self._busy_since: float | None = None  # monotonic start of the work under way
@@ -160,13 +162,15 @@ class EngineWorker:
             wait = self._waits.get(consumer)
             if wait is None:
                 wait = self._waits[consumer] = threading.Condition(self._lock)
-            while not (self._outboxes.get(consumer) or log.has_news(cache) or self._stopping):
+            while not (self._outboxes.get(consumer) or self._reserved.get(consumer)
+                       or log.has_news(cache) or self._stopping):  # fmt: skip
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 wait.wait(left)
             items = self._outboxes.pop(consumer, [])
-            return Polled(items, dict(self._snapshot), log.since(cache))
+            reserved = self._reserved.pop(consumer, [])
+            return Polled(items, dict(self._snapshot), log.since(cache), reserved)
 
     def open_feed(self, consumer: str, cache: CacheCursor | None = None) -> FeedTicket:
         """A ticket for one connection down which this instance pushes, for ``consumer``,
@@ -270,6 +274,12 @@ class EngineWorker:
                 self._consumer.pop(update.request_id, None)
         return fed
 
+    def _answer(self, consumer: str, reserved: Reserved) -> None:
+        """Hand ``consumer`` an answer to its ``reserve`` with its next batch."""
+        with self._lock:
+            self._reserved[consumer].append(reserved)
+            self._wake([consumer])
+
     def _wake(self, consumers) -> None:
         """Wake the polls of these consumers (under ``_lock``)."""
         for consumer in consumers:
@@ -309,6 +319,7 @@ class EngineWorker:
             self._consumer.pop(rid, None)
         with self._lock:
             self._outboxes.pop(consumer, None)
+            self._reserved.pop(consumer, None)
             self._waits.pop(consumer, None)
         if theirs:
             log.warning("%s: consumer %r left; dropped its %d requests", self.name, consumer,

@@ -208,7 +208,8 @@ class PrefillsForOthers:
     (``prefill``, ``acked``), the step's hand-offs and failures. A role with more
     requests of its own chains ``_owns`` and ``_abort`` to these."""
 
-    feed_commands = ("add", "prefill", "abort")  # the router sends ``prefill`` up the feed
+    # the router sends ``prefill`` up the feed too
+    feed_commands = {"add": "add", "prefill": "prefill", "abort": "abort"}
 
     @property
     def _last_chunk(self):

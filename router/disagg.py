@@ -100,7 +100,7 @@ class Disaggregated(Placement):
         self, stream: RequestStream, attempt: Attempt, prefill: Instance, decode: Instance
     ) -> None:
         try:
-            destination = await decode.handle.reserve.remote(attempt)
+            destination = await decode.reserve(attempt)
         except Exception as e:  # the decode instance died or refused the request
             self._end_attempt(stream, f"decode instance {decode.name}: {e}", retryable=True)
             self.router.after_updates([stream] if stream.finished else [])

@@ -4,9 +4,9 @@ Data plane: the instance pushes, down its update feed (engine/feed.py; one TCP
 connection, opened with a ticket asked for through Ray), every update it produced since
 its previous frame, at most one frame per engine step whatever the number of requests;
 each frame's updates go to the placement (router/placement.py), which routes each to
-its ``RequestStream``. ``add`` and ``abort`` go up the same connection, in order; the
-disaggregated handoff's ``reserve`` and ``prefill`` are Ray calls. The feed's end is
-the instance's failure.
+its ``RequestStream``. ``add``, ``abort`` and the disaggregated handoff's ``reserve``
+(its answer comes down the feed) and ``prefill`` go up the same connection, in order.
+The feed's end is the instance's failure: a ``reserve`` still unanswered then fails.
 
 Lifecycle (docs/serving.md, "Supervision and migration")::
 
@@ -60,6 +60,7 @@ class Instance:
         self._task: asyncio.Task | None = None
         self._feed: FeedReader | None = None  # while its update feed is connected
         self._unsent: list[bytes] = []  # commands given before the feed connected
+        self._reserving: dict[str, asyncio.Future] = {}  # attempt id -> its answer to come
 
     @property
     def alive(self) -> bool:
@@ -117,6 +118,19 @@ class Instance:
         ``attempt.destination`` (``PrefillsForOthers.prefill``, sent up its feed)."""
         self._send(encode_command("prefill", attempt))
 
+    def reserve(self, attempt: Attempt) -> asyncio.Future:
+        """Have the decode instance hold blocks for ``attempt`` (``DecodeWorker.reserve``,
+        sent up its feed): a future of the ``KVDestination`` bytes, None when it has no
+        room; it raises ``RuntimeError`` when the reservation failed or the instance
+        did."""
+        answer = asyncio.get_running_loop().create_future()
+        if self.dead is not None:
+            answer.set_exception(RuntimeError(self.dead))
+            return answer
+        self._reserving[attempt.id] = answer
+        self._send(encode_command("reserve", attempt))
+        return answer
+
     def abort(self, attempt_ids: list[str]) -> None:
         """Have the instance drop these attempts and free their blocks (none when dead)."""
         if self.dead is None:
@@ -148,6 +162,10 @@ class Instance:
         requests it held."""
         self.dead, self.restarting = why, restarting
         self._feed, self._unsent = None, []
+        reserving, self._reserving = self._reserving, {}
+        for answer in reserving.values():
+            if not answer.done():
+                answer.set_exception(RuntimeError(why))
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         log.error("%s (generation %d)", why, self.generation)
@@ -199,5 +217,13 @@ class Instance:
         self.load.free_blocks = stats["free_blocks"]
         self.placed_since_frame = 0
         self.refused = False
+        for r in polled.reserved:
+            answer = self._reserving.pop(r.attempt_id, None)
+            if answer is None or answer.done():
+                continue
+            if r.error is None:
+                answer.set_result(r.destination)
+            else:
+                answer.set_exception(RuntimeError(r.error))
         self.cache.apply(polled.cache)  # before the updates: a finished prompt's blocks
         on_updates(self, polled.updates)

@@ -9,11 +9,13 @@ and gloo with checksums, the fault-injecting transport of tests/kv_transfer/faul
   what the offline engine does with prefix caching off;
 - an aborted reservation holding shared blocks, a cut transfer and an expired lease
   leave both instances' ``check_integrity()`` true, every block free and the decode
-  instance's cache still holding the prefix (a retry hits it).
+  instance's cache still holding the prefix (a retry hits it);
+- a ``reserve`` up the decode instance's update feed is answered down it.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import replace
 
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from decode_worker import DecodeWorker
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, feed
 from engine.messages import Attempt, Update
 from kv_transfer import KVDestination
 from prefill_worker import PrefillWorker
@@ -65,12 +67,14 @@ def turns(tiny_model):
     return [(FIRST, first), (second_prompt, second.token_ids), (OTHER, other.token_ids)]
 
 
-def updates_until_final(worker, attempt_id: str, timeout_s: float = 60) -> list[Update]:
-    """``attempt_id``'s updates on ``worker``'s ``test`` outbox up to its final one (an
-    end, an error or the prefill's hand-off)."""
+def updates_until_final(
+    worker, attempt_id: str, timeout_s: float = 60, consumer: str = "test"
+) -> list[Update]:
+    """``attempt_id``'s updates on ``worker``'s ``consumer`` outbox up to its final one
+    (an end, an error or the prefill's hand-off)."""
     got, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        updates = worker.poll("test", 0.5).updates
+        updates = worker.poll(consumer, 0.5).updates
         for u in updates:
             assert u.request_id == attempt_id, (u.request_id, attempt_id)
             got.append(u)
@@ -191,4 +195,37 @@ def test_a_resumed_attempt_starts_from_the_cached_prompt_and_output(workers, tur
     assert [t for u in out for t in u.token_ids] == want[k:]
     assert out[0].info["kv_bytes"] == len(dst.block_ids) * block_bytes(d)
     updates_until_final(p, a.id)
+    assert_all_free(p, d)
+
+
+def test_a_reserve_up_the_update_feed_is_answered_down_it(workers, turns):
+    """The router's way: ``reserve`` sent up the decode instance's feed; the
+    ``Reserved`` answer (the destination, or the error of an id already in use) comes
+    down it, and so do the request's tokens once the prefill instance sent its KV."""
+    p, d, _ = workers
+    prompt, want = turns[2]
+    tag = d.transport.name
+    a = Attempt(f"feed-{tag}#0", tuple(prompt), PARAMS, "via-feed", decode=d.name)
+    ticket = d.open_feed("via-feed", None)
+    with socket.create_connection(ticket.endpoint(), timeout=30) as conn:
+        conn.sendall(ticket.token.encode())
+        conn.sendall(feed.encode_command("reserve", a))
+        conn.sendall(feed.encode_command("reserve", a))  # the same id again: refused
+        answers, tokens = [], []
+        for polled in feed.frames(conn):
+            answers += polled.reserved
+            if len(answers) == 2:
+                break
+        assert [r.attempt_id for r in answers] == [a.id, a.id]
+        raw = answers[0].destination
+        assert answers[0].error is None and raw is not None
+        assert answers[1].destination is None and "already in use" in answers[1].error
+        assert KVDestination.from_bytes(raw).block_ids
+        p.prefill(replace(a, destination=raw))
+        for polled in feed.frames(conn):
+            tokens += [t for u in polled.updates for t in u.token_ids]
+            if any(u.final for u in polled.updates):
+                break
+    assert tokens == want
+    assert updates_until_final(p, a.id, consumer="via-feed")[-1].handed_off
     assert_all_free(p, d)

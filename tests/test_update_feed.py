@@ -14,7 +14,7 @@ import pytest
 
 from engine import LLM, SamplingParams, feed
 from engine.feed import HANDSHAKE_S, LENGTH, FeedTicket, decode, encode, frames
-from engine.messages import Attempt, CacheCursor, CacheDelta, Polled, Update
+from engine.messages import Attempt, CacheCursor, CacheDelta, Polled, Reserved, Update
 from engine.outputs import Logprobs
 from engine.worker import EngineWorker
 
@@ -48,8 +48,9 @@ def test_frames_round_trip_every_field():
         Update("c#1.2", error="transfer cut", retryable=True),
         Update("d#0.3", handed_off=True),
     ]
+    reserved = [Reserved("e#0.4", b"\x00\x01"), Reserved("f#0.5"), Reserved("g#1.6", error="no")]
     polled = Polled(updates, {"running": 2, "last_step": [1.0, 2.0]},
-                    CacheDelta("e1", 9, True, [2**64 - 1, 5], []))  # fmt: skip
+                    CacheDelta("e1", 9, True, [2**64 - 1, 5], []), reserved)  # fmt: skip
     frame = encode(polled)
     assert LENGTH.unpack_from(frame)[0] == len(frame) - LENGTH.size
     assert decode(frame[LENGTH.size :]) == polled
@@ -92,7 +93,9 @@ def test_greedy_streams_down_the_feed_equal_offline(served):
 def test_commands_round_trip():
     attempt = Attempt("a#1.2", (5, 6), SamplingParams(temperature=0.5, stop=["x"], seed=3),
                       "router", prefill_tp=2, destination=b"\x00\xff", delivered=(9,))  # fmt: skip
-    for kind, value in (("add", attempt), ("prefill", attempt), ("abort", ["a#1.2", "b#0.1"])):
+    commands = [("add", attempt), ("prefill", attempt), ("reserve", attempt),
+                ("abort", ["a#1.2", "b#0.1"])]  # fmt: skip
+    for kind, value in commands:
         frame = feed.encode_command(kind, value)
         assert feed.decode_command(frame[LENGTH.size :]) == (kind, value)
     with pytest.raises(ValueError, match="must be one of"):
