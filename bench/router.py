@@ -93,6 +93,22 @@ class DirectClient:
                 stream.put((u.token_ids, u.finish_reason))
 
 
+def add_load_args(parser: argparse.ArgumentParser, concurrency: str) -> None:
+    """The options of the benchmarks that send the same tiny requests through the router
+    and to the instances directly (this one, serving_overhead.py, router_replicas.py)."""
+    parser.add_argument("--concurrency", default=concurrency)
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--model", help="a HF folder with a tokenizer (default: a tiny model)")
+
+
+def prompts(args: argparse.Namespace) -> list[list[int]]:
+    """``--requests`` prompts of ``--prompt-tokens`` token ids, each different."""
+    n = args.prompt_tokens
+    return [[3 + (i * 7 + j) % 250 for j in range(n)] for i in range(args.requests)]
+
+
 def measure(call, work: list[list[int]], max_tokens: int, concurrency: int) -> dict:
     latencies: list[float] = []
 
@@ -111,11 +127,7 @@ def measure(call, work: list[list[int]], max_tokens: int, concurrency: int) -> d
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--model", help="a HF folder with a tokenizer (default: a tiny model)")
+    add_load_args(parser, "1,16")
     args = parser.parse_args(argv)
 
     import ray
@@ -140,10 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 return [t for chunk in stream for t in chunk.token_ids]
 
-            work = [
-                [3 + (i * 7 + j) % 250 for j in range(args.prompt_tokens)]
-                for i in range(args.requests)
-            ]
+            work = prompts(args)
             for path in (direct.complete, routed):  # warm up both paths
                 measure(path, work[:20], args.max_tokens, 4)
             same = direct.complete(work[0], args.max_tokens) == routed(work[0], args.max_tokens)

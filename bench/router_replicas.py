@@ -25,7 +25,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from bench.router import DirectClient, _tiny_model, measure
+from bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
 from bench.serving_overhead import cpu_seconds
 
 
@@ -106,16 +106,10 @@ def placed(cluster) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--concurrency", default="16,64")
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--model", help="a HF folder with a tokenizer (default: a tiny model)")
+    add_load_args(parser, "16,64")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
-    work = [
-        [3 + (i * 7 + j) % 250 for j in range(args.prompt_tokens)] for i in range(args.requests)
-    ]
+    work = prompts(args)
     with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
         model = args.model or _tiny_model(Path(tmp))
         results = {n: run(model, n, work, args, levels) for n in (1, args.replicas)}

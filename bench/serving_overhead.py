@@ -46,7 +46,7 @@ from pathlib import Path
 
 from bench.endpoint import DONE, completion_body, parse_event
 from bench.grpc_floor import GrpcFloor
-from bench.router import DirectClient, _tiny_model, measure
+from bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
 from bench.workloads import Request
 from engine.sampling_params import SamplingParams
 from engine.step_log import StepLog
@@ -278,11 +278,7 @@ def _print(args, mode: str, cpu_path: str, rows) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="colocated,1p1d")
-    parser.add_argument("--concurrency", default="1,16,64")
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--model", help="a HF folder with a tokenizer (default: a tiny model)")
+    add_load_args(parser, "1,16,64")
     parser.add_argument("--profile", metavar="DIR", help="py-spy the router and an instance")
     parser.add_argument("--profile-seconds", type=int, default=20)
     parser.add_argument("--quick", action="store_true",
@@ -296,9 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cpus {os.cpu_count()}, load average {load} at the start")
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         model = args.model or _tiny_model(Path(tmp))
-        work = [
-            [3 + (i * 7 + j) % 250 for j in range(args.prompt_tokens)] for i in range(args.requests)
-        ]
+        work = prompts(args)
         for mode in args.modes.split(","):
             cpu_path, rows = run_mode(mode, model, work, args, levels)
             _print(args, mode, cpu_path, rows)
