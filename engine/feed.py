@@ -206,7 +206,7 @@ class FeedServer:
         left: Callable[[str], None] = lambda consumer: None,
     ):
         """``commands``: what applies each of ``COMMANDS`` this instance takes (the
-        worker's ``add``, ``abort`` and, prefilling for others, ``prefill``); ``left``:
+        methods its worker's ``feed_commands`` name); ``left``:
         called with a consumer's name when its connection ends before the server closes
         (the worker's ``consumer_left``)."""
         self._poll, self._commands, self._left = poll, commands, left

@@ -29,6 +29,7 @@ from router.cache_index import CacheIndex
 from router.feed_reader import FeedReader
 from router.incidents import first_line
 from router.policies import InstanceLoad
+from router.replicas import replica_name
 from router.stream import RequestStream
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,13 @@ log = logging.getLogger(__name__)
 
 class Instance:
     def __init__(
-        self, name: str, role: str, handle, index: int, consumer: str = "router", shared=False
+        self,
+        name: str,
+        role: str,
+        handle,
+        index: int,
+        consumer: str = replica_name(0),
+        shared: bool = False,
     ):
         """``consumer``: this router's outbox name on the instance (its replica's name,
         router/replicas.py); ``shared``: other router replicas place on the instance too,

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from engine.messages import Attempt, Update, attempt_id
 from router.instances import Instance
 from router.policies import InstanceLoad, RoutingPolicy
+from router.replicas import replica_name
 from router.stream import Delta, RequestStream
 
 
@@ -35,7 +36,7 @@ class Placement(ABC):
         self.router, self.instances, self.policy = router, instances, policy
         self.by_name = {i.name: i for i in instances}
         # this router's outbox name on every instance (one per router replica)
-        self.consumer = instances[0].consumer if instances else "router"
+        self.consumer = instances[0].consumer if instances else replica_name(0)
         self._incarnation = uuid.uuid4().hex[:8]
         self._serial = itertools.count()
 
