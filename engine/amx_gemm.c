@@ -49,6 +49,9 @@
 
 #define GROUPS 3 /* 16-column tiles in a panel */
 #define PANEL (GROUPS * 16)
+#if defined(HAVE_AMX) && PANEL != GEMM_PANEL
+#error "amx_gemm.c reads cpu_gemm.c's panels: their widths must agree"
+#endif
 #define QBLOCK 32
 #define TILE 1024 /* bytes of a 16 x 64-byte tile */
 #define MBLOCK 128

@@ -7,7 +7,6 @@ knows it and Linux grants the tile state; ``amx_gemm()`` is None elsewhere, and
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 
 import torch
@@ -55,11 +54,11 @@ class AmxGemm:
         return y
 
 
-@functools.cache
-def amx_gemm() -> AmxGemm | None:
-    """The AMX kernel, or None where the CPU, compiler or kernel do not allow it."""
-    lib = native.library()
-    if lib is None:
-        return None
+def _bind(lib: ctypes.CDLL) -> AmxGemm | None:
     lib.amx_enable.restype = ctypes.c_bool
     return AmxGemm(lib) if lib.amx_enable() else None
+
+
+# the AMX kernel, or None where the ISA in use (engine/native.py), the compiler or the
+# kernel do not allow it
+amx_gemm = native.per_isa(_bind)

@@ -1,12 +1,14 @@
-/* Small-batch float32 projections on CPU: y[M, N] = x[M, K] @ w[N, K]^T, with M a
- * decode batch and w packed once into panels (pack_panels_f32):
+/* Float32 projections on CPU: y[M, N] = x[M, K] @ w[N, K]^T, for any M (a decode batch
+ * or a prefill chunk), with w packed once into panels (pack_panels_f32):
  *
  *   w [N, K] (checkpoint layout)  ->  panels [ceil(N / PANEL)][K][PANEL]
  *
  * Panel p holds output columns p * PANEL .. p * PANEL + PANEL - 1, one row of PANEL
- * floats per k, zero past N. Weights that came from a GGUF's Q4_1 or Q8_0 blocks can
- * instead be stored as blocks of QBLOCK k (pack_panels_blocks finds them again in the
- * floats, and packs only when every float comes back exactly):
+ * floats per k, zero past N. PANEL is PANEL_VECS native vectors (cpu_kernels.h: 48
+ * columns with AVX-512, 16 with AVX2); the panels are packed by the library that runs
+ * them. Weights that came from a GGUF's Q4_1 or Q8_0 blocks can instead be stored as
+ * blocks of QBLOCK k (pack_panels_blocks finds them again in the floats, and packs only
+ * when every float comes back exactly):
  *
  *   PANELS_Q4, per block: scale[PANEL], min[PANEL] (float), then QBLOCK / 2 rows of
  *     PANEL bytes; byte c of row i holds q (0..15) of k = 2i (low nibble) and 2i + 1
@@ -18,22 +20,25 @@
  * QBLOCK weights along k of a row is exactly d * q + m (Q4_1) or d * q (Q8_0) with d a
  * float16: m is the run's minimum, and q is 15 (or +-127) at its extreme, so d is the
  * float16 nearest that or a neighbour. scale * q is exact in float32 (11 significant
- * bits times at most 8), so a thread expands such a panel, CHUNK rows at a time, into
- * the very floats of the float32 layout and runs the same tiles over them: the same
- * products, from a sixth (Q4) or a quarter (Q8) of the bytes.
+ * bits times at most 8), so fma(q, scale, min) is the very float of the float32 layout.
  *
- * A tile is up to TILE_M rows of x against CHUNK rows of one panel: for each k, the
- * panel row is three vectors and each x[m, k] a broadcast, so y[m, n..n+15] sits in
- * one vector accumulator and no horizontal sum is needed (24 accumulators, 11 loads per
- * 24 multiply-adds). The accumulators of all M rows wait in the thread's scratch
- * between chunks, and reach y when the panel is done.
+ * The arithmetic, whatever the path, the ISA and M: y[m, n] = fma(x[m, K-1], w[n, K-1],
+ * ... fma(x[m, 1], w[n, 1], x[m, 0] * w[n, 0] + 0) ...), one rounding per k, in order.
+ * A row's result therefore depends on nothing else in the batch, a prefill row equals
+ * the same row decoded, and the AVX2 and AVX-512 builds agree bit for bit.
  *
- * Decode reads every weight once per step, so each thread streams a contiguous run of
- * panels. A chunk stays in L1 while the tiles of all M rows pass over it, and while
- * they do they pull the same rows of the next panel into L2, so that memory and
- * arithmetic overlap. Every y[m, n] is the sum over k in order, one multiply-add at a
- * time, whatever M and the tile it falls in: a request's result does not depend on
- * what else is in the batch.
+ * Two paths compute it:
+ *   - direct (M <= DIRECT_M: decode at small batch, where a step streams each weight
+ *     once and is bound by memory): the rows' accumulators stay in registers for a
+ *     whole panel, and each block's q are widened to floats in registers as they
+ *     arrive;
+ *   - tiled (larger M): a thread expands CHUNK k of a panel into floats in L1 once,
+ *     then runs tiles of TILE_M rows over them: per k, PANEL_VECS vector loads and
+ *     TILE_M broadcasts feed TILE_M * PANEL_VECS multiply-adds. The accumulators of
+ *     all M rows wait in the thread's scratch between chunks, and reach y when the
+ *     panel is done. While the tiles pass over a chunk they pull the same rows of the
+ *     next panel into L2.
+ * Threads take contiguous runs of panels.
  */
 #include <math.h>
 #include <omp.h>
@@ -42,15 +47,28 @@
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
 
-#define PANEL_VECS 3
-#define PANEL (PANEL_VECS * LANES)
-#define TILE_M 8
+#define PANEL GEMM_PANEL
 #define QBLOCK 32
-/* k rows of a panel a thread takes at a time (24 KB of floats, in L1), expanded first
- * when the panel is Q4 / Q8; a multiple of QBLOCK */
+/* TILE_M x TILE_VECS: a tile's accumulators (rows x vectors); DIRECT_M: the most rows
+ * the direct path takes */
+#if VL == 16
+#define TILE_M 8
+#define TILE_VECS 3
+#define DIRECT_M 4
+#else
+#define TILE_M 6
+#define TILE_VECS 2
+#define DIRECT_M 3
+#endif
+#if PANEL_VECS % TILE_VECS || DIRECT_M > 4
+#error "a panel is whole column groups, and direct_rows takes at most 4 rows"
+#endif
+/* k rows of a panel a thread expands at a time (in L1); a multiple of QBLOCK */
 #define CHUNK 128
 /* below this many multiply-adds one thread does the whole product */
 #define PARALLEL_WORK (1 << 18)
+
+const char *kernels_isa(void) { return ISA_NAME; }
 
 int64_t gemm_panel_width(void) { return PANEL; }
 
@@ -99,8 +117,8 @@ static bool pack_run(int format, const float *v, uint8_t *block, int c) {
         for (int i = 0; i < QBLOCK; i++) {
             const float r = d > 0.0f ? nearbyintf((v[i] - low) / d) : 0.0f;
             q[i] = fminf(fmaxf(r, (float)qmin), (float)qmax);
-            const float back = d * q[i] + low;
-            int32_t a, b; /* bit for bit, -0.0 too */
+            const float back = fmaf(d, q[i], low); /* as the kernels widen it */
+            int32_t a, b;                          /* bit for bit, -0.0 too */
             memcpy(&a, &back, sizeof a), memcpy(&b, &v[i], sizeof b);
             wrong |= a ^ b;
         }
@@ -140,61 +158,136 @@ bool pack_panels_blocks(const float *w, int64_t ldw, int64_t N, int64_t K, int f
     return ok;
 }
 
-/* what a tile reads: kn rows of a panel (rows[k * PANEL ..]) against the matching
- * columns of x (x[i * ldx + k]); it adds into acc[i * PANEL ..] (sets it when first) */
+static inline vn to_float(vni q) { return __builtin_convertvector(q, vn); }
+
+/* The direct path: rows 0 .. mr - 1 of x against one panel over all K, into
+ * out[mr][PANEL]. mr is a constant where it is inlined, so the accumulators live in
+ * registers (with AVX2 some scales spill to L1): each one chain of multiply-adds in k
+ * order, mr * PANEL_VECS of them in flight. */
+static inline __attribute__((always_inline)) void direct(const float *x, int64_t ldx,
+                                                         const uint8_t *panel, int format,
+                                                         int64_t K, float *out,
+                                                         const int mr) {
+    vn acc[DIRECT_M][PANEL_VECS];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < PANEL_VECS; j++) acc[r][j] = (vn){0};
+    if (format == PANELS_F32) {
+        const float *rows = (const float *)panel;
+        for (int64_t k = 0; k < K; k++)
+            for (int j = 0; j < PANEL_VECS; j++) {
+                const vn w = vn_load(rows + k * PANEL + j * VL);
+                for (int r = 0; r < mr; r++)
+                    acc[r][j] = vn_fma(vn_splat(x[r * ldx + k]), w, acc[r][j]);
+            }
+    } else {
+        const int64_t block = gemm_panel_bytes(format, QBLOCK);
+        for (int64_t b = 0; b < K / QBLOCK; b++) {
+            const uint8_t *src = panel + b * block;
+            const float *xb = x + b * QBLOCK;
+            vn scale[PANEL_VECS], min[PANEL_VECS];
+            for (int j = 0; j < PANEL_VECS; j++) {
+                scale[j] = vn_load((const float *)src + j * VL);
+                min[j] = format == PANELS_Q4
+                             ? vn_load((const float *)src + PANEL + j * VL)
+                             : (vn){0};
+            }
+            if (format == PANELS_Q4) {
+                const uint8_t *pairs = src + 8 * PANEL;
+                for (int i = 0; i < QBLOCK / 2; i++)
+                    for (int j = 0; j < PANEL_VECS; j++) {
+                        const vni n = widen_vl(pairs + i * PANEL + j * VL, false);
+                        const vn even = vn_fma(to_float(n & 15), scale[j], min[j]);
+                        const vn odd = vn_fma(to_float(n >> 4), scale[j], min[j]);
+                        for (int r = 0; r < mr; r++) {
+                            const vn a = vn_fma(vn_splat(xb[r * ldx + 2 * i]), even, acc[r][j]);
+                            acc[r][j] = vn_fma(vn_splat(xb[r * ldx + 2 * i + 1]), odd, a);
+                        }
+                    }
+            } else {
+                const uint8_t *rows = src + 4 * PANEL;
+                for (int i = 0; i < QBLOCK; i++)
+                    for (int j = 0; j < PANEL_VECS; j++) {
+                        const vni n = widen_vl(rows + i * PANEL + j * VL, true);
+                        const vn w = to_float(n) * scale[j]; /* exact */
+                        for (int r = 0; r < mr; r++)
+                            acc[r][j] = vn_fma(vn_splat(xb[r * ldx + i]), w, acc[r][j]);
+                    }
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < PANEL_VECS; j++) vn_store(out + r * PANEL + j * VL, acc[r][j]);
+}
+
+/* M rows (M <= DIRECT_M) against one panel */
+static void direct_rows(const float *x, int64_t ldx, const uint8_t *panel, int format,
+                        int64_t K, float *out, int64_t M) {
+    switch (M) {
+    case 1: direct(x, ldx, panel, format, K, out, 1); break;
+    case 2: direct(x, ldx, panel, format, K, out, 2); break;
+    case 3: direct(x, ldx, panel, format, K, out, 3); break;
+#if DIRECT_M >= 4
+    case 4: direct(x, ldx, panel, format, K, out, 4); break;
+#endif
+    }
+}
+
+/* what a tile reads: kn rows of a panel's column group (rows[k * PANEL ..], TILE_VECS
+ * vectors) against the matching columns of x (x[i * ldx + k]); it adds into
+ * acc[i * PANEL ..] (the group's columns; sets them when first) */
 struct tile_args {
     const float *x, *rows;
     float *acc;
     int64_t ldx, kn;
 };
 
-/* The panel vectors a tile pulls into L2 for the next panel (none when next is NULL):
- * vectors first, first + step, ... below PANEL_VECS of each of its rows, one per k. */
-struct prefetch {
-    const float *next;
-    int first, step;
-};
 
 /* rows 0 .. mr - 1 of t.x; mr is a constant where it is inlined, so the accumulators
- * live in registers */
+ * live in registers. ahead (unless NULL): a vector of the next panel's group rows, one
+ * line of which it pulls into L2 per k. */
 static inline __attribute__((always_inline)) void tile(struct tile_args t, const int mr,
-                                                       bool first, struct prefetch p) {
-    vf acc[TILE_M][PANEL_VECS];
+                                                       bool first, const float *ahead) {
+    vn acc[TILE_M][TILE_VECS];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < PANEL_VECS; j++)
-            acc[i][j] = first ? (vf){0} : load(t.acc + i * PANEL + j * LANES);
+        for (int j = 0; j < TILE_VECS; j++)
+            acc[i][j] = first ? (vn){0} : vn_load(t.acc + i * PANEL + j * VL);
     for (int64_t k = 0; k < t.kn; k++) {
         const float *row = t.rows + k * PANEL;
-        if (p.next != NULL)
-            for (int j = p.first; j < PANEL_VECS; j += p.step)
-                __builtin_prefetch(p.next + k * PANEL + j * LANES, 0, 2); /* 2: into L2 */
-        vf w[PANEL_VECS];
-        for (int j = 0; j < PANEL_VECS; j++) w[j] = load(row + j * LANES);
+        if (ahead != NULL) __builtin_prefetch(ahead + k * PANEL, 0, 2); /* 2: into L2 */
+        vn w[TILE_VECS];
+        for (int j = 0; j < TILE_VECS; j++) w[j] = vn_load(row + j * VL);
         for (int i = 0; i < mr; i++) {
-            const vf xb = splat(t.x[i * t.ldx + k]);
-            for (int j = 0; j < PANEL_VECS; j++) acc[i][j] += xb * w[j];
+            const vn xb = vn_splat(t.x[i * t.ldx + k]);
+            for (int j = 0; j < TILE_VECS; j++) acc[i][j] = vn_fma(xb, w[j], acc[i][j]);
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < PANEL_VECS; j++) store(t.acc + i * PANEL + j * LANES, acc[i][j]);
+        for (int j = 0; j < TILE_VECS; j++) vn_store(t.acc + i * PANEL + j * VL, acc[i][j]);
 }
 
-/* all M rows against kn rows of a panel; tile i of T prefetches vectors i, i + T, ...
- * of the same rows of the next panel */
+/* all M rows against kn rows of a panel, a column group at a time; tile i pulls
+ * vector i % TILE_VECS of the group's rows of the next panel (when not NULL) into L2 */
 static void chunk_rows(struct tile_args t, int64_t M, bool first, const float *next) {
-    const int T = (int)((M + TILE_M - 1) / TILE_M);
-    int i = 0;
-    for (; (i + 1) * TILE_M <= M; i++, t.x += TILE_M * t.ldx, t.acc += TILE_M * PANEL)
-        tile(t, TILE_M, first, (struct prefetch){next, i, T});
-    const struct prefetch p = {next, i, T};
-    switch (M - (int64_t)i * TILE_M) {
-    case 7: tile(t, 7, first, p); break;
-    case 6: tile(t, 6, first, p); break;
-    case 5: tile(t, 5, first, p); break;
-    case 4: tile(t, 4, first, p); break;
-    case 3: tile(t, 3, first, p); break;
-    case 2: tile(t, 2, first, p); break;
-    case 1: tile(t, 1, first, p); break;
+    for (int g = 0; g < PANEL_VECS; g += TILE_VECS) {
+        struct tile_args u = {t.x, t.rows + g * VL, t.acc + g * VL, t.ldx, t.kn};
+        int i = 0;
+#define AHEAD (next == NULL || i >= TILE_VECS ? NULL : next + (g + i) * VL)
+        for (; (i + 1) * TILE_M <= M; i++, u.x += TILE_M * u.ldx, u.acc += TILE_M * PANEL)
+            tile(u, TILE_M, first, AHEAD);
+        switch (M - (int64_t)i * TILE_M) {
+#if TILE_M > 7
+        case 7: tile(u, 7, first, AHEAD); break;
+#endif
+#if TILE_M > 6
+        case 6: tile(u, 6, first, AHEAD); break;
+#endif
+        case 5: tile(u, 5, first, AHEAD); break;
+        case 4: tile(u, 4, first, AHEAD); break;
+        case 3: tile(u, 3, first, AHEAD); break;
+        case 2: tile(u, 2, first, AHEAD); break;
+        case 1: tile(u, 1, first, AHEAD); break;
+        }
+#undef AHEAD
     }
 }
 
@@ -206,28 +299,25 @@ static void expand(int format, const uint8_t *src, int64_t kn, float *dst,
     const int64_t block = gemm_panel_bytes(format, QBLOCK), lines = block / 64;
     const int64_t steps = format == PANELS_Q4 ? QBLOCK / 2 : QBLOCK;
     for (int64_t b = 0; b < kn / QBLOCK; b++, src += block, dst += QBLOCK * PANEL) {
-        vf scale[PANEL_VECS], min[PANEL_VECS];
+        vn scale[PANEL_VECS], min[PANEL_VECS];
         for (int j = 0; j < PANEL_VECS; j++) {
-            scale[j] = load((const float *)src + j * LANES);
-            min[j] = format == PANELS_Q4 ? load((const float *)src + PANEL + j * LANES)
-                                         : (vf){0};
+            scale[j] = vn_load((const float *)src + j * VL);
+            min[j] = format == PANELS_Q4 ? vn_load((const float *)src + PANEL + j * VL)
+                                         : (vn){0};
         }
         for (int i = 0; i < steps; i++) {
-            if (next != NULL) /* lines i and i + steps: every line of the block */
+            if (next != NULL) /* lines i, i + steps, ...: every line of the block */
                 for (int64_t l = i; l < lines; l += steps)
                     __builtin_prefetch(next + b * block + l * 64, 0, 2);
             for (int j = 0; j < PANEL_VECS; j++) {
                 if (format == PANELS_Q4) {
-                    const uint8_t *q = src + 2 * PANEL * 4 + i * PANEL + j * LANES;
-                    const vi n = widen_bytes(q, false);
-                    float *row = dst + 2 * i * PANEL + j * LANES;
-                    store(row, __builtin_convertvector(n & 15, vf) * scale[j] + min[j]);
-                    const vf high = __builtin_convertvector(n >> 4, vf);
-                    store(row + PANEL, high * scale[j] + min[j]);
+                    const vni n = widen_vl(src + 8 * PANEL + i * PANEL + j * VL, false);
+                    float *row = dst + 2 * i * PANEL + j * VL;
+                    vn_store(row, vn_fma(to_float(n & 15), scale[j], min[j]));
+                    vn_store(row + PANEL, vn_fma(to_float(n >> 4), scale[j], min[j]));
                 } else {
-                    const int8_t *q = (const int8_t *)src + PANEL * 4 + i * PANEL + j * LANES;
-                    const vf value = __builtin_convertvector(widen_bytes(q, true), vf);
-                    store(dst + i * PANEL + j * LANES, value * scale[j]);
+                    const vni n = widen_vl(src + 4 * PANEL + i * PANEL + j * VL, true);
+                    vn_store(dst + i * PANEL + j * VL, to_float(n) * scale[j]);
                 }
             }
         }
@@ -238,39 +328,55 @@ int64_t gemm_scratch_floats(int64_t M, int num_threads) {
     return num_threads * (CHUNK + M) * PANEL;
 }
 
+/* acc[M][PANEL] -> columns p * PANEL .. of y (those below N) */
+static void store_panel(const float *acc, float *y, int64_t ldy, int64_t p, int64_t M,
+                        int64_t N) {
+    const int64_t n = p * PANEL, cols = N - n < PANEL ? N - n : PANEL;
+    for (int64_t i = 0; i < M; i++)
+        if (cols == PANEL)
+            for (int j = 0; j < PANEL_VECS; j++)
+                vn_store(y + i * ldy + n + j * VL, vn_load(acc + i * PANEL + j * VL));
+        else
+            memcpy(y + i * ldy + n, acc + i * PANEL, sizeof(float) * cols);
+}
+
 void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format, float *y,
                     int64_t ldy, int64_t M, int64_t N, int64_t K, float *scratch,
                     int num_threads) {
     const int64_t count = (N + PANEL - 1) / PANEL, bytes = gemm_panel_bytes(format, K);
     const int64_t block = gemm_panel_bytes(format, QBLOCK);
+    const uint8_t *base = (const uint8_t *)panels;
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_WORK)
     {
         float *chunk = scratch + gemm_scratch_floats(M, 1) * omp_get_thread_num();
         float *acc = chunk + CHUNK * PANEL; /* [M][PANEL] */
+        if (M <= DIRECT_M) {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < count; p++) {
-            const uint8_t *src = (const uint8_t *)panels + p * bytes;
-            const uint8_t *next = p + 1 < count ? src + bytes : NULL;
-            for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
-                struct tile_args t = {x + k0, NULL, acc, ldx, K - k0 < CHUNK ? K - k0 : CHUNK};
-                const float *ahead = NULL;
-                if (format == PANELS_F32) {
-                    t.rows = (const float *)src + k0 * PANEL;
-                    ahead = next == NULL ? NULL : (const float *)next + k0 * PANEL;
-                } else {
-                    const int64_t at = k0 / QBLOCK * block;
-                    expand(format, src + at, t.kn, chunk, next == NULL ? NULL : next + at);
-                    t.rows = chunk;
-                }
-                chunk_rows(t, M, k0 == 0, ahead);
+            for (int64_t p = 0; p < count; p++) {
+                direct_rows(x, ldx, base + p * bytes, format, K, acc, M);
+                store_panel(acc, y, ldy, p, M, N);
             }
-            const int64_t n = p * PANEL, cols = N - n < PANEL ? N - n : PANEL;
-            for (int64_t i = 0; i < M; i++)
-                if (cols == PANEL)
-                    for (int j = 0; j < PANEL_VECS; j++)
-                        store(y + i * ldy + n + j * LANES, load(acc + i * PANEL + j * LANES));
-                else
-                    memcpy(y + i * ldy + n, acc + i * PANEL, sizeof(float) * cols);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < count; p++) {
+                const uint8_t *src = base + p * bytes;
+                const uint8_t *next = p + 1 < count ? src + bytes : NULL;
+                for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
+                    const int64_t kn = K - k0 < CHUNK ? K - k0 : CHUNK;
+                    struct tile_args t = {x + k0, NULL, acc, ldx, kn};
+                    const float *ahead = NULL;
+                    if (format == PANELS_F32) {
+                        t.rows = (const float *)src + k0 * PANEL;
+                        ahead = next == NULL ? NULL : (const float *)next + k0 * PANEL;
+                    } else {
+                        const int64_t at = k0 / QBLOCK * block;
+                        expand(format, src + at, kn, chunk, next == NULL ? NULL : next + at);
+                        t.rows = chunk;
+                    }
+                    chunk_rows(t, M, k0 == 0, ahead);
+                }
+                store_panel(acc, y, ldy, p, M, N);
+            }
         }
     }
 }

@@ -1,12 +1,19 @@
-"""The small-batch float32 projection of ``cpu_gemm.c`` (``x @ W.T``), with W packed
-into the kernel's panels on first use (as Q4_1 / Q8_0 blocks where its floats are
-exactly such blocks: a GGUF's); built on first use by ``engine/native.py``. Panels of
-blocks also serve prefill-sized batches where the CPU has AMX (``engine/amx_gemm.py``)."""
+"""The float32 projection of ``cpu_gemm.c`` (``x @ W.T``) for any number of rows, with W
+packed into the kernel's panels on first use (as Q4_1 / Q8_0 blocks where its floats
+are exactly such blocks: a GGUF's); built on first use, for the ISA in use, by
+``engine/native.py``. Where the CPU has AMX, panels of blocks serve batches above
+``MAX_ROWS`` rows on its tiles (``engine/amx_gemm.py``).
+
+Every row is the same chain of multiply-adds whatever the batch and the ISA
+(``cpu_gemm.c``): a token's logits do not depend on what shares its step, nor on whether
+its row was a prefill chunk or a decode, nor on AVX2 against AVX-512. AMX computes the
+same products in another order (float32-exact, not bit-equal); it takes only batches of
+more than ``MAX_ROWS`` rows, which decode steps stay below.
+"""
 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -16,13 +23,8 @@ from engine.amx_gemm import AmxGemm
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # the PANELS_* layouts of cpu_kernels.h, the block ones tried first
 F32, Q4, Q8 = 0, 1, 2
-# up to this many rows the C kernel is the faster one (a step's 120 layer projections of
-# the embedded model, here: 64 rows 61 ms against 61 for MKL on its packed weights, 96
-# rows 79 against 81, 128 rows 105 against 99); above it the product is compute-bound
-# and MKL's GEMM on the packed weights (engine/mkl_packed.py) wins, or AMX on the blocks
-# (engine/amx_gemm.py; at 16, 32, 48 and 64 rows it read 32, 75, 50 and 96 ms against
-# 24, 43, 53 and 62 here). Decode batches stay here, whose results do not depend on
-# the batch.
+# above this many rows, AMX (where the CPU has it and the panels hold blocks) takes the
+# product: decode batches stay below it, so their results never depend on the batch
 MAX_ROWS = 64
 
 
@@ -31,7 +33,9 @@ class CpuGemm:
 
     def __init__(self, lib: ctypes.CDLL):
         lib.gemm_panel_width.restype = _I
+        lib.kernels_isa.restype = ctypes.c_char_p
         self.width = lib.gemm_panel_width()
+        self.isa = lib.kernels_isa().decode()
         self.bytes = lib.gemm_panel_bytes
         self.bytes.argtypes, self.bytes.restype = [ctypes.c_int, _I], _I
         self.pack = lib.pack_panels_f32
@@ -58,8 +62,8 @@ class CpuGemm:
 
 class PanelWeight:
     """An [out, in] float32 weight for y = x @ W.T, packed into the kernel's panels on
-    first use. They serve decode-sized batches (up to ``MAX_ROWS`` rows) and, when they
-    hold blocks and ``amx`` is given, larger ones on the AMX tiles. The copy costs the
+    first use. They serve batches of any size; when they hold blocks and ``amx`` is
+    given, those above ``MAX_ROWS`` rows run on the AMX tiles. The copy costs the
     weight's size again, or 0.19x of it as Q4 blocks (0.28x as Q8); finding the blocks
     of the embedded model takes ~1 s, once."""
 
@@ -105,26 +109,23 @@ class PanelWeight:
         return F32, out
 
     def supports(self, x: torch.Tensor) -> bool:
-        """Up to ``MAX_ROWS`` rows always; more on AMX, when the panels hold blocks
-        (which packs them, if not yet done)."""
-        if not (
+        """x is a float32 CPU matrix of ``in_features`` columns with unit stride."""
+        return (
             x.device.type == "cpu"
             and x.dtype == torch.float32
             and x.dim() == 2
             and x.shape[0] > 0
             and x.shape[1] == self.in_features
             and x.stride(1) == 1
-        ):
-            return False
-        return x.shape[0] <= MAX_ROWS or (self.amx is not None and self.format != F32)
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] (``supports``) -> x @ W.T [M, out]."""
         m, n, k = x.shape[0], self.out_features, self.in_features
-        if m > MAX_ROWS:
+        if m > MAX_ROWS and self.amx is not None and self.format != F32:
             return self.amx(x, self.panels, self.format, n)
         panels, threads = self.panels, torch.get_num_threads()
-        # per call (~70 KB at 64 rows), so that no two threads share one
+        # per call (~70 KB at 64 rows, ~0.5 MB at 2048), so that no two threads share one
         scratch = torch.empty(self.kernel.scratch_floats(m, threads))
         y = x.new_empty(m, n)
         self.kernel.gemm(
@@ -134,8 +135,5 @@ class PanelWeight:
         return y
 
 
-@functools.cache
-def cpu_gemm() -> CpuGemm | None:
-    """The built kernel, or None when it cannot be built or loaded."""
-    lib = native.library()
-    return None if lib is None else CpuGemm(lib)
+# the kernel of the ISA in use (engine/native.py), or None when it cannot be built or loaded
+cpu_gemm = native.per_isa(CpuGemm)

@@ -5,8 +5,23 @@
 
 #include <stdint.h>
 
+#include "cpu_vec.h"
+
 /* the layouts of cpu_gemm.c's panels */
 enum { PANELS_F32, PANELS_Q4, PANELS_Q8 };
+
+/* a panel's width in native vectors (cpu_vec.h's VL floats each): 3 x 16 columns with
+ * AVX-512 (amx_gemm.c reads the same panels as three 16-column tiles), 4 x 8 with AVX2
+ * (one row streaming a panel keeps four chains of multiply-adds in flight) */
+#if VL == 16
+#define PANEL_VECS 3
+#else
+#define PANEL_VECS 4
+#endif
+#define GEMM_PANEL (PANEL_VECS * VL)
+
+/* the ISA this library was compiled for: "avx2", "avx512" or "amx" (cpu_vec.h) */
+const char *kernels_isa(void);
 
 /* scratch: gemm_scratch_floats(M, num_threads) floats */
 void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format, float *y,

@@ -7,7 +7,6 @@ ops (an RMS norm), four ops and a copy (rotary, per tensor) or a chunk and two o
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -96,8 +95,5 @@ class CpuOps:
         return True
 
 
-@functools.cache
-def cpu_ops() -> CpuOps | None:
-    """The built ops, or None when they cannot be built or loaded."""
-    lib = native.library()
-    return None if lib is None else CpuOps(lib)
+# the ops of the ISA in use (engine/native.py), or None when they cannot be built or loaded
+cpu_ops = native.per_isa(CpuOps)

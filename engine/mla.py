@@ -72,11 +72,10 @@ class MLAAttention(nn.Module):
             self.kv_b = param(self.num_heads * (self.dn + self.dv), self.dc)
         self.o = param(cfg.hidden_size, self.num_heads * self.dv)
         self.projections = ("fused_a", "o") if m.q_lora_rank is None else ("fused_a", "q_b", "o")
-        self.packed: dict = {}
         self.panels: dict = {}
 
     def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, getattr(self, name), self.packed.get(name), self.panels.get(name))
+        return linear(x, getattr(self, name), self.panels.get(name))
 
     def forward(
         self,

@@ -25,7 +25,6 @@ from engine.config import ModelConfig
 from engine.cpu_gemm import CpuGemm, PanelWeight, cpu_gemm
 from engine.cpu_layer import CpuDecodeLayers
 from engine.linear import linear, prepare
-from engine.mkl_packed import MklPacker, PackedWeight, mkl_packer
 from engine.mla import MLAAttention
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -81,14 +80,12 @@ class DecoderLayer(nn.Module):
             self.o = param(hidden, self.num_heads * d)
             self.scale = cfg.attn_scale or d**-0.5
         self.projections = ("gate_up", "down") if self.mla else _PROJECTIONS
-        # the projections' twins by name (prepare_weights): packed for MKL's prefill
-        # GEMM, and in panels for the small-batch C kernel
-        self.packed: dict[str, PackedWeight] = {}
+        # the projections' twins by name (prepare_weights): in panels for the C kernel
         self.panels: dict[str, PanelWeight] = {}
 
     def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for the projection ``name`` (qkv, o, gate_up, down)."""
-        return linear(x, getattr(self, name), self.packed.get(name), self.panels.get(name))
+        return linear(x, getattr(self, name), self.panels.get(name))
 
     def attention(self, x, rope, cache, meta, attn, ops) -> torch.Tensor:
         """Normed x [T, hidden] -> this rank's partial sum of the attention output."""
@@ -231,15 +228,13 @@ class LlamaModel(nn.Module):
     def prepare_weights(self) -> None:
         """Store the projection weights as ``engine/linear.py`` reads them: contiguous
         [out, in] rows, and in float32 on CPU the twins that pack themselves on first
-        use, for MKL's prefill GEMM and for the small-batch C kernel (whose panels of
-        blocks also serve prefill on AMX). Called once after loading."""
-        packer, kernel, amx = mkl_packer(), cpu_gemm(), amx_gemm()
+        use for the C kernel (whose panels of blocks also serve prefill on AMX). Called
+        once after loading."""
+        kernel, amx = cpu_gemm(), amx_gemm()
         for owner in self._projection_owners():
             for name in owner.projections:
                 weight = prepare(getattr(owner, name).data)
                 setattr(owner, name, nn.Parameter(weight, False))
-                if packer is not None and MklPacker.supports(weight):
-                    owner.packed[name] = PackedWeight(packer, weight)
                 if kernel is not None and CpuGemm.supports(weight):
                     owner.panels[name] = PanelWeight(kernel, weight, amx=amx)
         self.lm_head = nn.Parameter(prepare(self.lm_head.data), requires_grad=False)
@@ -250,12 +245,12 @@ class LlamaModel(nn.Module):
         )
 
     def _projection_owners(self) -> list[nn.Module]:
-        """The modules holding projections (``projections``, ``packed``, ``panels``):
+        """The modules holding projections (``projections``, ``panels``):
         each layer, and its latent attention module when it has one."""
         return [o for layer in self.layers for o in (layer, layer.mla) if o is not None]
 
     def pack_panels(self) -> None:
-        """Pack every projection's panels for the small-batch kernel now: a served
+        """Pack every projection's panels for the C kernel now: a served
         instance calls this before taking requests, or its first request would wait for
         the packing (~1 s on the embedded model)."""
         twins = [twin for owner in self._projection_owners() for twin in owner.panels.values()]

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama models saved as HF folders, and the embedded model."""
+"""Shared fixtures: tiny random Llama models saved as HF folders, the embedded model, and
+each CPU kernel ISA in turn."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in the interpreter; it must be on before they load.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine import native  # noqa: E402
 from tests.family_models import save_tiny_family  # noqa: E402
 from tests.tiny_models import (  # noqa: E402
     TINY_MLA_SHAPES,
@@ -20,6 +22,21 @@ from tests.tiny_models import (  # noqa: E402
 )
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(params=list(native.ISAS))
+def isa(request, monkeypatch):
+    """Each ISA of engine/native.py in turn (avx2, avx512, amx), forced through
+    PDSERVE_CPU_ISA for the test; skipped, with the CPU flags it lacks, where the CPU
+    does not have it, and where no C compiler builds the kernels. A test that asks for
+    it (or a module whose ``pytestmark`` uses it) so checks every path this CPU runs."""
+    name = request.param
+    if name not in native.supported():
+        pytest.skip(f"{name} kernels: this CPU lacks {', '.join(native.missing(name))}")
+    monkeypatch.setenv(native.ENV, name)
+    if native.library() is None:
+        pytest.skip(f"{name} kernels: no C compiler builds them")
+    return name
 
 
 def pytest_collection_modifyitems(config, items):

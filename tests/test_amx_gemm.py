@@ -14,7 +14,8 @@ from engine.linear import linear
 from tests.engine_utils import gguf_blocks, prompt_logits
 
 pytestmark = pytest.mark.skipif(
-    amx_gemm() is None, reason="no AMX here (CPU, compiler or kernel): MKL's GEMM runs"
+    amx_gemm() is None,
+    reason="no AMX here (CPU, compiler or kernel): the panel kernel takes every batch",
 )
 
 # |y - y64| <= BOUND * (|x| @ |W|.T), elementwise: float32 GEMMs stay inside it (MKL's
@@ -101,19 +102,20 @@ def test_linear_takes_amx_for_large_batches_of_blocks_only():
     g = torch.Generator().manual_seed(6)
     blocks = twin(gguf_blocks(torch.randn(64, 64, generator=g) * 0.05, "Q4_1"))
     floats = twin(torch.randn(64, 64, generator=g))
-    big = torch.randn(MAX_ROWS + 1, 64, generator=g)
-    assert blocks.supports(big) and blocks.format == Q4
-    assert not floats.supports(big) and floats.format == F32
-    assert not PanelWeight(cpu_gemm(), blocks.weight).supports(big)  # no AMX kernel given
-    assert torch.equal(linear(big, blocks.weight, panels=blocks), blocks(big))
-    assert torch.equal(
-        linear(big, floats.weight, panels=floats), torch.nn.functional.linear(big, floats.weight)
-    )
+    plain = PanelWeight(cpu_gemm(), blocks.weight)  # no AMX kernel given
+    big, small = torch.randn(MAX_ROWS + 1, 64, generator=g), torch.randn(MAX_ROWS, 64)
+    assert blocks.format == Q4 and floats.format == F32
+    # above MAX_ROWS the blocks take AMX (another order of the same products), the float
+    # panels and small batches the panel kernel
+    assert not torch.equal(linear(big, blocks.weight, panels=blocks), plain(big))
+    assert torch.equal(linear(small, blocks.weight, panels=blocks), plain(small))
+    assert torch.equal(linear(big, floats.weight, panels=floats), floats(big))
+    assert scaled_error(blocks(big), big, blocks.weight) < BOUND
 
 
 def test_embedded_model_prefills_on_amx_like_hf():
-    """A prompt past MAX_ROWS tokens: every layer's projections run on AMX (MKL never
-    packs its copy), and the logits are transformers' own on the same GGUF."""
+    """A prompt past MAX_ROWS tokens: every layer's projections run on AMX, and the
+    logits are transformers' own on the same GGUF."""
     from transformers import AutoModelForCausalLM
 
     gguf = alias_path("smollm2-135m")
@@ -129,5 +131,4 @@ def test_embedded_model_prefills_on_amx_like_hf():
         expected = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
     for layer in llm.engine.model.layers:
-        assert all(t.format == Q4 for t in layer.panels.values())
-        assert all(p.buffer is None for p in layer.packed.values())
+        assert all(t.format == Q4 and t.amx is not None for t in layer.panels.values())

@@ -13,8 +13,8 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.native import build
 from tests.engine_utils import hf_greedy
 
-KERNEL = decode_kernel()
-needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the fallback runs")
+# on each ISA the CPU has (tests/conftest.py isa)
+needs_kernel = pytest.mark.usefixtures("isa")
 
 
 def _decode_step(seq_lens, block_size, heads, head_dim):
@@ -99,21 +99,21 @@ def test_kernel_uses_the_given_thread_count():
     torch.testing.assert_close(backend.forward(q, k, v, k_cache, v_cache, meta, 0.125), one)
 
 
-def test_build_without_a_compiler_raises(monkeypatch, tmp_path):
+def test_build_without_a_compiler_raises(isa, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(FileNotFoundError):
-        build(cache=tmp_path)
+        build(isa, cache=tmp_path)
 
 
-@needs_kernel
-def test_build_is_cached_by_source(tmp_path):
-    first = build(cache=tmp_path)
-    assert build(cache=tmp_path) == first
+def test_build_is_cached_by_source(isa, tmp_path):
+    first = build(isa, cache=tmp_path)
+    assert build(isa, cache=tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    assert isa in first.name
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_engine_decodes_like_hf_either_way(tiny_model, use_kernel):
+def test_engine_decodes_like_hf_either_way(isa, tiny_model, use_kernel):
     """The C kernels (attention and ops) and their plain-torch fallbacks, end to end."""
     from transformers import AutoModelForCausalLM
 
@@ -128,9 +128,9 @@ def test_engine_decodes_like_hf_either_way(tiny_model, use_kernel):
         assert out.token_ids == hf_greedy(hf, ids, 40)
 
 
-def test_load_without_a_compiler_is_none(monkeypatch, tmp_path):
+def test_load_without_a_compiler_is_none(isa, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert native.library.__wrapped__() is None
+    assert native._load.__wrapped__(isa) is None
 
 
 @needs_kernel
@@ -152,4 +152,4 @@ def test_kernel_refuses_shapes_it_would_read_past(bad, message):
         "seq_lens": torch.ones(2, dtype=torch.int32),
     }
     with pytest.raises(ValueError, match=message):
-        KERNEL(**{**args, **bad}, scale=0.125)
+        decode_kernel()(**{**args, **bad}, scale=0.125)

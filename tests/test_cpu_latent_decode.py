@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from engine import native
-from engine.attention import cpu_latent
-from engine.attention.cpu_latent import latent_decode_kernel, paged_latent_decode
+from engine.attention.cpu_latent import paged_latent_decode
 from tests.latent_cases import dense_latent_decode, latent_queries, paged_latent
 
-needs_kernel = pytest.mark.skipif(
-    latent_decode_kernel() is None, reason="no C compiler: the fallback runs"
-)
+# on each ISA the CPU has (tests/conftest.py isa)
+needs_kernel = pytest.mark.usefixtures("isa")
 DR = 64
 # (H, Hc): MLA with small and wide groups, GLA / GTA with 2-4 latent heads, odd groups
 HEAD_LAYOUTS = [(8, 1), (128, 1), (4, 2), (6, 2), (9, 3), (16, 4)]
@@ -73,9 +71,8 @@ def test_none_without_the_library(monkeypatch, fallback):
     """No library: None (the caller's torch path runs); with one, a result."""
     if not fallback and native.library() is None:
         pytest.skip("no C compiler")
-    if fallback:
-        monkeypatch.setattr(native, "library", lambda: None)
-    monkeypatch.setattr(cpu_latent, "latent_decode_kernel", latent_decode_kernel.__wrapped__)
+    if fallback:  # no ISA of engine/native.py: no library, as without a compiler
+        monkeypatch.setattr(native, "isa", lambda: None)
     case = paged_latent([3], 16, 1, 256, DR, torch.float32)
     q_c, q_r = latent_queries(1, 4, 256, DR, torch.float32)
     out = paged_latent_decode(

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, native
+from engine import LLM, SamplingParams
 from engine.cpu_gemm import F32, Q4, PanelWeight, cpu_gemm
 from engine.request import Request
 from tests.engine_utils import gguf_blocks
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler")
+# every test on each ISA the CPU has (tests/conftest.py isa)
+pytestmark = pytest.mark.usefixtures("isa")
 
 
 def _decode_batch(engine, lengths, seed=0):

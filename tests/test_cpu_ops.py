@@ -9,7 +9,8 @@ from engine.cpu_ops import cpu_ops
 from engine.ops import TorchOps
 from engine.rope import rope_tables
 
-pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="no C compiler: the fallback runs")
+# every test on each ISA the CPU has (tests/conftest.py isa)
+pytestmark = pytest.mark.usefixtures("isa")
 NATIVE, PLAIN = TorchOps(), TorchOps(use_kernel=False)
 
 

@@ -10,8 +10,8 @@ from engine.attention.backend import AttentionMetadata
 from engine.attention.cpu_prefill import prefill_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
 
-KERNEL = prefill_kernel()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the fallback runs")
+# every test on each ISA the CPU has (tests/conftest.py isa)
+pytestmark = pytest.mark.usefixtures("isa")
 
 
 def _cache(context, block_size, hkv, head_dim, seed=0):
@@ -56,7 +56,7 @@ def test_kernel_matches_a_dense_causal_softmax(tokens, context, block_size, head
     q = torch.randn(tokens, hq, head_dim)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    KERNEL(q, k_cache, v_cache, table, context, scale, out)
+    prefill_kernel()(q, k_cache, v_cache, table, context, scale, out)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, table, context, scale))
 
 
@@ -69,7 +69,9 @@ def test_kernel_reads_strided_rows_and_any_thread_count():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            outs.append(KERNEL(q, k_cache, v_cache, table, 150, 0.125, torch.empty(70, 9, 64)))
+            outs.append(
+                prefill_kernel()(q, k_cache, v_cache, table, 150, 0.125, torch.empty(70, 9, 64))
+            )
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
@@ -127,4 +129,4 @@ def test_kernel_refuses_shapes_it_would_read_past(bad, message):
         "out": torch.zeros(3, 4, 64),
     }
     with pytest.raises(ValueError, match=message):
-        KERNEL(**{**args, **bad}, scale=0.125)
+        prefill_kernel()(**{**args, **bad}, scale=0.125)

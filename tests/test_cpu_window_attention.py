@@ -13,8 +13,8 @@ from engine.attention.cpu_prefill import prefill_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
 from tests.window_cases import WINDOWS, dense_attention, first_visible, paged_sequences, resolve
 
-DECODE, PREFILL = decode_kernel(), prefill_kernel()
-needs_kernels = pytest.mark.skipif(DECODE is None, reason="no C compiler: the fallback runs")
+# on each ISA the CPU has (tests/conftest.py isa)
+needs_kernels = pytest.mark.usefixtures("isa")
 SOFTCAPS = [None, 2.0]
 # (query heads, KV heads): GQA 1, 3 and 8, MQA with an odd head count
 HEADS = [(2, 2), (9, 3), (16, 2), (5, 1)]
@@ -63,7 +63,7 @@ def test_c_decode_matches_the_definition(head_dim, block_size, heads, window, so
     )
     scale = head_dim**-0.5
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    out = DECODE(q, k_cache, v_cache, tables, lens_t, scale, window, softcap)
+    out = decode_kernel()(q, k_cache, v_cache, tables, lens_t, scale, window, softcap)
     ref = _decode_reference(q, keys, values, lens, scale, window, softcap)
     torch.testing.assert_close(out, ref)
 
@@ -97,7 +97,7 @@ def test_c_prefill_matches_the_definition(head_dim, block_size, heads, window, s
     scale = head_dim**-0.5
     for i, (ctx, n) in enumerate(CHUNKS):
         out = torch.full_like(qs[i], float("nan"))
-        PREFILL(qs[i], k_cache, v_cache, tables[i], ctx + n, scale, out, window, softcap)
+        prefill_kernel()(qs[i], k_cache, v_cache, tables[i], ctx + n, scale, out, window, softcap)
         positions = range(ctx, ctx + n)
         ref = dense_attention(qs[i], keys[i], values[i], positions, scale, window, softcap)
         torch.testing.assert_close(out, ref.float(), msg=lambda m, c=(ctx, n): f"{c}: {m}")

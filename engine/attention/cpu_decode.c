@@ -53,16 +53,17 @@ static inline struct cursor first_token(const float *cache, struct shape s, stru
     return (struct cursor){cache, w.start / s.block_size, w.start % s.block_size};
 }
 
-/* scores: scale * q . k (soft-capped when softcap > 0), sixteen tokens at a time (one
- * folded sum for the sixteen), then the softmax over the first len of each row. */
+/* scores: scale * q . k (soft-capped when softcap > 0), VL tokens at a time (one
+ * folded sum for the VL, cpu_vec.h's hsum_vl), then the softmax over the first len of
+ * each row. */
 static void softmax_scores(const float *q, const float *k_cache, struct shape s, struct task w,
                            float scale, float softcap, float *scores) {
-    const int64_t chunks = s.head_dim / LANES, rows = w.heads * s.group;
+    const int64_t chunks = s.head_dim / VL, rows = w.heads * s.group;
     struct cursor at = first_token(k_cache, s, w);
-    for (int64_t l = 0; l < w.len; l += LANES) {
+    for (int64_t l = 0; l < w.len; l += VL) {
         /* past the length, token l's row again: its scores are masked below */
-        const float *k[LANES];
-        for (int64_t t = 0; t < LANES; t++)
+        const float *k[VL];
+        for (int64_t t = 0; t < VL; t++)
             if (l + t < w.len)
                 k[t] = row_at(at, s, w), advance(&at, s);
             else
@@ -70,15 +71,15 @@ static void softmax_scores(const float *q, const float *k_cache, struct shape s,
         for (int64_t r = 0; r < rows; r++) {
             const float *qr = q + r * s.head_dim;
             const int64_t head = r / s.group * s.head_dim;
-            vf acc[LANES];
-            for (int t = 0; t < LANES; t++) acc[t] = (vf){0};
+            vn acc[VL];
+            for (int t = 0; t < VL; t++) acc[t] = (vn){0};
             for (int64_t c = 0; c < chunks; c++) {
-                const vf qc = load(qr + c * LANES);
-                for (int t = 0; t < LANES; t++) acc[t] += qc * load(k[t] + head + c * LANES);
+                const vn qc = vn_load(qr + c * VL);
+                for (int t = 0; t < VL; t++) acc[t] += qc * vn_load(k[t] + head + c * VL);
             }
-            vf x = hsum16(acc) * scale;
-            if (softcap > 0.0f) x = softcap * vtanh(x * (1.0f / softcap));
-            store(scores + r * w.padded + l, x);
+            vn x = hsum_vl(acc) * scale;
+            if (softcap > 0.0f) x = softcap * vn_tanh(x * (1.0f / softcap));
+            vn_store(scores + r * w.padded + l, x);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -100,50 +101,60 @@ static void softmax_scores(const float *q, const float *k_cache, struct shape s,
     }
 }
 
+/* value tiles: up to 4 rows by WEIGH_C native vectors of head_dim (AVX2 keeps its 16
+ * registers for 8 accumulators, 2 value vectors and a broadcast) */
+#if VL == 16
+#define WEIGH_C 4
+#else
+#define WEIGH_C 2
+#endif
+
 /* Rows r0 .. r0 + R - 1 of one KV head (their probabilities p, padded apart) times its
- * value rows, over chunks c0 .. c0 + C - 1 of head_dim: R * C accumulators in
+ * value rows, over vectors c0 .. c0 + C - 1 of head_dim: R * C accumulators in
  * registers across all the tokens. */
 static inline __attribute__((always_inline)) void weigh_tile(
     const float *p, const float *v_cache, struct shape s, struct task w, int64_t head,
     int64_t c0, float *out, const int R, const int C) {
-    vf acc[4][4];
+    vn acc[4][WEIGH_C];
     for (int i = 0; i < R; i++)
-        for (int c = 0; c < C; c++) acc[i][c] = (vf){0};
+        for (int c = 0; c < C; c++) acc[i][c] = (vn){0};
     struct cursor at = first_token(v_cache, s, w);
     for (int64_t l = 0; l < w.len; l++, advance(&at, s)) {
-        const float *v = row_at(at, s, w) + head * s.head_dim + c0 * LANES;
-        vf vv[4];
-        for (int c = 0; c < C; c++) vv[c] = load(v + c * LANES);
+        const float *v = row_at(at, s, w) + head * s.head_dim + c0 * VL;
+        vn vv[WEIGH_C];
+        for (int c = 0; c < C; c++) vv[c] = vn_load(v + c * VL);
         for (int i = 0; i < R; i++) {
-            vf pi = splat(p[i * w.padded + l]);
+            const vn pi = vn_splat(p[i * w.padded + l]);
             for (int c = 0; c < C; c++) acc[i][c] += pi * vv[c];
         }
     }
     for (int i = 0; i < R; i++)
-        for (int c = 0; c < C; c++) store(out + i * s.head_dim + (c0 + c) * LANES, acc[i][c]);
+        for (int c = 0; c < C; c++) vn_store(out + i * s.head_dim + (c0 + c) * VL, acc[i][c]);
 }
 
 #define WEIGH(R, C) \
-    case 4 * (R - 1) + C - 1: weigh_tile(p, v_cache, s, w, head, c0, o, R, C); break;
+    case WEIGH_C * (R - 1) + C - 1: weigh_tile(p, v_cache, s, w, head, c0, o, R, C); break;
 
 /* out: each row's probabilities times the value rows of its KV head, in tiles of up to
- * 4 rows by 4 chunks */
+ * 4 rows by WEIGH_C vectors */
 static void weigh_values(const float *scores, const float *v_cache, struct shape s,
                          struct task w, float *out) {
-    const int64_t chunks = s.head_dim / LANES;
+    const int64_t chunks = s.head_dim / VL;
     for (int64_t head = 0; head < w.heads; head++)
         for (int64_t g = 0; g < s.group; g += 4)
-            for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+            for (int64_t c0 = 0; c0 < chunks; c0 += WEIGH_C) {
                 const int64_t r = head * s.group + g;
                 const float *p = scores + r * w.padded;
                 float *o = out + r * s.head_dim;
                 const int R = s.group - g < 4 ? (int)(s.group - g) : 4;
-                const int C = chunks - c0 < 4 ? (int)(chunks - c0) : 4;
-                switch (4 * (R - 1) + C - 1) {
-                    WEIGH(1, 1) WEIGH(1, 2) WEIGH(1, 3) WEIGH(1, 4)
-                    WEIGH(2, 1) WEIGH(2, 2) WEIGH(2, 3) WEIGH(2, 4)
-                    WEIGH(3, 1) WEIGH(3, 2) WEIGH(3, 3) WEIGH(3, 4)
-                    WEIGH(4, 1) WEIGH(4, 2) WEIGH(4, 3) WEIGH(4, 4)
+                const int C = chunks - c0 < WEIGH_C ? (int)(chunks - c0) : WEIGH_C;
+                switch (WEIGH_C * (R - 1) + C - 1) {
+                    WEIGH(1, 1) WEIGH(1, 2) WEIGH(2, 1) WEIGH(2, 2)
+                    WEIGH(3, 1) WEIGH(3, 2) WEIGH(4, 1) WEIGH(4, 2)
+#if WEIGH_C == 4
+                    WEIGH(1, 3) WEIGH(1, 4) WEIGH(2, 3) WEIGH(2, 4)
+                    WEIGH(3, 3) WEIGH(3, 4) WEIGH(4, 3) WEIGH(4, 4)
+#endif
                 }
             }
 }

@@ -4,7 +4,6 @@ use by ``engine/native.py``; ``decode_kernel()`` is None where it cannot be buil
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -98,8 +97,5 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
         )
 
 
-@functools.cache
-def decode_kernel() -> DecodeKernel | None:
-    """The built kernel, or None when it cannot be built or loaded."""
-    lib = native.library()
-    return None if lib is None else DecodeKernel(lib)
+# the kernel of the ISA in use (engine/native.py), or None when it cannot be built or loaded
+decode_kernel = native.per_isa(DecodeKernel)

@@ -55,30 +55,31 @@ static void find_rows(const struct latent *L, int64_t b, int64_t j, int64_t begi
     }
 }
 
-/* scores[g] = scale * (q_c[g] . c[:dk] + q_r[g] . r) for the span's tokens, sixteen at a
- * time (one folded sum for the sixteen); q_c rows dk apart, q_r rows dr apart. */
+/* scores[g] = scale * (q_c[g] . c[:dk] + q_r[g] . r) for the span's tokens, VL at a
+ * time (one folded sum for the VL, cpu_vec.h's hsum_vl); q_c rows dk apart, q_r rows dr
+ * apart. */
 static void span_scores(const float *q_c, const float *q_r, const struct latent *L,
                         const struct span *w, float scale, float *scores) {
-    for (int64_t l = 0; l < w->len; l += LANES) {
+    for (int64_t l = 0; l < w->len; l += VL) {
         /* past the span, its token l again: those scores are masked later */
-        const float *c[LANES], *r[LANES];
-        for (int64_t t = 0; t < LANES; t++) {
+        const float *c[VL], *r[VL];
+        for (int64_t t = 0; t < VL; t++) {
             const int64_t tok = l + (l + t < w->len ? t : 0);
             c[t] = w->c[tok], r[t] = w->r[tok];
         }
         for (int64_t g = 0; g < L->group; g++) {
             const float *qc = q_c + g * L->dk, *qr = q_r + g * L->dr;
-            vf acc[LANES];
-            for (int t = 0; t < LANES; t++) acc[t] = (vf){0};
-            for (int64_t k = 0; k < L->dk; k += LANES) {
-                const vf q = load(qc + k);
-                for (int t = 0; t < LANES; t++) acc[t] += q * load(c[t] + k);
+            vn acc[VL];
+            for (int t = 0; t < VL; t++) acc[t] = (vn){0};
+            for (int64_t k = 0; k < L->dk; k += VL) {
+                const vn q = vn_load(qc + k);
+                for (int t = 0; t < VL; t++) acc[t] += q * vn_load(c[t] + k);
             }
-            for (int64_t k = 0; k < L->dr; k += LANES) {
-                const vf q = load(qr + k);
-                for (int t = 0; t < LANES; t++) acc[t] += q * load(r[t] + k);
+            for (int64_t k = 0; k < L->dr; k += VL) {
+                const vn q = vn_load(qr + k);
+                for (int t = 0; t < VL; t++) acc[t] += q * vn_load(r[t] + k);
             }
-            store(scores + g * w->padded + l, hsum16(acc) * scale);
+            vn_store(scores + g * w->padded + l, hsum_vl(acc) * scale);
         }
     }
 }
@@ -105,51 +106,61 @@ static void exp_rows(float *scores, const struct span *w, int64_t rows, float *t
     }
 }
 
+/* value tiles: up to 4 rows by WEIGH_C native vectors of dc (AVX2 keeps its 16
+ * registers for 8 accumulators, 2 latent vectors and a broadcast) */
+#if VL == 16
+#define WEIGH_C 4
+#else
+#define WEIGH_C 2
+#endif
+
 /* Rows g0 .. g0 + R - 1 (weights p, padded apart) times the latent rows of tokens
- * l0 .. l1 - 1, over column chunks k0 .. k0 + C - 1 of dc: R * C accumulators in
- * registers, added to out (set instead for the first tokens, l0 = 0). */
+ * l0 .. l1 - 1, over vectors k0 .. k0 + C - 1 of dc: R * C accumulators in registers,
+ * added to out (set instead for the first tokens, l0 = 0). */
 static inline __attribute__((always_inline)) void weigh_tile(
     const float *p, const struct latent *L, const struct span *w, int64_t l0, int64_t l1,
     int64_t k0, float *out, const int R, const int C) {
-    vf acc[4][4];
+    vn acc[4][WEIGH_C];
     for (int i = 0; i < R; i++)
         for (int k = 0; k < C; k++)
-            acc[i][k] = l0 ? load(out + i * L->dc + (k0 + k) * LANES) : (vf){0};
+            acc[i][k] = l0 ? vn_load(out + i * L->dc + (k0 + k) * VL) : (vn){0};
     for (int64_t l = l0; l < l1; l++) {
-        const float *c = w->c[l] + k0 * LANES;
-        vf cv[4];
-        for (int k = 0; k < C; k++) cv[k] = load(c + k * LANES);
+        const float *c = w->c[l] + k0 * VL;
+        vn cv[WEIGH_C];
+        for (int k = 0; k < C; k++) cv[k] = vn_load(c + k * VL);
         for (int i = 0; i < R; i++) {
-            const vf pi = splat(p[i * w->padded + l]);
+            const vn pi = vn_splat(p[i * w->padded + l]);
             for (int k = 0; k < C; k++) acc[i][k] += pi * cv[k];
         }
     }
     for (int i = 0; i < R; i++)
-        for (int k = 0; k < C; k++) store(out + i * L->dc + (k0 + k) * LANES, acc[i][k]);
+        for (int k = 0; k < C; k++) vn_store(out + i * L->dc + (k0 + k) * VL, acc[i][k]);
 }
 
 #define WEIGH(R, C) \
-    case 4 * (R - 1) + C - 1: weigh_tile(p, L, w, l0, l1, k0, o, R, C); break;
+    case WEIGH_C * (R - 1) + C - 1: weigh_tile(p, L, w, l0, l1, k0, o, R, C); break;
 
 /* out[g] (rows dc apart) = sum over the span of weights[g, l] * c[l, :dc], WEIGH_TOKENS
  * tokens at a time (their latent rows stay in cache for all the tiles), in tiles of up
- * to 4 rows by 4 chunks */
+ * to 4 rows by WEIGH_C vectors */
 static void weigh_latent(const float *weights, const struct latent *L, const struct span *w,
                          float *out) {
-    const int64_t chunks = L->dc / LANES;
+    const int64_t chunks = L->dc / VL;
     for (int64_t l0 = 0; l0 < w->len; l0 += WEIGH_TOKENS) {
         const int64_t l1 = l0 + WEIGH_TOKENS < w->len ? l0 + WEIGH_TOKENS : w->len;
         for (int64_t g = 0; g < L->group; g += 4)
-            for (int64_t k0 = 0; k0 < chunks; k0 += 4) {
+            for (int64_t k0 = 0; k0 < chunks; k0 += WEIGH_C) {
                 const float *p = weights + g * w->padded;
                 float *o = out + g * L->dc;
                 const int R = L->group - g < 4 ? (int)(L->group - g) : 4;
-                const int C = chunks - k0 < 4 ? (int)(chunks - k0) : 4;
-                switch (4 * (R - 1) + C - 1) {
-                    WEIGH(1, 1) WEIGH(1, 2) WEIGH(1, 3) WEIGH(1, 4)
-                    WEIGH(2, 1) WEIGH(2, 2) WEIGH(2, 3) WEIGH(2, 4)
-                    WEIGH(3, 1) WEIGH(3, 2) WEIGH(3, 3) WEIGH(3, 4)
-                    WEIGH(4, 1) WEIGH(4, 2) WEIGH(4, 3) WEIGH(4, 4)
+                const int C = chunks - k0 < WEIGH_C ? (int)(chunks - k0) : WEIGH_C;
+                switch (WEIGH_C * (R - 1) + C - 1) {
+                    WEIGH(1, 1) WEIGH(1, 2) WEIGH(2, 1) WEIGH(2, 2)
+                    WEIGH(3, 1) WEIGH(3, 2) WEIGH(4, 1) WEIGH(4, 2)
+#if WEIGH_C == 4
+                    WEIGH(1, 3) WEIGH(1, 4) WEIGH(2, 3) WEIGH(2, 4)
+                    WEIGH(3, 3) WEIGH(3, 4) WEIGH(4, 3) WEIGH(4, 4)
+#endif
                 }
             }
     }

@@ -12,7 +12,6 @@ tensors with Dk, Dc and Dr multiples of 16: the caller then runs its torch path.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -99,11 +98,8 @@ def _check(q_c, q_r, c_cache, r_cache, block_tables, seq_lens) -> None:
         )
 
 
-@functools.cache
-def latent_decode_kernel() -> LatentDecodeKernel | None:
-    """The built kernel, or None when it cannot be built or loaded."""
-    lib = native.library()
-    return None if lib is None else LatentDecodeKernel(lib)
+# the kernel of the ISA in use (engine/native.py), or None when it cannot be built or loaded
+latent_decode_kernel = native.per_isa(LatentDecodeKernel)
 
 
 def paged_latent_decode(q_c, q_r, c_cache, r_cache, block_tables, seq_lens, scale: float):

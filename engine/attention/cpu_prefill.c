@@ -14,7 +14,7 @@
  *
  * Everything runs transposed, with the queries along the vector lanes: a task is one
  * KV head and a tile of LANES_PER_TASK query rows (several query heads of its group by
- * a run of tokens), held as
+ * a run of tokens: VECS native vectors, cpu_vec.h's vn), held as
  *     qt [head_dim][lanes]   scale * q, the rows side by side
  *     st [KEYS][lanes]       scores, then probabilities, of a tile of keys
  *     ot [head_dim][lanes]   the running sum of probabilities times values
@@ -22,7 +22,9 @@
  * (lane-wise max, exp and sums: no horizontal reductions) and the values are value
  * rows broadcast against st. Keys are taken in tiles of KEYS; a tile that reaches past
  * a row's position, or before its window, is masked there (keys past the context are
- * masked the same way).
+ * masked the same way). The products run in register tiles of KEY_ROWS keys (or
+ * DIM_ROWS value columns) by GROUP_VECS of the lane vectors: 4 x 6 accumulators with
+ * AVX-512's 32 registers, 4 x 3 with AVX2's 16.
  *
  * Layouts: q and out rows of num_heads * head_dim floats, q_stride and out_stride
  * floats apart; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
@@ -33,12 +35,18 @@
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
 
-#define VECS 6                          /* lane vectors of a task */
-#define LANES_PER_TASK (VECS * LANES)   /* query rows of a task */
+#define LANES_PER_TASK 96             /* query rows of a task */
+#define VECS (LANES_PER_TASK / VL)      /* native vectors of a task */
+#if VL == 16
+#define GROUP_VECS 6                    /* lane vectors of a register tile */
+#else
+#define GROUP_VECS 3
+#endif
 #define KEYS 64                         /* keys per tile */
-#define KEY_ROWS 4                      /* keys a score tile broadcasts: KEY_ROWS x VECS sums */
+#define KEY_ROWS 4                      /* keys a score tile broadcasts */
 #define DIM_ROWS 4                      /* value columns a weighing tile broadcasts */
 _Static_assert(KEYS % KEY_ROWS == 0, "a tile of keys is whole score tiles");
+_Static_assert(VECS % GROUP_VECS == 0, "a task is whole register tiles");
 #define MASKED (-1e30f)
 
 struct prefill {
@@ -65,69 +73,76 @@ static inline const float *key_row(const struct prefill *p, const float *cache, 
 
 /* Lanes that do not see key l: past their position pos, or before their window's
  * first position lo. */
-static inline vi hidden(vi pos, vi lo, int64_t l) {
+static inline vni hidden(vni pos, vni lo, int64_t l) {
     return (pos < (int32_t)l) | (lo > (int32_t)l);
 }
 
 /* st[j] = qt . key j (soft-capped) for keys j < nk of the tile (nk a multiple of
- * KEY_ROWS), KEY_ROWS keys by all lanes at a time; with pos and lo (the lanes'
- * positions and first visible positions, k0 the tile's first key) the keys a lane does
- * not see are masked. top[v]: each lane's largest score. */
+ * KEY_ROWS), KEY_ROWS keys by GROUP_VECS lane vectors at a time; with pos and lo (the
+ * lanes' positions and first visible positions, k0 the tile's first key) the keys a
+ * lane does not see are masked. top[v]: each lane's largest score. */
 static void scores(const struct prefill *p, const float *const *keys, int64_t nk,
-                   const float *qt, const vi *pos, const vi *lo, int64_t k0, float *st,
-                   vf *top) {
-    for (int v = 0; v < VECS; v++) top[v] = splat(MASKED);
-    for (int64_t j = 0; j < nk; j += KEY_ROWS) {
-        vf acc[KEY_ROWS][VECS];
-        for (int a = 0; a < KEY_ROWS; a++)
-            for (int v = 0; v < VECS; v++) acc[a][v] = (vf){0};
-        for (int64_t d = 0; d < p->head_dim; d++) {
-            const float *col = qt + d * LANES_PER_TASK;
-            vf qv[VECS];
-            for (int v = 0; v < VECS; v++) qv[v] = load(col + v * LANES);
-            for (int a = 0; a < KEY_ROWS; a++) {
-                const vf kv = splat(keys[j + a][d]);
-                for (int v = 0; v < VECS; v++) acc[a][v] += kv * qv[v];
+                   const float *qt, const vni *pos, const vni *lo, int64_t k0, float *st,
+                   vn *top) {
+    for (int v = 0; v < VECS; v++) top[v] = vn_splat(MASKED);
+    for (int64_t j = 0; j < nk; j += KEY_ROWS)
+        for (int v0 = 0; v0 < VECS; v0 += GROUP_VECS) {
+            vn acc[KEY_ROWS][GROUP_VECS];
+            for (int a = 0; a < KEY_ROWS; a++)
+                for (int v = 0; v < GROUP_VECS; v++) acc[a][v] = (vn){0};
+            for (int64_t d = 0; d < p->head_dim; d++) {
+                const float *col = qt + d * LANES_PER_TASK + v0 * VL;
+                vn qv[GROUP_VECS];
+                for (int v = 0; v < GROUP_VECS; v++) qv[v] = vn_load(col + v * VL);
+                for (int a = 0; a < KEY_ROWS; a++) {
+                    const vn kv = vn_splat(keys[j + a][d]);
+                    for (int v = 0; v < GROUP_VECS; v++) acc[a][v] += kv * qv[v];
+                }
             }
+            for (int a = 0; a < KEY_ROWS; a++)
+                for (int v = v0; v < v0 + GROUP_VECS; v++) {
+                    vn x = acc[a][v - v0];
+                    if (p->softcap > 0.0f) x = p->softcap * vn_tanh(x * (1.0f / p->softcap));
+                    if (pos != NULL)
+                        x = vn_blend(hidden(pos[v], lo[v], k0 + j + a), vn_splat(MASKED), x);
+                    top[v] = vn_blend(x > top[v], x, top[v]);
+                    vn_store(st + (j + a) * LANES_PER_TASK + v * VL, x);
+                }
         }
-        for (int a = 0; a < KEY_ROWS; a++)
-            for (int v = 0; v < VECS; v++) {
-                vf x = acc[a][v];
-                if (p->softcap > 0.0f) x = p->softcap * vtanh(x * (1.0f / p->softcap));
-                if (pos != NULL) x = blend(hidden(pos[v], lo[v], k0 + j + a), splat(MASKED), x);
-                top[v] = blend(x > top[v], x, top[v]);
-                store(st + (j + a) * LANES_PER_TASK + v * LANES, x);
-            }
-    }
 }
 
-/* ot[d0 .. d0 + R - 1] += the value rows' columns d0 .. times st, over keys j < nk */
+/* ot[d0 .. d0 + R - 1] += the value rows' columns d0 .. times st, over keys j < nk, for
+ * lane vectors v0 .. v0 + GROUP_VECS - 1 */
 static inline __attribute__((always_inline)) void weigh_tile(
     const struct prefill *p, const float *const *values, int64_t nk, const float *st,
-    float *ot, int64_t d0, const int R) {
-    float *rows = ot + d0 * LANES_PER_TASK;
-    vf acc[DIM_ROWS][VECS];
+    float *ot, int64_t d0, int v0, const int R) {
+    float *rows = ot + d0 * LANES_PER_TASK + v0 * VL;
+    vn acc[DIM_ROWS][GROUP_VECS];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < VECS; v++) acc[r][v] = load(rows + r * LANES_PER_TASK + v * LANES);
+        for (int v = 0; v < GROUP_VECS; v++)
+            acc[r][v] = vn_load(rows + r * LANES_PER_TASK + v * VL);
     for (int64_t j = 0; j < nk; j++) {
-        const float *row = st + j * LANES_PER_TASK;
-        vf pv[VECS];
-        for (int v = 0; v < VECS; v++) pv[v] = load(row + v * LANES);
+        const float *row = st + j * LANES_PER_TASK + v0 * VL;
+        vn pv[GROUP_VECS];
+        for (int v = 0; v < GROUP_VECS; v++) pv[v] = vn_load(row + v * VL);
         for (int r = 0; r < R; r++) {
-            const vf value = splat(values[j][d0 + r]);
-            for (int v = 0; v < VECS; v++) acc[r][v] += value * pv[v];
+            const vn value = vn_splat(values[j][d0 + r]);
+            for (int v = 0; v < GROUP_VECS; v++) acc[r][v] += value * pv[v];
         }
     }
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < VECS; v++) store(rows + r * LANES_PER_TASK + v * LANES, acc[r][v]);
+        for (int v = 0; v < GROUP_VECS; v++)
+            vn_store(rows + r * LANES_PER_TASK + v * VL, acc[r][v]);
 }
 
 static void weigh(const struct prefill *p, const float *const *values, int64_t nk,
                   const float *st, float *ot) {
-    int64_t d = 0;
-    for (; d + DIM_ROWS <= p->head_dim; d += DIM_ROWS)
-        weigh_tile(p, values, nk, st, ot, d, DIM_ROWS);
-    for (; d < p->head_dim; d++) weigh_tile(p, values, nk, st, ot, d, 1);
+    for (int v0 = 0; v0 < VECS; v0 += GROUP_VECS) {
+        int64_t d = 0;
+        for (; d + DIM_ROWS <= p->head_dim; d += DIM_ROWS)
+            weigh_tile(p, values, nk, st, ot, d, v0, DIM_ROWS);
+        for (; d < p->head_dim; d++) weigh_tile(p, values, nk, st, ot, d, v0, 1);
+    }
 }
 
 /* One task: gathers its rows into qt, runs the key tiles up to its last position,
@@ -140,18 +155,18 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
     const int64_t tokens = p->num_tokens - w.t0 < p->tokens ? p->num_tokens - w.t0 : p->tokens;
     const int64_t heads = G - w.g0 < p->heads ? G - w.g0 : p->heads;
     /* each lane's position and first visible position; lanes without a row sit at 0 */
-    vi pos[VECS], lo[VECS];
+    vni pos[VECS], lo[VECS];
     for (int64_t i = 0; i < L; i++) {
         const int64_t g = i / p->tokens, t = i % p->tokens, used = g < heads && t < tokens;
         const float *row = p->q + (w.t0 + t) * p->q_stride + (w.kv_head * G + w.g0 + g) * D;
         for (int64_t d = 0; d < D; d++) qt[d * L + i] = used ? row[d] * p->scale : 0.0f;
         const int64_t at = used ? first + w.t0 + t : 0;
-        pos[i / LANES][i % LANES] = (int32_t)at;
-        lo[i / LANES][i % LANES] = p->window > 0 ? (int32_t)(at - p->window + 1) : 0;
+        pos[i / VL][i % VL] = (int32_t)at;
+        lo[i / VL][i % VL] = p->window > 0 ? (int32_t)(at - p->window + 1) : 0;
     }
     memset(ot, 0, sizeof(float) * D * L);
-    vf top[VECS], sum[VECS];
-    for (int v = 0; v < VECS; v++) top[v] = splat(MASKED), sum[v] = (vf){0};
+    vn top[VECS], sum[VECS];
+    for (int v = 0; v < VECS; v++) top[v] = vn_splat(MASKED), sum[v] = (vn){0};
     const int64_t last = first + w.t0 + tokens - 1; /* the furthest a row sees */
     /* the first key of the first row's window, and the last key every row's window holds */
     const int64_t begin = p->window > 0 && first + w.t0 >= p->window
@@ -166,31 +181,31 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
             values[j] = key_row(p, p->v_cache, l, w.kv_head);
         }
         const int masked = k0 + nk - 1 > first + w.t0 || k0 < shared_from;
-        vf tile_top[VECS];
+        vn tile_top[VECS];
         scores(p, keys, nk, qt, masked ? pos : NULL, lo, k0, st, tile_top);
         for (int v = 0; v < VECS; v++) {
-            const vi rises = tile_top[v] > top[v];
-            const vf old_top = top[v], new_top = blend(rises, tile_top[v], top[v]);
-            vf total = {0};
+            const vni rises = tile_top[v] > top[v];
+            const vn old_top = top[v], new_top = vn_blend(rises, tile_top[v], top[v]);
+            vn total = {0};
             for (int64_t j = 0; j < nk; j++) {
-                float *s = st + j * L + v * LANES;
-                vf e = vexp(load(s) - new_top);
-                if (masked) e = blend(hidden(pos[v], lo[v], k0 + j), (vf){0}, e);
-                store(s, e);
+                float *s = st + j * L + v * VL;
+                vn e = vn_exp(vn_load(s) - new_top);
+                if (masked) e = vn_blend(hidden(pos[v], lo[v], k0 + j), (vn){0}, e);
+                vn_store(s, e);
                 total += e;
             }
             top[v] = new_top;
             int any = 0; /* the rows' sums so far scale by e^(old top - new top) */
-            for (int t = 0; t < LANES; t++) any |= rises[t];
+            for (int t = 0; t < VL; t++) any |= rises[t];
             if (!any) {
                 sum[v] += total;
                 continue;
             }
-            const vf alpha = vexp(old_top - new_top);
+            const vn alpha = vn_exp(old_top - new_top);
             sum[v] = sum[v] * alpha + total;
             for (int64_t d = 0; d < D; d++) {
-                float *o = ot + d * L + v * LANES;
-                store(o, load(o) * alpha);
+                float *o = ot + d * L + v * VL;
+                vn_store(o, vn_load(o) * alpha);
             }
         }
         weigh(p, values, nk, st, ot);
@@ -199,7 +214,7 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
         const int64_t g = i / p->tokens, t = i % p->tokens;
         if (t >= tokens) continue;
         float *row = p->out + (w.t0 + t) * p->out_stride + (w.kv_head * G + w.g0 + g) * D;
-        const float inv = 1.0f / sum[i / LANES][i % LANES];
+        const float inv = 1.0f / sum[i / VL][i % VL];
         for (int64_t d = 0; d < D; d++) row[d] = ot[d * L + i] * inv;
     }
 }

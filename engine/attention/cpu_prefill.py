@@ -4,7 +4,6 @@ first use by ``engine/native.py``; ``prefill_kernel()`` is None where it cannot 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -71,8 +70,5 @@ class PrefillKernel:
         return out
 
 
-@functools.cache
-def prefill_kernel() -> PrefillKernel | None:
-    """The built kernel, or None when it cannot be built or loaded."""
-    lib = native.library()
-    return None if lib is None else PrefillKernel(lib)
+# the kernel of the ISA in use (engine/native.py), or None when it cannot be built or loaded
+prefill_kernel = native.per_isa(PrefillKernel)
