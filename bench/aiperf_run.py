@@ -94,16 +94,24 @@ def write_inputs(path: Path, requests: list[Request], tokenizer) -> None:
 
 
 def command(
-    aiperf: str, url: str, model: str, tokenizer_dir: Path, inputs: Path, out_dir: Path, slo: SLO
+    aiperf: str,
+    url: str,
+    model: str,
+    tokenizer_dir: Path,
+    inputs: Path,
+    out_dir: Path,
+    slo: SLO,
+    endpoint_type: str = "completions",
 ) -> list[str]:
-    """``aiperf profile`` on the completions endpoint, streaming, replaying ``inputs``
-    at their timestamps, goodput under ``slo``, artifacts into ``out_dir``."""
+    """``aiperf profile`` on the ``endpoint_type`` endpoint (``completions``, ``chat``),
+    streaming, replaying ``inputs`` at their timestamps, goodput under ``slo``,
+    artifacts into ``out_dir``."""
     goodput = f"time_to_first_token:{slo.ttft_ms:g} inter_token_latency:{slo.tpot_ms:g}"
     return [
         aiperf, "profile",
         "--model", model,
         "--url", url,
-        "--endpoint-type", "completions",
+        "--endpoint-type", endpoint_type,
         "--streaming",
         "--tokenizer", str(tokenizer_dir),
         "--input-file", str(inputs),

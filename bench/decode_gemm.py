@@ -1,4 +1,5 @@
-"""A decode step's projections on the embedded model, three ways in one process.
+"""A decode step's projections on the embedded model, three ways in one process, on the
+ISA of the kernels in use (engine/native.py; ``PDSERVE_CPU_ISA`` forces one).
 
     .venv/bin/python -m bench.decode_gemm [--rows 1,8,32,64] [--rounds 4]
 
@@ -19,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import LLM
+from engine import LLM, native
 from engine.cpu_gemm import PanelWeight, cpu_gemm
 
 
@@ -59,7 +60,10 @@ def main() -> None:
     for t in blocks + floats:
         t.panels  # noqa: B018 (packs them)
     f32_mb, blocks_mb = (sum(t.panels.nbytes for t in ts) / 1e6 for ts in (floats, blocks))
-    print(f"weights streamed a step: float32 panels {f32_mb:.0f} MB, blocks {blocks_mb:.0f} MB")
+    print(
+        f"kernels: {native.isa()}; weights streamed a step: float32 panels {f32_mb:.0f} MB, "
+        f"blocks {blocks_mb:.0f} MB"
+    )
     print("| rows | F.linear ms | panels f32 ms | panels blocks ms | blocks vs F.linear |")
     print("|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):

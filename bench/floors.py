@@ -31,4 +31,3 @@ def matmul_peak(n: int = 2048, dtype: torch.dtype = torch.float32, repeats: int 
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     seconds = best_of(lambda: torch.mm(a, b), repeats=repeats)
     return 2 * n**3 / seconds
-

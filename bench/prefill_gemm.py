@@ -1,29 +1,34 @@
-"""A prefill pass's projections on the embedded model, three ways in one process.
+"""A prefill pass's projections on the embedded model, each way the CPU allows, in one
+process, on the ISA of the kernels in use (engine/native.py; ``PDSERVE_CPU_ISA`` forces
+one, and for AVX2 cap torch's libraries the same way: bench/engine.py's LIBRARY_CAPS).
 
     .venv/bin/python -m bench.prefill_gemm [--rows 128,512,2048] [--rounds 3]
 
 The 120 layer projections of a pass (30 layers x qkv, o, gate_up, down; prefill takes
 the LM head for the last token only):
 - ``F.linear``: MKL on the checkpoint-layout weights, what HF transformers runs;
-- ``MKL packed``: MKL on weights packed once (``engine/mkl_packed.py``), the engine's
-  prefill GEMM where the CPU has no AMX;
-- ``AMX blocks``: ``engine/amx_gemm.c`` on the GGUF's Q4_1 blocks, each float32
-  product as three exact bfloat16 ones (the engine's default where the CPU has AMX).
-Best of ``--rounds`` rounds, the three taking turns within each round; GFLOP/s count
+- ``oneDNN packed``: torch's oneDNN linear on weights reordered once into its blocked
+  layout (``torch.ops.mkldnn._reorder_linear_weight``), the library a CPU engine would
+  take instead of its own kernel;
+- ``panels``: ``engine/cpu_gemm.c`` on the GGUF's Q4_1 blocks, the engine's path (on
+  CPUs with AMX, batches above 64 rows take ``AMX blocks`` instead);
+- ``AMX blocks``: ``engine/amx_gemm.c``, each float32 product as three exact bfloat16
+  ones, where the CPU has AMX.
+Best of ``--rounds`` rounds, the ways taking turns within each round; GFLOP/s count
 float32 multiply-adds (2 M N K).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from bench.decode_gemm import best_times
-from engine import LLM
+from engine import LLM, native
 from engine.amx_gemm import amx_gemm
+from engine.cpu_gemm import MAX_ROWS
 
 
 def main() -> None:
@@ -32,35 +37,58 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    amx = amx_gemm()
-    if amx is None:
-        sys.exit("no AMX on this machine (CPU, compiler or kernel): nothing to compare")
     model = LLM("smollm2-135m", num_kv_blocks=64).engine.model
-    names = ("qkv", "o", "gate_up", "down")
-    twins = [(layer.panels[n], layer.packed[n]) for layer in model.layers for n in names]
-    for panels, _ in twins:
-        panels.panels  # noqa: B018 (packs them)
+    twins = [layer.panels[n] for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]
+    amx = amx_gemm()
+    print(
+        f"kernels: {native.isa()}, AMX {'yes' if amx else 'no'}; torch {torch.__version__} "
+        f"({torch.backends.cpu.get_cpu_capability()})"
+    )
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(t.weight, 512) for t in twins]
     ways = {
-        "F.linear": [(p.in_features, lambda x, w=p.weight: F.linear(x, w)) for p, _ in twins],
-        "MKL packed": [(p.in_features, packed) for p, packed in twins],
-        "AMX blocks": [
-            (p.in_features, lambda x, p=p: amx(x, p.panels, p.format, p.out_features))
-            for p, _ in twins
+        "F.linear": [(t.in_features, lambda x, w=t.weight: F.linear(x, w)) for t in twins],
+        "oneDNN packed": [
+            (
+                t.in_features,
+                lambda x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+            )
+            for t, w in zip(twins, reordered, strict=True)
         ],
+        # the kernel itself, not AMX: where AMX takes these batches, its own row follows
+        "panels": [(t.in_features, lambda x, t=t: _panels_only(t, x)) for t in twins],
     }
-    head = ["rows", "F.linear ms", "MKL packed ms", "AMX blocks ms", "AMX GFLOP/s"]
-    print("| " + " | ".join(head + ["vs F.linear", "vs MKL packed"]) + " |")
-    print("|---|---|---|---|---|---|---|")
+    if amx is not None:
+        ways["AMX blocks"] = [
+            (t.in_features, lambda x, t=t: amx(x, t.panels, t.format, t.out_features))
+            for t in twins
+        ]
+    print(
+        "| rows | "
+        + " | ".join(f"{n} ms" for n in ways)
+        + " | panels GFLOP/s | "
+        + " | ".join(f"panels vs {n}" for n in ways if n != "panels")
+        + " |"
+    )
+    print("|---" * (2 * len(ways) + 1) + "|")
     for rows in map(int, args.rows.split(",")):
-        xs = {k: torch.randn(rows, k) for k in {p.in_features for p, _ in twins}}
+        xs = {k: torch.randn(rows, k) for k in {t.in_features for t in twins}}
         best = best_times(ways, xs, args.rounds)
-        f, m, a = (best[n] for n in ways)
-        flops = sum(2 * rows * p.in_features * p.out_features for p, _ in twins)
-        print(
-            f"| {rows} | {f * 1e3:.0f} | {m * 1e3:.0f} | {a * 1e3:.0f} | {flops / a / 1e9:.0f} "
-            f"| {f / a:.2f}x | {m / a:.2f}x |",
-            flush=True,
-        )
+        flops = sum(2 * rows * t.in_features * t.out_features for t in twins)
+        ours = best["panels"]
+        cells = [f"{best[n] * 1e3:.0f}" for n in ways] + [f"{flops / ours / 1e9:.0f}"]
+        cells += [f"{best[n] / ours:.2f}x" for n in ways if n != "panels"]
+        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _panels_only(twin, x: torch.Tensor) -> torch.Tensor:
+    """The panel kernel on any batch, bypassing AMX above ``MAX_ROWS`` rows."""
+    if x.shape[0] <= MAX_ROWS or twin.amx is None:
+        return twin(x)
+    amx, twin.amx = twin.amx, None
+    try:
+        return twin(x)
+    finally:
+        twin.amx = amx
 
 
 if __name__ == "__main__":

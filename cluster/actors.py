@@ -8,17 +8,29 @@ named ``<role>-<index>``; ranks 1..N-1 are the role's rank actors (``RankActor``
 that rank 0 gets their handles. They join one torch.distributed world whose store
 rank 0 serves on a port picked on the group's node, on the pool's interface
 (``kv["bind"]``, advertised as ``kv["advertise"]``: ``kv_transfer.protocol.endpoint``).
+
+``PDSERVE_CPU_ISA`` (engine/native.py), when the process that starts an instance has it,
+reaches every rank through the actors' ``runtime_env``: forcing the kernels' ISA where
+``pdserve up`` runs forces it in the instances, on every node.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from cluster.config import PoolConfig
 from cluster.instance_metrics import metered
 from cluster.placement_groups import create
 from cluster.ray_env import NAMESPACE
+
+
+def forwarded_env() -> dict:
+    """Actor options that pass on ``PDSERVE_CPU_ISA`` when this process has it."""
+    from engine.native import ENV
+
+    return {"runtime_env": {"env_vars": {ENV: os.environ[ENV]}}} if os.environ.get(ENV) else {}
 
 
 @dataclass
@@ -105,6 +117,7 @@ def start_instance(
         resources=dict(pool.resources.custom),
         max_restarts=0,
         max_concurrency=8,
+        **forwarded_env(),
     )
     setup = () if role == "colocated" else (kv,)  # kv["bind"], ["advertise"]: every role
     worker_cls, extra = classes[role], {}

@@ -80,7 +80,7 @@ def show_stats(args: argparse.Namespace) -> int:
         print(
             f"  {i.name}: queued {i.queued}, running {i.running}, outstanding {i.outstanding}, "
             f"blocks free {i.free_blocks}/{i.total_blocks}, requests {i.requests_total}, "
-            f"tokens {i.tokens_total}"
+            f"tokens {i.tokens_total}, kernels {i.kernels}"
         )
     return 0
 

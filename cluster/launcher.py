@@ -189,14 +189,16 @@ def kv_secret(secret_file: str | None) -> bytes:
 def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
+    from cluster.actors import forwarded_env
     from cluster.placement_groups import PlacementError
     from cluster.supervisor import Supervisor
     from router.replicas import replica_name
     from router.server import RouterServer
 
     config = cluster.config
-    # the router and the supervisor on the driver's node (no CPU reserved)
-    options = dict(namespace=NAMESPACE, num_cpus=0)
+    # the router and the supervisor on the driver's node (no CPU reserved); the
+    # supervisor restarts instances, so it passes PDSERVE_CPU_ISA on as the launcher does
+    options = dict(namespace=NAMESPACE, num_cpus=0, **forwarded_env())
     if not str(config.ray.address or "").startswith("ray://"):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

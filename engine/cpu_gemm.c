@@ -33,11 +33,12 @@
  *     whole panel, and each block's q are widened to floats in registers as they
  *     arrive;
  *   - tiled (larger M): a thread expands CHUNK k of a panel into floats in L1 once,
- *     then runs tiles of TILE_M rows over them: per k, PANEL_VECS vector loads and
- *     TILE_M broadcasts feed TILE_M * PANEL_VECS multiply-adds. The accumulators of
- *     all M rows wait in the thread's scratch between chunks, and reach y when the
- *     panel is done. While the tiles pass over a chunk they pull the same rows of the
- *     next panel into L2.
+ *     then runs tiles of TILE_M rows over them: per k, TILE_VECS vector loads and
+ *     TILE_M broadcasts feed TILE_M * TILE_VECS multiply-adds. The accumulators of
+ *     the rows wait in the thread's scratch between chunks, and reach y when the panel
+ *     is done. Rows go ROW_BLOCK at a time through every panel, so that their x and
+ *     accumulators stay in L2. While the tiles pass over a chunk they pull the same
+ *     rows of the next panel into L2.
  * Threads take contiguous runs of panels.
  */
 #include <math.h>
@@ -64,6 +65,7 @@
 #error "a panel is whole column groups, and direct_rows takes at most 4 rows"
 #endif
 /* k rows of a panel a thread expands at a time (in L1); a multiple of QBLOCK */
+
 #define CHUNK 128
 /* below this many multiply-adds one thread does the whole product */
 #define PARALLEL_WORK (1 << 18)
@@ -266,7 +268,7 @@ static inline __attribute__((always_inline)) void tile(struct tile_args t, const
 }
 
 /* all M rows against kn rows of a panel, a column group at a time; tile i pulls
- * vector i % TILE_VECS of the group's rows of the next panel (when not NULL) into L2 */
+ * vector i of the group's rows of the next panel (when not NULL) into L2 */
 static void chunk_rows(struct tile_args t, int64_t M, bool first, const float *next) {
     for (int g = 0; g < PANEL_VECS; g += TILE_VECS) {
         struct tile_args u = {t.x, t.rows + g * VL, t.acc + g * VL, t.ldx, t.kn};
@@ -324,8 +326,12 @@ static void expand(int format, const uint8_t *src, int64_t kn, float *dst,
     }
 }
 
+/* rows of a block: the tiled path takes the rows ROW_BLOCK at a time, every panel for
+ * each block, so that a block's x and accumulators stay in L2 while the panels pass */
+#define ROW_BLOCK 256
+
 int64_t gemm_scratch_floats(int64_t M, int num_threads) {
-    return num_threads * (CHUNK + M) * PANEL;
+    return num_threads * (CHUNK + (M < ROW_BLOCK ? M : ROW_BLOCK)) * PANEL;
 }
 
 /* acc[M][PANEL] -> columns p * PANEL .. of y (those below N) */
@@ -340,16 +346,40 @@ static void store_panel(const float *acc, float *y, int64_t ldy, int64_t p, int6
             memcpy(y + i * ldy + n, acc + i * PANEL, sizeof(float) * cols);
 }
 
+/* The tiled path for rows x[0 .. M - 1] (M <= ROW_BLOCK) against panel p: chunk by
+ * chunk of k, the panel expanded (Q4 / Q8) or read in place (F32), into acc, then y. */
+static void tiled_panel(const float *x, int64_t ldx, const uint8_t *base, int format, float *y,
+                        int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p, int64_t count,
+                        float *chunk, float *acc) {
+    const int64_t bytes = gemm_panel_bytes(format, K), block = gemm_panel_bytes(format, QBLOCK);
+    const uint8_t *src = base + p * bytes;
+    const uint8_t *next = p + 1 < count ? src + bytes : NULL;
+    for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
+        const int64_t kn = K - k0 < CHUNK ? K - k0 : CHUNK;
+        struct tile_args t = {x + k0, NULL, acc, ldx, kn};
+        const float *ahead = NULL;
+        if (format == PANELS_F32) {
+            t.rows = (const float *)src + k0 * PANEL;
+            ahead = next == NULL ? NULL : (const float *)next + k0 * PANEL;
+        } else {
+            const int64_t at = k0 / QBLOCK * block;
+            expand(format, src + at, kn, chunk, next == NULL ? NULL : next + at);
+            t.rows = chunk;
+        }
+        chunk_rows(t, M, k0 == 0, ahead);
+    }
+    store_panel(acc, y, ldy, p, M, N);
+}
+
 void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format, float *y,
                     int64_t ldy, int64_t M, int64_t N, int64_t K, float *scratch,
                     int num_threads) {
     const int64_t count = (N + PANEL - 1) / PANEL, bytes = gemm_panel_bytes(format, K);
-    const int64_t block = gemm_panel_bytes(format, QBLOCK);
     const uint8_t *base = (const uint8_t *)panels;
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_WORK)
     {
         float *chunk = scratch + gemm_scratch_floats(M, 1) * omp_get_thread_num();
-        float *acc = chunk + CHUNK * PANEL; /* [M][PANEL] */
+        float *acc = chunk + CHUNK * PANEL; /* [min(M, ROW_BLOCK)][PANEL] */
         if (M <= DIRECT_M) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < count; p++) {
@@ -357,25 +387,12 @@ void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format,
                 store_panel(acc, y, ldy, p, M, N);
             }
         } else {
+            for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+                const int64_t rows = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < count; p++) {
-                const uint8_t *src = base + p * bytes;
-                const uint8_t *next = p + 1 < count ? src + bytes : NULL;
-                for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
-                    const int64_t kn = K - k0 < CHUNK ? K - k0 : CHUNK;
-                    struct tile_args t = {x + k0, NULL, acc, ldx, kn};
-                    const float *ahead = NULL;
-                    if (format == PANELS_F32) {
-                        t.rows = (const float *)src + k0 * PANEL;
-                        ahead = next == NULL ? NULL : (const float *)next + k0 * PANEL;
-                    } else {
-                        const int64_t at = k0 / QBLOCK * block;
-                        expand(format, src + at, kn, chunk, next == NULL ? NULL : next + at);
-                        t.rows = chunk;
-                    }
-                    chunk_rows(t, M, k0 == 0, ahead);
-                }
-                store_panel(acc, y, ldy, p, M, N);
+                for (int64_t p = 0; p < count; p++)
+                    tiled_panel(x + r0 * ldx, ldx, base, format, y + r0 * ldy, ldy, rows, N, K,
+                                p, count, chunk, acc);
             }
         }
     }

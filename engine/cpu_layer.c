@@ -8,6 +8,8 @@
  *   h, residual --add+RMS norm--> x --gate_up--> silu(g) * u --down--> out (decode_mlp_f32)
  *
  * with residual_out = h + residual (h itself when residual is NULL, the first layer).
+ * Without tensor parallelism nothing happens between the halves, and decode_layers_f32
+ * runs every layer of the stack in one call.
  * The kernels are the ones the torch path calls one by one (cpu_gemm.c, cpu_ops.c,
  * attention/cpu_decode.c): the same arithmetic, without a Python call and a tensor per
  * op. Shapes are this rank's (tensor-parallel shards); every row is contiguous.
@@ -102,4 +104,20 @@ void decode_mlp_f32(const struct decode_layer *l, const struct decode_batch *b, 
                    b->num_threads);
     silu_mul_f32(gate_up, 2 * I, act, B, I, b->num_threads);
     gemm_panel_f32(act, I, l->down, l->down_format, out, H, B, H, I, g, b->num_threads);
+}
+
+/* All n layers of a single-rank model on h [B, hidden], in place: h becomes the last
+ * layer's output and residual [B, hidden] its residual stream, as n pairs of the calls
+ * above would leave them; tmp holds 2 x B x hidden floats. Returns 0, or -1 as
+ * decode_attention_f32. */
+int decode_layers_f32(const struct decode_layer *layers, int64_t n, const struct decode_batch *b,
+                      float *h, float *residual, float *tmp) {
+    const int64_t size = b->num_seqs * layers[0].hidden;
+    float *attended = tmp, *stream = tmp + size;
+    for (int64_t i = 0; i < n; i++) {
+        if (decode_attention_f32(layers + i, b, h, i == 0 ? NULL : residual, attended, stream))
+            return -1;
+        decode_mlp_f32(layers + i, b, attended, stream, h, residual);
+    }
+    return 0;
 }

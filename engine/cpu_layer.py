@@ -68,6 +68,10 @@ class CpuDecodeLayers:
         self.model = model
         self._attention = lib.decode_attention_f32
         self._mlp = lib.decode_mlp_f32
+        self._stack = lib.decode_layers_f32
+        self._stack.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.POINTER(_Batch)]
+        self._stack.argtypes += [_P] * 3
+        self._stack.restype = ctypes.c_int
         self._scratch_floats = lib.decode_scratch_floats
         self._scratch_floats.restype = ctypes.c_int64
         for fn in (self._attention, self._mlp):
@@ -76,6 +80,7 @@ class CpuDecodeLayers:
         self._attention.restype = ctypes.c_int
         self._mlp.restype = None
         self.layers: list[_Layer] = []
+        self.stack = None  # the layers as one C array (decode_layers_f32)
         self.scratch = torch.empty(0)
 
     @staticmethod
@@ -101,6 +106,7 @@ class CpuDecodeLayers:
             return None
         if not self.layers or self.layers[0].k != kv_caches[0][0].data_ptr():
             self.layers = [self._layer(i, k, v) for i, (k, v) in enumerate(kv_caches)]
+            self.stack = (_Layer * len(self.layers))(*self.layers)
         b = meta.num_seqs
         threads = torch.get_num_threads()
         need = self._scratch_floats(ctypes.byref(self.layers[0]), b, threads)
@@ -122,6 +128,19 @@ class CpuDecodeLayers:
             threads,
         )
         return DecodeStep(batch, (positions, meta.slot_mapping, cos, sin, tables, lens))
+
+    def forward_all(self, step: DecodeStep, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer on h [B, hidden] in one C call (one rank only: no all-reduce between
+        the halves) -> (h, residual) as ``forward`` over the layers in turn."""
+        h, residual = h.clone(), torch.empty_like(h)
+        tmp = h.new_empty(2, *h.shape)
+        rc = self._stack(
+            self.stack, len(self.layers), ctypes.byref(step.batch), h.data_ptr(),
+            residual.data_ptr(), tmp.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("decode_layers_f32: could not allocate its score buffers")
+        return h, residual
 
     def forward(self, i: int, step: DecodeStep, h: torch.Tensor, residual, tp):
         """Layer ``i`` on hidden states h [B, hidden] -> (h, residual) as the torch layer."""

@@ -160,6 +160,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
         self.lm_head = nn.Parameter(torch.empty(v1 - v0, cfg.hidden_size, dtype=dtype))
         self.lm_head_panels: PanelWeight | None = None  # prepare_weights
+        self.kernels: str | None = None  # prepare_weights
         self.requires_grad_(False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos", cos, persistent=False)
@@ -198,7 +199,11 @@ class LlamaModel(nn.Module):
             rope = self.ops.rope(positions, self.cos, self.sin)
             if self.cfg.local_rope is not None:
                 local = self.ops.rope(positions, self.cos_local, self.sin_local)
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = enumerate(zip(self.layers, kv_caches, strict=True))
+        if step is not None and self.tp.size == 1 and on_layer is None:
+            h, residual = self.cpu_decode.forward_all(step, h)
+            layers = iter(())  # every layer ran in that call
+        for i, (layer, cache) in layers:
             if step is not None:
                 h, residual = self.cpu_decode.forward(i, step, h, residual, self.tp)
             else:
@@ -231,6 +236,9 @@ class LlamaModel(nn.Module):
         use for the C kernel (whose panels of blocks also serve prefill on AMX). Called
         once after loading."""
         kernel, amx = cpu_gemm(), amx_gemm()
+        # the ISA of the C kernels the projections run on, or None (plain torch)
+        runs_c = kernel is not None and CpuGemm.supports(self.lm_head)
+        self.kernels = kernel.isa if runs_c else None
         for owner in self._projection_owners():
             for name in owner.projections:
                 weight = prepare(getattr(owner, name).data)

@@ -406,5 +406,7 @@ class EngineWorker:
             "prefix_cache_hits_total": s.num_hit_tokens,
             "prefix_cached_blocks": self.engine.blocks.num_cached_blocks,
             "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
+            # the ISA of its CPU kernels (engine/native.py), or "torch" without them
+            "kernels": self.engine.model.kernels or "torch",
             **self._totals,
         }

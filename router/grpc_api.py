@@ -64,6 +64,7 @@ _STAT_FIELDS = (
     "requests_total",
     "tokens_total",
     "steps_total",
+    "kernels",
 )
 
 

@@ -23,8 +23,7 @@
  * rows broadcast against st. Keys are taken in tiles of KEYS; a tile that reaches past
  * a row's position, or before its window, is masked there (keys past the context are
  * masked the same way). The products run in register tiles of KEY_ROWS keys (or
- * DIM_ROWS value columns) by GROUP_VECS of the lane vectors: 4 x 6 accumulators with
- * AVX-512's 32 registers, 4 x 3 with AVX2's 16.
+ * DIM_ROWS value columns) by GROUP_VECS of the lane vectors.
  *
  * Layouts: q and out rows of num_heads * head_dim floats, q_stride and out_stride
  * floats apart; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
@@ -35,16 +34,24 @@
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
 
-#define LANES_PER_TASK 96             /* query rows of a task */
-#define VECS (LANES_PER_TASK / VL)      /* native vectors of a task */
+/* A task's query rows (LANES_PER_TASK: VECS native vectors) and its tiles of keys
+ * (KEYS); the register tiles: KEY_ROWS keys (scores) or DIM_ROWS value columns (sums)
+ * broadcast against GROUP_VECS lane vectors, 24 accumulators with AVX-512's 32
+ * registers, 8 with AVX2's 16. Eight keys a tile load each query vector once for eight
+ * multiply-adds, where four left the loop waiting on loads. AVX2's task is half
+ * AVX-512's, so that its transposed queries, scores and sums stay in L1. */
 #if VL == 16
-#define GROUP_VECS 6                    /* lane vectors of a register tile */
-#else
+#define LANES_PER_TASK 96
 #define GROUP_VECS 3
+#define KEYS 128
+#else
+#define LANES_PER_TASK 48
+#define GROUP_VECS 1
+#define KEYS 64
 #endif
-#define KEYS 64                         /* keys per tile */
-#define KEY_ROWS 4                      /* keys a score tile broadcasts */
-#define DIM_ROWS 4                      /* value columns a weighing tile broadcasts */
+#define VECS (LANES_PER_TASK / VL)
+#define KEY_ROWS 8
+#define DIM_ROWS 8
 _Static_assert(KEYS % KEY_ROWS == 0, "a tile of keys is whole score tiles");
 _Static_assert(VECS % GROUP_VECS == 0, "a task is whole register tiles");
 #define MASKED (-1e30f)

@@ -167,6 +167,26 @@ def test_32_concurrent_requests_equal_offline(
         client.close()
 
 
+def test_every_isa_serves_the_offline_tokens(isa, chat_model, on_shared_ray):
+    """With PDSERVE_CPU_ISA forced (tests/conftest.py isa), the instances run that ISA's
+    kernels (they say so in the router's stats) and the cluster's greedy tokens are the
+    offline engine's on the same ISA."""
+    from cluster import launch
+
+    work = workload(8, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work]
+    want = [o.token_ids for o in LLM(chat_model).generate([ids for ids, _ in work], params)]
+    with launch(disagg_config(chat_model, "gloo", True, 1)) as cluster:
+        client = cluster.client()
+        streams = run_concurrently(client, work)
+        assert [[t for c in chunks for t in c.token_ids] for chunks in streams] == want
+        stats = client.stats()
+        assert {i.kernels for i in stats.instances} == {isa}, stats
+        assert wait_until(lambda: all_blocks_free(client.stats()), 10), client.stats()
+        check_pools(cluster)
+        client.close()
+
+
 def test_a_queued_prefill_never_expires_its_lease(chat_model, on_shared_ray):
     """48 long prompts at once on one prefill instance with a small token budget: most
     wait in its queue several times kv_transfer.lease_s, with their decode blocks reserved.
