@@ -3,7 +3,7 @@ on this machine, the ratios printed (docs/benchmarks.md, "pdserve against vLLM C
 
     .venv/bin/python -m bench.peers --vllm-venv /work/vllm-venv \\
         --aiperf /work/aiperf-venv/bin/aiperf [--offline-only | --served-only] \\
-        [--rates 0.5,1,2,4] [--duration 40] [--llama-cpp-venv PATH] [--out peers-report/]
+        [--rates 0.5,1,2,4,6] [--duration 40] [--llama-cpp-venv PATH] [--out peers-report/]
 
 Offline (``bench/peers_offline.py``, ``bench/peers_driver.py``): the same fresh prompts
 through vLLM's ``LLM.generate`` and pdserve's ``engine.LLM.generate`` (and
@@ -15,8 +15,9 @@ pdserve co-located (1 instance of 2 CPUs, 2 instances of 1 CPU), one at a time, 
 driven by AIPerf with the same chat workload at every rate of the sweep. Then the
 tables, plots and ratios (``bench/peers_report.py``) into ``--out``.
 
-Before anything it measures the fp32 matmul peak; a figure past 3x what that peak allows
-(2 x params FLOPs a token), or a time that is not positive, is refused: exit status 3.
+Before anything it measures the float32 FMA peak (bench/limits.py); a figure past what
+that peak allows (2 x params FLOPs a token), or a time that is not positive, is refused:
+exit status 3.
 Exit status 2 when it cannot run (vLLM or AIPerf missing, a server or driver failing).
 """
 
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=128, help="offline decode context tokens")
     p.add_argument("--decode-steps", type=int, default=32, help="offline decode steps timed")
     p.add_argument("--repeats", type=int, default=3, help="offline alternating repetitions")
-    p.add_argument("--rates", type=floats, default=[0.5, 1.0, 2.0, 4.0], help="served req/s")
+    p.add_argument("--rates", type=floats, default=[0.5, 1.0, 2.0, 4.0, 6.0], help="served req/s")
     p.add_argument("--duration", type=float, default=40.0, help="served: s of arrivals a rate")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
@@ -134,23 +135,29 @@ def check_tools(args) -> list[str]:
 
 
 def machine(args, folder: Path) -> dict:
-    """The CPU, pdserve's kernel ISA, the fp32 matmul peak and the ceiling it sets."""
+    """The CPU, pdserve's kernel ISA, the float32 FMA peak (the newest ISA's vectors,
+    bench/limits.py; where the CPU has AMX, a third of the bfloat16 matmul peak if
+    higher: a float32 product as three bfloat16 ones) and the ceiling it sets."""
     import torch
 
     from bench.floors import matmul_peak
+    from bench.limits import fma_peak
     from engine import native
 
     torch.set_num_threads(args.threads)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     cpu, flags = cpu_facts(lscpu)
-    # the best of 10: a busy moment must not lower the ceiling below a real figure
-    peak, params = matmul_peak(repeats=10), matmul_params(folder)
+    isa = native.isa()
+    peak = fma_peak(native.supported()[-1], args.threads) if isa else matmul_peak(repeats=10)
+    if "amx_bf16" in native.cpu_flags():
+        peak = max(peak, matmul_peak(dtype=torch.bfloat16, repeats=20) / 3)
+    params = matmul_params(folder)
     return {
         "cpu": cpu,
         "flags": flags,
         "cpus": os.cpu_count(),
-        "isa": native.isa(),
-        "matmul_gflops": peak / 1e9,
+        "isa": isa,
+        "peak_gflops": peak / 1e9,
         "params": params,
         "ceiling_tok_s": ceiling_tok_s(peak, params),
     }
@@ -206,7 +213,7 @@ def run(args, log) -> dict:
     m = machine(args, folder)
     log(f"peers: CPU {m['cpu']}, {m['cpus']} CPUs, {m['flags']}; pdserve kernels: {m['isa']}")
     log(
-        f"peers: fp32 matmul {m['matmul_gflops']:.0f} GFLOP/s, {m['params'] / 1e6:.0f} M "
+        f"peers: float32 FMA peak {m['peak_gflops']:.0f} GFLOP/s, {m['params'] / 1e6:.0f} M "
         f"matmul weights: ceiling {m['ceiling_tok_s']:.0f} tok/s"
     )
     results: dict = {"machine": m, "skipped": {}}

@@ -18,7 +18,9 @@ from pathlib import Path
 
 VLLM = "vllm"
 SATURATED = 0.8
-CEILING_MARGIN = 3.0  # MKL's matmul is not the true peak on every CPU: only 3x it is impossible
+# a figure this far past the ceiling is refused; below it, the peak's own measurement (the
+# best of a few, on a shared machine) may have come out a little low
+CEILING_MARGIN = 1.05
 
 
 class Impossible(ValueError):
@@ -41,11 +43,10 @@ def matmul_params(folder: Path) -> int:
     return total
 
 
-def ceiling_tok_s(matmul_flops: float, params: int) -> float:
+def ceiling_tok_s(peak_flops: float, params: int) -> float:
     """Tokens/s no system can pass on this machine: each token costs at least
-    2 x params FLOPs, and ``CEILING_MARGIN`` x the measured matmul peak is the most a
-    CPU can do."""
-    return CEILING_MARGIN * matmul_flops / (2 * params)
+    2 x params FLOPs, at most ``peak_flops`` a second (``CEILING_MARGIN`` allowed)."""
+    return CEILING_MARGIN * peak_flops / (2 * params)
 
 
 def check_figure(what: str, tokens: int, seconds: float, ceiling: float) -> float:
@@ -57,7 +58,7 @@ def check_figure(what: str, tokens: int, seconds: float, ceiling: float) -> floa
     if rate > ceiling:
         raise Impossible(
             f"{what}: {rate:.0f} tok/s is past this machine's ceiling of {ceiling:.0f} tok/s "
-            f"({CEILING_MARGIN:g}x the measured matmul peak over 2 x params FLOPs per token): "
+            f"(the measured float32 FMA peak over 2 x params FLOPs per token): "
             "a cache served it or the timing is wrong"
         )
     return rate
@@ -193,7 +194,7 @@ def markdown(results: dict) -> str:
     parts = [
         "# pdserve against vLLM CPU (bench/peers.py)",
         f"CPU: {m['cpu']} ({m['cpus']} CPUs; {m['flags']}); pdserve kernels: {m['isa']}; "
-        f"fp32 matmul {m['matmul_gflops']:.0f} GFLOP/s; ceiling {m['ceiling_tok_s']:.0f} tok/s",
+        f"float32 FMA peak {m['peak_gflops']:.0f} GFLOP/s; ceiling {m['ceiling_tok_s']:.0f} tok/s",
     ]
     if results.get("offline"):
         parts += ["## Offline (best of the repetitions)", offline_table(results["offline"])]

@@ -45,6 +45,17 @@ static inline const float *row_at(struct cursor c, struct shape s, struct task w
                          s.head_dim;
 }
 
+/* Pulls the rows of heads h0 .. h0 + heads - 1 of the token one block after c (same
+ * slot) toward L2: the blocks of a sequence lie anywhere in the cache, so the hardware
+ * prefetcher, which follows addresses, stops at every block's end. */
+static inline void prefetch_next_block(struct cursor c, struct shape s, struct task w,
+                                       int64_t first, int64_t bytes) {
+    if ((c.block + 1) * s.block_size >= w.start + w.len) return;
+    c.block++;
+    const char *row = (const char *)(row_at(c, s, w) + first);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
+}
+
 static inline void advance(struct cursor *c, struct shape s) {
     if (++c->slot == s.block_size) c->slot = 0, c->block++;
 }
@@ -64,10 +75,13 @@ static void softmax_scores(const float *q, const float *k_cache, struct shape s,
         /* past the length, token l's row again: its scores are masked below */
         const float *k[VL];
         for (int64_t t = 0; t < VL; t++)
-            if (l + t < w.len)
-                k[t] = row_at(at, s, w), advance(&at, s);
-            else
+            if (l + t < w.len) {
+                k[t] = row_at(at, s, w);
+                prefetch_next_block(at, s, w, 0, w.heads * s.head_dim * 4);
+                advance(&at, s);
+            } else {
                 k[t] = k[0];
+            }
         for (int64_t r = 0; r < rows; r++) {
             const float *qr = q + r * s.head_dim;
             const int64_t head = r / s.group * s.head_dim;
@@ -121,6 +135,7 @@ static inline __attribute__((always_inline)) void weigh_tile(
     struct cursor at = first_token(v_cache, s, w);
     for (int64_t l = 0; l < w.len; l++, advance(&at, s)) {
         const float *v = row_at(at, s, w) + head * s.head_dim + c0 * VL;
+        prefetch_next_block(at, s, w, head * s.head_dim + c0 * VL, C * VL * 4);
         vn vv[WEIGH_C];
         for (int c = 0; c < C; c++) vv[c] = vn_load(v + c * VL);
         for (int i = 0; i < R; i++) {
