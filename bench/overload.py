@@ -100,9 +100,9 @@ def summarize(outcomes: list[Outcome], duration_s: float, slo: SLO) -> dict:
 
 
 def _plot(runs: dict[str, list[Outcome]], slo: SLO) -> bytes:
-    from bench.plots import _figure, _save
+    from bench.plots import figure, save
 
-    plt, fig, ax = _figure()
+    plt, fig, (ax,) = figure()
     for (label, outcomes), color in zip(runs.items(), ("tab:red", "tab:blue"), strict=False):
         served = [(o.sent_s, o.ttft_ms / 1e3) for o in outcomes if o.ttft_ms is not None]
         refused = [o.sent_s for o in outcomes if o.refused]
@@ -115,7 +115,7 @@ def _plot(runs: dict[str, list[Outcome]], slo: SLO) -> bytes:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("sent (s after the start)")
     ax.set_ylabel("TTFT (s)")
-    return _save(plt, fig, ax)
+    return save(plt, fig, ax)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,11 +10,12 @@ itl_p90_ms, good, goodput_req_s, errors, ...}]}``.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import struct
 from pathlib import Path
+
+from bench.plots import figure, save
 
 VLLM = "vllm"
 SATURATED = 0.8
@@ -213,30 +214,9 @@ def markdown(results: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def _figure(panels: int):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.2), dpi=100, squeeze=False)
-    return plt, fig, axes[0]
-
-
-def _save(plt, fig, axes) -> bytes:
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def latency_plot(served: dict, slo_ttft_ms: float, slo_itl_ms: float) -> bytes:
     """TTFT p50 and ITL p50 against the offered rate, a line per system, log scale."""
-    plt, fig, axes = _figure(2)
+    plt, fig, axes = figure(2)
     for ax, key, slo, title in (
         (axes[0], "ttft_p50_ms", slo_ttft_ms, "TTFT p50"),
         (axes[1], "itl_p50_ms", slo_itl_ms, "ITL p50"),
@@ -250,12 +230,12 @@ def latency_plot(served: dict, slo_ttft_ms: float, slo_itl_ms: float) -> bytes:
         ax.set_xlabel("offered requests / s")
         ax.set_ylabel("ms")
         ax.set_title(title)
-    return _save(plt, fig, axes)
+    return save(plt, fig, *axes)
 
 
 def completed_plot(served: dict) -> bytes:
     """Completed against offered requests/s, a line per system, and the diagonal."""
-    plt, fig, axes = _figure(1)
+    plt, fig, axes = figure(1)
     top = max((r["rate"] for s in served.values() for r in s["runs"]), default=1.0)
     axes[0].plot([0, top], [0, top], color="grey", linestyle=":", label="completed = offered")
     for name, system in served.items():
@@ -264,4 +244,4 @@ def completed_plot(served: dict) -> bytes:
     axes[0].set_xlabel("offered requests / s")
     axes[0].set_ylabel("completed requests / s")
     axes[0].set_title("throughput against load")
-    return _save(plt, fig, axes)
+    return save(plt, fig, *axes)

@@ -17,26 +17,30 @@ from __future__ import annotations
 import io
 
 
-def _figure():
+def figure(panels: int = 1):
+    """(pyplot, the figure, its axes): ``panels`` side by side, 6.4 x 4.2 in each, on the
+    Agg backend (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
-    return plt, fig, ax
+    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.2), dpi=100, squeeze=False)
+    return plt, fig, list(axes[0])
 
 
 def _png(plt, fig, ax, target: float) -> bytes:
     ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:.0%}")
     ax.set_ylim(-0.03, 1.03)
     ax.set_ylabel("SLO attainment")
-    return _save(plt, fig, ax)
+    return save(plt, fig, ax)
 
 
-def _save(plt, fig, ax) -> bytes:
-    ax.grid(alpha=0.3)
-    ax.legend()
+def save(plt, fig, *axes) -> bytes:
+    """The figure as PNG bytes, each of ``axes`` with a grid and a legend; closes it."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -45,7 +49,7 @@ def _save(plt, fig, ax) -> bytes:
 
 
 def attainment_vs_rate(results: dict) -> bytes:
-    plt, fig, ax = _figure()
+    plt, fig, (ax,) = figure()
     per_device = not results["same_devices"]
     for c in results["contenders"]:
         points = sorted((run["rate"], run["summary"]["attainment"]) for run in c["runs"])
@@ -58,7 +62,7 @@ def attainment_vs_rate(results: dict) -> bytes:
 
 
 def attainment_vs_slo_scale(results: dict) -> bytes:
-    plt, fig, ax = _figure()
+    plt, fig, (ax,) = figure()
     curve = results["slo_scale"]
     for name, values in curve["attainment"].items():
         ax.plot(curve["scales"], values, marker="o", label=name)
@@ -69,7 +73,7 @@ def attainment_vs_slo_scale(results: dict) -> bytes:
 
 
 def ttft_vs_rate(results: dict) -> bytes:
-    plt, fig, ax = _figure()
+    plt, fig, (ax,) = figure()
     for i, c in enumerate(results["contenders"]):
         runs = sorted(c["runs"], key=lambda run: run["rate"])
         color = f"C{i}"
@@ -85,11 +89,11 @@ def ttft_vs_rate(results: dict) -> bytes:
     ax.set_xlabel("requests / s")
     ax.set_ylabel("TTFT ms")
     ax.set_title("TTFT p50 and p90")
-    return _save(plt, fig, ax)
+    return save(plt, fig, ax)
 
 
 def tpot_cdf(results: dict) -> bytes:
-    plt, fig, ax = _figure()
+    plt, fig, (ax,) = figure()
     rate = max(results["rates"])
     for c in results["contenders"]:
         runs = [run for run in c["runs"] if run["rate"] == rate]
@@ -102,11 +106,11 @@ def tpot_cdf(results: dict) -> bytes:
     ax.set_xlabel("TPOT ms")
     ax.set_ylabel("share of requests")
     ax.set_title(f"TPOT distribution at {rate:g} requests / s")
-    return _save(plt, fig, ax)
+    return save(plt, fig, ax)
 
 
 def ttft_vs_prompt(results: dict) -> bytes:
-    plt, fig, ax = _figure()
+    plt, fig, (ax,) = figure()
     rate = max(results["rates"])
     for c in results["contenders"]:
         records = [r for run in c["runs"] if run["rate"] == rate for r in run["records"]]
@@ -119,4 +123,4 @@ def ttft_vs_prompt(results: dict) -> bytes:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT ms")
     ax.set_title(f"TTFT by prompt length at {rate:g} requests / s")
-    return _save(plt, fig, ax)
+    return save(plt, fig, ax)

@@ -20,6 +20,28 @@ enum { PANELS_F32, PANELS_Q4, PANELS_Q8 };
 #endif
 #define GEMM_PANEL (PANEL_VECS * VL)
 
+/* Value tiles of the decode attention kernels (attention/cpu_decode.c, cpu_latent.c): up
+ * to 4 rows by WEIGH_C native vectors, 16 accumulators with AVX-512, 8 with AVX2 (whose
+ * 16 registers also hold the value vectors and a broadcast). WEIGH_SWITCH(R, C) runs
+ * the including file's WEIGH(r, c) for the tile of R rows and C vectors, r and c
+ * constants in each case. */
+#if VL == 16
+#define WEIGH_C 4
+#else
+#define WEIGH_C 2
+#endif
+#if WEIGH_C == 4
+#define WEIGH_WIDE WEIGH(1, 3) WEIGH(1, 4) WEIGH(2, 3) WEIGH(2, 4) WEIGH(3, 3) WEIGH(3, 4) \
+                   WEIGH(4, 3) WEIGH(4, 4)
+#else
+#define WEIGH_WIDE
+#endif
+#define WEIGH_SWITCH(R, C)                                                                 \
+    switch (WEIGH_C * ((R) - 1) + (C) - 1) {                                              \
+        WEIGH(1, 1) WEIGH(1, 2) WEIGH(2, 1) WEIGH(2, 2) WEIGH(3, 1) WEIGH(3, 2) WEIGH(4, 1) \
+        WEIGH(4, 2) WEIGH_WIDE                                                            \
+    }
+
 /* the ISA this library was compiled for: "avx2", "avx512" or "amx" (cpu_vec.h) */
 const char *kernels_isa(void);
 

@@ -115,14 +115,6 @@ static void softmax_scores(const float *q, const float *k_cache, struct shape s,
     }
 }
 
-/* value tiles: up to 4 rows by WEIGH_C native vectors of head_dim (AVX2 keeps its 16
- * registers for 8 accumulators, 2 value vectors and a broadcast) */
-#if VL == 16
-#define WEIGH_C 4
-#else
-#define WEIGH_C 2
-#endif
-
 /* Rows r0 .. r0 + R - 1 of one KV head (their probabilities p, padded apart) times its
  * value rows, over vectors c0 .. c0 + C - 1 of head_dim: R * C accumulators in
  * registers across all the tokens. */
@@ -148,7 +140,7 @@ static inline __attribute__((always_inline)) void weigh_tile(
 }
 
 #define WEIGH(R, C) \
-    case WEIGH_C * (R - 1) + C - 1: weigh_tile(p, v_cache, s, w, head, c0, o, R, C); break;
+    case WEIGH_C * ((R) - 1) + (C) - 1: weigh_tile(p, v_cache, s, w, head, c0, o, R, C); break;
 
 /* out: each row's probabilities times the value rows of its KV head, in tiles of up to
  * 4 rows by WEIGH_C vectors */
@@ -163,14 +155,7 @@ static void weigh_values(const float *scores, const float *v_cache, struct shape
                 float *o = out + r * s.head_dim;
                 const int R = s.group - g < 4 ? (int)(s.group - g) : 4;
                 const int C = chunks - c0 < WEIGH_C ? (int)(chunks - c0) : WEIGH_C;
-                switch (WEIGH_C * (R - 1) + C - 1) {
-                    WEIGH(1, 1) WEIGH(1, 2) WEIGH(2, 1) WEIGH(2, 2)
-                    WEIGH(3, 1) WEIGH(3, 2) WEIGH(4, 1) WEIGH(4, 2)
-#if WEIGH_C == 4
-                    WEIGH(1, 3) WEIGH(1, 4) WEIGH(2, 3) WEIGH(2, 4)
-                    WEIGH(3, 3) WEIGH(3, 4) WEIGH(4, 3) WEIGH(4, 4)
-#endif
-                }
+                WEIGH_SWITCH(R, C)
             }
 }
 

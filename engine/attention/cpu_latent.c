@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 #define MIN_SPAN 256 /* tokens: shorter spans cost more to merge than they save */
@@ -106,14 +107,6 @@ static void exp_rows(float *scores, const struct span *w, int64_t rows, float *t
     }
 }
 
-/* value tiles: up to 4 rows by WEIGH_C native vectors of dc (AVX2 keeps its 16
- * registers for 8 accumulators, 2 latent vectors and a broadcast) */
-#if VL == 16
-#define WEIGH_C 4
-#else
-#define WEIGH_C 2
-#endif
-
 /* Rows g0 .. g0 + R - 1 (weights p, padded apart) times the latent rows of tokens
  * l0 .. l1 - 1, over vectors k0 .. k0 + C - 1 of dc: R * C accumulators in registers,
  * added to out (set instead for the first tokens, l0 = 0). */
@@ -138,7 +131,7 @@ static inline __attribute__((always_inline)) void weigh_tile(
 }
 
 #define WEIGH(R, C) \
-    case WEIGH_C * (R - 1) + C - 1: weigh_tile(p, L, w, l0, l1, k0, o, R, C); break;
+    case WEIGH_C * ((R) - 1) + (C) - 1: weigh_tile(p, L, w, l0, l1, k0, o, R, C); break;
 
 /* out[g] (rows dc apart) = sum over the span of weights[g, l] * c[l, :dc], WEIGH_TOKENS
  * tokens at a time (their latent rows stay in cache for all the tiles), in tiles of up
@@ -154,14 +147,7 @@ static void weigh_latent(const float *weights, const struct latent *L, const str
                 float *o = out + g * L->dc;
                 const int R = L->group - g < 4 ? (int)(L->group - g) : 4;
                 const int C = chunks - k0 < WEIGH_C ? (int)(chunks - k0) : WEIGH_C;
-                switch (WEIGH_C * (R - 1) + C - 1) {
-                    WEIGH(1, 1) WEIGH(1, 2) WEIGH(2, 1) WEIGH(2, 2)
-                    WEIGH(3, 1) WEIGH(3, 2) WEIGH(4, 1) WEIGH(4, 2)
-#if WEIGH_C == 4
-                    WEIGH(1, 3) WEIGH(1, 4) WEIGH(2, 3) WEIGH(2, 4)
-                    WEIGH(3, 3) WEIGH(3, 4) WEIGH(4, 3) WEIGH(4, 4)
-#endif
-                }
+                WEIGH_SWITCH(R, C)
             }
     }
 }
