@@ -245,9 +245,10 @@ def test_driver_measures_fresh_prompts_by_one_definition():
     args = argparse.Namespace(max_id=300, context=8, steps=4)
     got = measure(generate, "decode 3", 0, args)
     assert got["tokens"] == 12 and got["seconds"] == got["tn"] - got["t1"]
-    (first, one), (more, many) = calls
-    assert (one, many, len(first), len(more)) == (1, 5, 3, 3)
-    assert not {tuple(p) for p in first} & {tuple(p) for p in more}  # no prompt seen twice
+    (first, one), (more, many), (again, once) = calls
+    assert (one, many, once, len(first), len(more), len(again)) == (1, 5, 1, 3, 3, 3)
+    seen = [{tuple(p) for p in batch} for batch in (first, more, again)]
+    assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])  # none twice
     assert prompt(8, "decode 3/0/first/0", 300) == first[0]  # the same ids in every process
     assert all(100 <= t < 300 for p in first for t in p)
     with pytest.raises(RuntimeError, match="asked 1 tokens"):
@@ -267,7 +268,7 @@ def test_pdserve_driver_on_the_tiny_model_and_a_refused_figure(chat_model, tmp_p
             "--context",
             "16",
             "--decode-steps",
-            "4",
+            "16",
             "--repeats",
             "2",
         ]
