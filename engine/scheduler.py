@@ -219,6 +219,11 @@ class Scheduler:
         while not self.blocks.can_allocate(request.request_id, total):
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
+                if self._held_outside(request):
+                    # blocks reserved for KV arriving from elsewhere come back as those
+                    # requests land and end: this one waits for them, it is not too long
+                    self._preempt(request, batch)
+                    return False
                 self.running.pop()
                 batch.out_of_cache.append(request)
                 return False
@@ -227,6 +232,12 @@ class Scheduler:
                 return False
         self.blocks.allocate(request.request_id, total)
         return True
+
+    def _held_outside(self, request: Request) -> bool:
+        """Whether owners other than ``request`` (the only running one) hold blocks: the
+        reservations of requests whose KV is on its way (``LLMEngine.add_prefilled``)."""
+        rid = request.request_id
+        return any(self.blocks.num_held(o) for o in self.blocks.tables if o != rid)
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         self.running.remove(request)

@@ -72,6 +72,30 @@ def test_preemption_happens_with_small_cache(reference):
     assert all(r.finish_reason == "length" for r in requests)
 
 
+def test_blocks_reserved_for_arriving_kv_make_a_request_wait_not_end(reference):
+    """A running request that cannot grow because blocks are reserved for KV on its way
+    (a decode instance's reservation: an owner outside the scheduler) is preempted and
+    waits; it is not finished as too long for the cache. Once the reservation is
+    released it resumes and its output is the ample-cache output."""
+    path, prompts, expected = reference
+    i = next(i for i, p in enumerate(prompts) if 16 < len(p) <= 48)  # 2-3 blocks + 24
+    engine = LLMEngine(path, EngineConfig(max_batch_tokens=64, num_kv_blocks=8, block_size=16))
+    request = engine.add_request("r", prompts[i], GREEDY)
+    engine.step()  # its prompt in one chunk
+    engine.blocks.allocate("arriving", 16 * engine.blocks.num_free_blocks)  # every free block
+    made = list(request.output_token_ids)
+    while request.status.name == "RUNNING":
+        engine.step()
+    assert request.finish_reason is None and request.num_preemptions == 1
+    assert engine.has_unfinished_requests()
+    engine.blocks.free("arriving")  # the reservation ends (its request landed and left)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.blocks.check_integrity()
+    assert made and request.output_token_ids == expected[i]
+    assert engine.blocks.num_free_blocks == 8
+
+
 def test_abort_frees_blocks(reference):
     path, prompts, _ = reference
     engine = LLMEngine(path, EngineConfig(max_batch_tokens=32, num_kv_blocks=64))
