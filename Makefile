@@ -1,7 +1,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint bench
+.PHONY: setup run test test-fast lint bench
 
 setup: $(VENV)/.installed
 
@@ -18,6 +18,10 @@ lint: setup
 
 test: lint
 	$(BIN)/pytest -q
+
+# the inner loop: no clusters, routers, peer processes nor HF oracles (tests/conftest.py)
+test-fast: lint
+	$(BIN)/pytest -q -m "not heavy" -n 2 --dist load
 
 bench: setup
 	$(BIN)/python -m bench.engine

@@ -42,7 +42,30 @@ def isa(request, monkeypatch):
     return name
 
 
+# Test files that start other processes (a Ray cluster, a router, gloo or gRPC peers, a
+# CLI) or load HF transformers' models as the logits oracle: marked ``heavy``, which
+# ``make test-fast`` (-m "not heavy") leaves out. Every file of tests/cluster/ is heavy.
+HEAVY = {
+    "tests/bench": ["test_compare", "test_endpoint", "test_multiturn", "test_peers",
+                    "test_ray_calls", "test_router_replicas", "test_runner",
+                    "test_served_step", "test_serving_overhead"],
+    "tests/kv_transfer": ["test_closed", "test_handoff", "test_integrity"],
+    "tests/planner": ["test_served"],
+    "tests/router": ["test_admission", "test_cancellation", "test_front_ends", "test_fuzz",
+                     "test_http_api", "test_imports", "test_logprobs", "test_openai_api",
+                     "test_router_limits", "test_router_security", "test_streaming"],
+    "tests": ["test_cli", "test_hf_parity", "test_resume", "test_resume_workers",
+              "test_tensor_parallel"],
+}  # fmt: skip
+_HEAVY_FILES = {f"{d}/{name}.py" for d, names in HEAVY.items() for name in names}
+
+
 def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        if path.startswith("tests/cluster/") or path in _HEAVY_FILES:
+            item.add_marker(pytest.mark.heavy)
     if os.environ.get("PDSERVE_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: set PDSERVE_SLOW=1 to run")
