@@ -203,6 +203,13 @@ class RouterConfig:
     migration_limit: int = spec(
         2, at_least(0), "times a request moves to another instance when its instance dies"
     )
+    stall_timeout_s: float = spec(
+        180.0,
+        seconds,
+        "a placed request that makes no progress this long (no token, no handoff step, no "
+        "instance to continue on after a migration) ends with an error naming what it "
+        "waited for; above the supervisor's slowest detection (step_timeout_s) + migration",
+    )
     api_key_file: str | None = spec(
         None, readable_file, "file of API keys, one a line (null: no authentication)"
     )

@@ -31,6 +31,7 @@ from router.prefill_costs import CostModel
 from router.replicas import Peers, Replica, merge_stats
 from router.request import GenerateRequest, Refusal, Refused
 from router.request_log import log_request
+from router.stall import StallWatch
 from router.stream import Delta, RequestStream
 from router.validation import ModelLimits, RequestValidator
 
@@ -81,6 +82,7 @@ class RouterCore:
         ]
         self.by_name = {i.name: i for i in self.instances}
         self.migration_limit: int = router_config["migration_limit"]
+        self.stalls = StallWatch(router_config["stall_timeout_s"], self._stalled)
         self.on_health = lambda serving: None  # the owner's: called when ``serving`` flips
         self._serving = False
         share = replica.share
@@ -148,6 +150,7 @@ class RouterCore:
         )
         for inst in self.instances:
             inst.start_feed(self._on_updates, self._on_dead)
+        self.stalls.start(self.streams)
         self._health_changed()
         return infos
 
@@ -165,12 +168,15 @@ class RouterCore:
         self._instance_failed(inst, why, restarting)
 
     def readmit(self, name: str, generation: int, handle, info: dict) -> None:
-        """A restarted instance is ready: back in routing."""
+        """A restarted instance is ready: back in routing. What the old incarnation left
+        held here ends as its failure ended the rest (``on_dead`` is idempotent)."""
         inst = self.by_name[name]
         if generation <= inst.generation:
             return
         if inst.dead is None:  # the supervisor replaced it before this router saw it fail
             self._instance_failed(inst, f"instance {name} was replaced", restarting=True)
+        elif inst.streams:
+            self.after_updates(self.placement.on_dead(inst))
         inst.readmit(handle, generation, info)
         inst.start_feed(self._on_updates, self._on_dead)
         self._health_changed()
@@ -208,6 +214,7 @@ class RouterCore:
         stream.attempt += 1
         self.metrics.migrated()
         stream.avoid.update(stream.pair)
+        stream.waits_for(f"an instance to continue on (attempt {stream.attempt} ended: {why})")
         self.requeue(stream)
         return True
 
@@ -229,6 +236,7 @@ class RouterCore:
         return len(left)
 
     async def stop(self) -> None:
+        await self.stalls.stop()
         for inst in self.instances:
             await inst.stop_feed()
         self.intake.close()
@@ -354,6 +362,12 @@ class RouterCore:
         if self.streams.get(stream.request_id) is stream and not stream.finished:
             stream.deliver(Delta([], "", refused=refused))
             self.cancel(stream)
+
+    def _stalled(self, stream: RequestStream, why: str) -> None:
+        """No progress past ``router.stall_timeout_s`` (router/stall.py): the stream ends
+        with an error naming what it waited for, and is taken out of its instances."""
+        stream.deliver(Delta([], "", "error", why))
+        self.cancel(stream)
 
     def abort(self, request_id: str, owner: str = "") -> bool:
         """End a request in flight with finish reason ``abort``; False when none has that

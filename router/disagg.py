@@ -16,6 +16,11 @@ the attempt on both instances and migrates the request (``RouterCore.migrate``):
 attempt on another pair when there is one, re-prefilling prompt + the tokens the client
 already has, up to ``router.migration_limit`` times. Once the decode instance streams
 tokens, the prefill instance's failure no longer concerns the request.
+
+Every path that ends an attempt (an error update, an instance's death, a failed or
+refused reservation, a cancel) names the attempt it concerns and acts only through
+``Placement.retire``: a decode instance that dies while its reservation is pending is
+reported twice (its death, then the reservation's failure) and migrates its request once.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class Disaggregated(Placement):
             decode=decode.name,
         )
         stream.pair = (prefill.name, decode.name)
+        stream.waits_for(f"{decode.name} to reserve blocks for the KV")
         decode.hold(stream)
         prefill.hold(stream)
         stream.prefill_cost = len(stream.prompt_ids) + len(stream.token_ids)
@@ -102,20 +108,24 @@ class Disaggregated(Placement):
         try:
             destination = await decode.reserve(attempt)
         except Exception as e:  # the decode instance died or refused the request
-            self._end_attempt(stream, f"decode instance {decode.name}: {e}", retryable=True)
+            why = f"decode instance {decode.name}: {e}"
+            self._end_attempt(stream, attempt.id, why, retryable=True)
             self.router.after_updates([stream] if stream.finished else [])
             return
-        if stream.attempt_id != attempt.id or attempt.id not in decode.streams:
-            if destination is not None:  # cancelled while reserving
+        if stream.attempt_id != attempt.id:  # ended meanwhile (cancelled, a peer failed)
+            if destination is not None:
                 decode.abort([attempt.id])
             return
         if destination is None:  # no room after all: back to the head of the queue
-            self._drop(stream, abort=False)
+            self.retire(stream, attempt.id)
+            self._drop(stream, attempt.id, abort=False)
             decode.refused = True
+            stream.waits_for(f"a decode instance with room ({decode.name} refused)")
             self.router.requeue(stream)
             return
         stream.sent_to(prefill.name)
         stream.sent_to(decode.name)
+        stream.waits_for(f"{prefill.name} to compute the prompt and send its KV to {decode.name}")
         prefill.prefill(replace(attempt, destination=destination))
 
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]:
@@ -126,54 +136,68 @@ class Disaggregated(Placement):
                 continue  # an abandoned attempt, or aborted meanwhile
             stream.info.update(u.info)
             if u.error is not None:
-                self._end_attempt(stream, u.error, u.retryable, reported_by=inst)
+                self._end_attempt(stream, u.request_id, u.error, u.retryable, reported_by=inst)
                 if stream.finished:
                     ended.append(stream)
                 continue
             if self.prefills_for(inst, stream):
                 if u.handed_off:
-                    self._release_prefill(inst, stream)
+                    self._release_prefill(inst, stream, u.request_id)
                 continue
-            stream.landed = True
+            if not stream.landed:
+                stream.landed = True
+                stream.waits_for(f"tokens from {inst.name}")
             stream.deliver(Delta(u.token_ids, u.text, u.finish_reason, logprobs=u.logprobs))
             if u.finish_reason is not None:
-                inst.release(stream)
+                inst.release(u.request_id)
                 ended.append(stream)
         return ended
 
     def on_dead(self, inst: Instance) -> list[RequestStream]:
         ended = []
-        for stream in list(inst.streams.values()):
-            self._end_attempt(stream, inst.dead, retryable=True, reported_by=inst)
+        for attempt_id, stream in list(inst.streams.items()):
+            self._end_attempt(stream, attempt_id, inst.dead, retryable=True, reported_by=inst)
             if stream.finished:
                 ended.append(stream)
         return ended
 
     def cancel(self, stream: RequestStream) -> None:
-        self._drop(stream, abort=True)
+        attempt_id = stream.attempt_id
+        if self.retire(stream, attempt_id):
+            self._drop(stream, attempt_id, abort=True)
 
     def _end_attempt(
-        self, stream: RequestStream, error: str, retryable: bool, reported_by=None
+        self,
+        stream: RequestStream,
+        attempt_id: str,
+        error: str,
+        retryable: bool,
+        reported_by: Instance | None = None,
     ) -> None:
-        """The attempt failed: drop it everywhere, then migrate the request or fail it.
-        Once the decode instance streams tokens, its KV has landed: a failure reported by
-        the prefill instance (a lost acknowledgement, its death) no longer concerns it."""
-        if reported_by is not None:  # it already dropped the attempt itself
-            self._release(reported_by, stream)
-            if self.prefills_for(reported_by, stream) and stream.landed:
+        """Attempt ``attempt_id`` failed (``reported_by``, when given, forgets it): if it
+        is still current (``retire``), drop it everywhere, then migrate the request or
+        fail it; a report of an attempt no longer current does nothing more. Once the
+        decode instance streams tokens, its KV has landed: a failure reported by the
+        prefill instance (a lost acknowledgement, its death) no longer concerns it, and
+        only that instance's hold goes."""
+        current = stream.attempt_id == attempt_id
+        if reported_by is not None:  # it dropped the attempt itself (or is dead): no abort
+            self._release(reported_by, stream, attempt_id)
+            if current and self.prefills_for(reported_by, stream) and stream.landed:
                 log.warning("request %s: %s (after its KV landed)", stream.request_id, error)
                 return
-        self._drop(stream, abort=True)
+        if not self.retire(stream, attempt_id):
+            return
+        self._drop(stream, attempt_id, abort=True)
         if retryable:
             self.router.migrate(stream, error)
         else:
             stream.deliver(Delta([], "", "error", error))
 
-    def _drop(self, stream: RequestStream, abort: bool) -> None:
+    def _drop(self, stream: RequestStream, attempt_id: str, abort: bool) -> None:
+        """Every instance forgets the (retired) attempt; with ``abort`` it frees its blocks."""
         for inst in self.instances:
-            if self.prefills_for(inst, stream) and stream.attempt_id in inst.streams:
-                inst.load.prefill_tokens -= stream.prefill_cost
-            inst.release(stream, abort=abort)
+            self._release(inst, stream, attempt_id, abort)
 
     @staticmethod
     def prefills_for(inst: Instance, stream: RequestStream) -> bool:
@@ -181,12 +205,16 @@ class Disaggregated(Placement):
         prefill instance, or a peer decode instance (hybrid mode, router/hybrid.py)."""
         return len(stream.pair) == 2 and stream.pair[0] == inst.name
 
-    def _release(self, inst: Instance, stream: RequestStream) -> None:
+    def _release(
+        self, inst: Instance, stream: RequestStream, attempt_id: str, abort: bool = False
+    ) -> None:
         if self.prefills_for(inst, stream):
-            self._release_prefill(inst, stream)
+            self._release_prefill(inst, stream, attempt_id, abort)
         else:
-            inst.release(stream)
+            inst.release(attempt_id, abort)
 
-    def _release_prefill(self, inst: Instance, stream: RequestStream) -> None:
-        if inst.release(stream):
+    def _release_prefill(
+        self, inst: Instance, stream: RequestStream, attempt_id: str, abort: bool = False
+    ) -> None:
+        if inst.release(attempt_id, abort):
             inst.load.prefill_tokens -= stream.prefill_cost

@@ -108,6 +108,7 @@ class Hybrid(Disaggregated):
         decode.load.prefill_tokens += tokens
         self._local[attempt.id] = (decode, tokens)
         stream.sent_to(decode.name)
+        stream.waits_for(f"tokens from {decode.name} (it computes the prompt)")
         decode.add(attempt)
 
     def on_updates(self, inst: Instance, updates: list) -> list[RequestStream]:
@@ -121,9 +122,9 @@ class Hybrid(Disaggregated):
                     self.costs.observe_transfer(u.info["kv_bytes"], u.info["transfer_s"])
         return super().on_updates(inst, updates)
 
-    def _drop(self, stream: RequestStream, abort: bool) -> None:
-        self._prompt_done(stream.attempt_id)
-        super()._drop(stream, abort)
+    def _drop(self, stream: RequestStream, attempt_id: str, abort: bool) -> None:
+        self._prompt_done(attempt_id)
+        super()._drop(stream, attempt_id, abort)
 
     def _prompt_done(self, attempt_id: str) -> None:
         """A local attempt's prompt no longer waits on its decode instance."""

@@ -100,20 +100,20 @@ class Instance:
         return self.info
 
     def hold(self, stream: RequestStream) -> None:
-        """The instance now holds (part of) this request."""
+        """The instance now holds (part of) this request's current attempt."""
         self.streams[stream.attempt_id] = stream
         self.load.outstanding += 1
         self.placed_since_frame += 1
         self.requests_total += 1
 
-    def release(self, stream: RequestStream, abort: bool = False) -> bool:
-        """Forget the request (and with ``abort``, have the instance drop it and free its
+    def release(self, attempt_id: str, abort: bool = False) -> bool:
+        """Forget the attempt (and with ``abort``, have the instance drop it and free its
         blocks); False when the instance did not hold it."""
-        if self.streams.pop(stream.attempt_id, None) is None:
+        if self.streams.pop(attempt_id, None) is None:
             return False
         self.load.outstanding -= 1
         if abort:
-            self.abort([stream.attempt_id])
+            self.abort([attempt_id])
         return True
 
     def add(self, attempt: Attempt) -> None:
@@ -178,8 +178,8 @@ class Instance:
         log.error("%s (generation %d)", why, self.generation)
 
     def readmit(self, handle, generation: int, info: dict) -> None:
-        """A new incarnation answered ``ready()``: back in routing, with nothing held."""
-        assert not self.streams, f"{self.name}: readmitted while holding {list(self.streams)}"
+        """A new incarnation answered ``ready()``: back in routing, with nothing held (the
+        placement ended the old incarnation's attempts first, ``RouterCore.readmit``)."""
         self.handle, self.generation, self.info = handle, generation, info
         self.dead, self.restarting, self.refused = None, False, False
         self.load.outstanding = self.load.running = self.load.queued = 0

@@ -28,8 +28,17 @@ class Placement(ABC):
     of every instance holding it, which frees its KV blocks there; ``on_updates``
     routes one frame's updates to their streams and returns those that ended;
     ``on_dead`` deals with the requests a failed instance held (each migrates, through
-    ``router.migrate``, or ends) and returns those that ended. A stream that ends gets a
-    final ``Delta`` (finish reason or error).
+    ``router.migrate``, or ends) and returns those that ended; it is idempotent (a second
+    call for the same incarnation finds nothing held). A stream that ends gets a final
+    ``Delta`` (finish reason or error).
+
+    Attempts are handled once: ``retire`` is the one place that decides whether an
+    attempt is its stream's current one, and every path that fails, migrates, requeues
+    or drops an attempt acts only when it returns True (the first report of a failure
+    wins; a second report of the same attempt, say its instance's death and then its
+    failed reservation, finds it retired and does nothing). Invariant: an instance holds
+    (``Instance.streams``) only a current attempt, or the prefill side of a finished one
+    until its handoff is acknowledged.
     """
 
     def __init__(self, router, instances: list[Instance], policy: RoutingPolicy):
@@ -64,6 +73,16 @@ class Placement(ABC):
             **fields,
         )
 
+    @staticmethod
+    def retire(stream: RequestStream, attempt_id: str) -> bool:
+        """True, once, when ``attempt_id`` is ``stream``'s current attempt: from then on it
+        is not (``stream.attempt_id`` is empty until the next ``attempt``), so whichever
+        path reports its end first handles it and every later report is a no-op."""
+        if not attempt_id or stream.attempt_id != attempt_id:
+            return False
+        stream.attempt_id = ""
+        return True
+
     def loads(self, stream: RequestStream, candidates: list[Instance]) -> list[InstanceLoad]:
         """The candidates' loads for ``policy.choose``; for a policy that ``uses_cache``,
         each with ``hit_tokens``: the leading prompt blocks its prefix cache holds (as the
@@ -87,16 +106,20 @@ class Placement(ABC):
     def place(self, stream: RequestStream) -> None: ...
 
     def cancel(self, stream: RequestStream) -> None:
-        for inst in self.instances:
-            inst.release(stream, abort=True)
+        attempt_id = stream.attempt_id
+        if self.retire(stream, attempt_id):
+            for inst in self.instances:
+                inst.release(attempt_id, abort=True)
 
     @abstractmethod
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]: ...
 
     def on_dead(self, inst: Instance) -> list[RequestStream]:
         ended = []
-        for stream in list(inst.streams.values()):
-            self.cancel(stream)
+        for held, stream in list(inst.streams.items()):
+            inst.release(held)
+            if not self.retire(stream, held):
+                continue
             if not self.router.migrate(stream, inst.dead):
                 ended.append(stream)
         return ended
@@ -117,6 +140,7 @@ class Colocated(Placement):
         stream.pair = (inst.name,)
         inst.hold(stream)
         stream.sent_to(inst.name)
+        stream.waits_for(f"tokens from {inst.name}")
         inst.add(attempt)
 
     def on_updates(self, inst: Instance, updates: list[Update]) -> list[RequestStream]:
@@ -130,6 +154,7 @@ class Colocated(Placement):
                 Delta(u.token_ids, u.text, u.finish_reason, u.error, logprobs=u.logprobs)
             )
             if u.final:
-                inst.release(stream)
+                inst.release(u.request_id)
+                self.retire(stream, u.request_id)
                 finished.append(stream)
         return finished

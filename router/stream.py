@@ -117,7 +117,9 @@ class RequestStream:
     timers: list[asyncio.TimerHandle] = field(default_factory=list)  # the core's deadlines
     on_first_token: Callable[[], None] | None = None  # the core's load estimate
     _delivered: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # waiting set
-    # placement: the id the instances know this attempt by, and the attempt's history
+    # placement: the id the instances know the current attempt by ("" while none is
+    # current: queued, or its attempt ended; router/placement.py ``retire``), and the
+    # attempts' history
     attempt_id: str = ""
     attempt: int = 0
     pair: tuple[str, ...] = ()
@@ -132,11 +134,20 @@ class RequestStream:
     token_ids: list[int] = field(default_factory=list)
     text_chars: int = 0
     info: dict = field(default_factory=dict)  # what the instances reported (phases, KV)
+    # progress (router/stall.py): what the placed stream waits for now ("" before its
+    # first placement: the admission queue's timeout bounds that wait) and since when
+    waiting_for: str = ""
+    progress_at: float = 0.0
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)  # by block size
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def waits_for(self, what: str) -> None:
+        """The stream made progress and now waits for ``what`` (a phrase naming the
+        instance and the event: "decode-0 to reserve blocks for the KV")."""
+        self.waiting_for, self.progress_at = what, time.monotonic()
 
     def sent_to(self, instance: str) -> None:
         self.instances.append(instance)
@@ -153,7 +164,7 @@ class RequestStream:
                 self.first_token_at = now
                 if self.on_first_token is not None:
                     self.on_first_token()
-            self.last_token_at = now
+            self.last_token_at = self.progress_at = now
             self.token_ids += delta.token_ids
             self.token_walls += [time.time()] * len(delta.token_ids)
         if delta.last:

@@ -49,6 +49,11 @@ BROKEN = [
         "router.queue_timeout_s",
     ),
     (
+        "zero stall timeout",
+        "model: MODEL\nrouter: {stall_timeout_s: 0}\n",
+        "router.stall_timeout_s",
+    ),
+    (
         "no concurrent requests",
         "model: MODEL\nrouter: {max_concurrent_requests: 0}\n",
         "router.max_concurrent_requests",
