@@ -82,17 +82,25 @@ class GrpcReceiver(KVReceiver):
 
     backend = "grpc"
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, port: int = 0,
-                 workers: int = 32, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_cache: torch.Tensor,
+        *,
+        port: int = 0,
+        workers: int = 32,
+        **kwargs,
+    ):
         super().__init__(layout, kv_cache, **kwargs)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-grpc"),
             options=CHANNEL_OPTIONS,
         )
         handler = grpc.stream_unary_rpc_method_handler(
-            self._push, request_deserializer=decode_chunk,
+            self._push,
+            request_deserializer=decode_chunk,
             response_serializer=pb.PushAck.SerializeToString,
-        )  # fmt: skip
+        )
         self._server.add_generic_rpc_handlers(
             (
                 grpc.method_handlers_generic_handler(
@@ -123,9 +131,13 @@ class GrpcReceiver(KVReceiver):
                 if key is None:
                     if problem := self._unproven(head):
                         self.refused += 1
-                        log.warning("KV receiver %s: push from %s refused (%d so far): %s",
-                                    self._address, context.peer(), self.refused,
-                                    problem)  # fmt: skip
+                        log.warning(
+                            "KV receiver %s: push from %s refused (%d so far): %s",
+                            self._address,
+                            context.peer(),
+                            self.refused,
+                            problem,
+                        )
                         return pb.PushAck(status=int(Status.REJECTED), message=problem)
                     key, layout = (
                         transfer_key(head.transfer_id),

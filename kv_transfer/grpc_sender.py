@@ -126,8 +126,9 @@ class GrpcSender(KVSender):
     device_type = None  # any: device memory goes through host bytes
     outgoing = GrpcOutgoing
 
-    def __init__(self, layout: KVLayout, *, chunk_bytes=1 << 20, max_queued_bytes=256 << 20,
-                 **kwargs):  # fmt: skip
+    def __init__(
+        self, layout: KVLayout, *, chunk_bytes=1 << 20, max_queued_bytes=256 << 20, **kwargs
+    ):
         super().__init__(layout, **kwargs)
         if chunk_bytes > MAX_MESSAGE - (1 << 16):
             raise ValueError(f"chunk_bytes={chunk_bytes} exceeds the message limit")
@@ -176,8 +177,9 @@ class GrpcSender(KVSender):
             head.transfer_id, head.sender, head.nonce = t.dst.token, self.name, auth.new_nonce()
             self.layout.to_proto(head.src_layout)
             layout = head.src_layout.SerializeToString(deterministic=True)
-            head.proof = auth.push_proof(self.secret, head.transfer_id, self.name, layout,
-                                         head.nonce)  # fmt: skip
+            head.proof = auth.push_proof(
+                self.secret, head.transfer_id, self.name, layout, head.nonce
+            )
         metas, parts, offset = [], [], 0
         for source, item in items:
             if source is None:  # the END
@@ -189,12 +191,19 @@ class GrpcSender(KVSender):
                 # partial heads, device memory, or blocks whose checksum words would not
                 # add up across pieces: gather first, then copy into bytes
                 device = source.layers[seg.layer][0].device
-                pieces = [torch.empty(source.shape(seg), dtype=self.layout.torch_dtype,
-                                      device=device) for _ in range(self.layout.parts)]  # fmt: skip
+                pieces = [
+                    torch.empty(source.shape(seg), dtype=self.layout.torch_dtype, device=device)
+                    for _ in range(self.layout.parts)
+                ]
                 source.gather(seg, pieces)
                 pieces = [p.cpu() for p in pieces]
-            meta = pb.KVChunkMeta(layer=seg.layer, block_offset=seg.start, num_blocks=seg.count,
-                                  head_start=seg.heads[0], head_end=seg.heads[1])  # fmt: skip
+            meta = pb.KVChunkMeta(
+                layer=seg.layer,
+                block_offset=seg.start,
+                num_blocks=seg.count,
+                head_start=seg.heads[0],
+                head_end=seg.heads[1],
+            )
             meta.offset = offset
             if self.checksum:
                 meta.has_checksum = True
@@ -212,11 +221,14 @@ class GrpcSender(KVSender):
                 reply = stream.future.result(timeout=timeout)
             except grpc.FutureTimeoutError as e:
                 stream.future.cancel()
-                raise KVTransferTimeout(f"KV transfer {t.transfer_id!r} to {address}: no "
-                                        f"acknowledgement within {timeout}s") from e  # fmt: skip
+                raise KVTransferTimeout(
+                    f"KV transfer {t.transfer_id!r} to {address}: no "
+                    f"acknowledgement within {timeout}s"
+                ) from e
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
-                raise KVPeerError(f"KV transfer {t.transfer_id!r} to {address} failed: "
-                                  f"{_rpc_text(e)}") from e  # fmt: skip
+                raise KVPeerError(
+                    f"KV transfer {t.transfer_id!r} to {address} failed: {_rpc_text(e)}"
+                ) from e
             acks.append(Ack(address, Status(reply.status), reply.message))
         return acks
 

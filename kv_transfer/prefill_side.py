@@ -65,9 +65,13 @@ class PrefillSide:
         self.name, self.engine, self.layout = name, engine, layout
         self.ranks, self.post = ranks, post
         self.sender = get_transport(kv_config["backend"]).sender(
-            layout, secret=kv_config["secret"], bind=kv_config["bind"],
-            advertise=kv_config["advertise"], checksum=kv_config["checksum"], name=name,
-        )  # fmt: skip
+            layout,
+            secret=kv_config["secret"],
+            bind=kv_config["bind"],
+            advertise=kv_config["advertise"],
+            checksum=kv_config["checksum"],
+            name=name,
+        )
         self.layerwise = kv_config["layerwise"]
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self.jobs: dict[str, Job] = {}
@@ -77,9 +81,14 @@ class PrefillSide:
         """Queue ``attempt``'s prompt as a hand-off request bound for
         ``attempt.destination``; ValueError (nothing kept) when either is refused."""
         dst = KVDestination.from_bytes(attempt.destination)
-        self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params,
-                                attempt.delivered, attempt.delivered_chars,
-                                hand_off=True)  # fmt: skip
+        self.engine.add_request(
+            attempt.id,
+            list(attempt.prompt_ids),
+            attempt.params,
+            attempt.delivered,
+            attempt.delivered_chars,
+            hand_off=True,
+        )
         self.jobs[attempt.id] = Job(attempt, dst)
 
     def owns(self, request_id: str) -> bool:
@@ -153,8 +162,9 @@ class PrefillSide:
             return [Update(tid, error=p.error, retryable=True)]
         if not self.layerwise:
             kv, dst = self.engine.runner.kv_cache, job.destination
-            self._send(job, lambda: self.sender.send_all(tid, kv, dst.source_blocks(p.block_ids),
-                                                         dst))  # fmt: skip
+            self._send(
+                job, lambda: self.sender.send_all(tid, kv, dst.source_blocks(p.block_ids), dst)
+            )
         times = {**p.times, "transfer_start": job.transfer_start or time.time()}
         lp = p.logprobs  # the first token's, when the request asked
         first = () if lp is None else (lp.logprob, lp.top_ids, lp.top_logprobs)

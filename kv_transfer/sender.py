@@ -74,9 +74,18 @@ class KVSender(ABC):
     device_type: str | None = "cpu"  # the caches it sends from (None: any device)
     outgoing = Outgoing
 
-    def __init__(self, layout: KVLayout, *, secret: bytes, bind: str | None = None,
-                 advertise: str | None = None, checksum=False, name: str | None = None,
-                 part_bytes=4 << 20, min_run=4):  # fmt: skip
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        secret: bytes,
+        bind: str | None = None,
+        advertise: str | None = None,
+        checksum=False,
+        name: str | None = None,
+        part_bytes=4 << 20,
+        min_run=4,
+    ):
         """``secret``: the cluster's (``kv_transfer/auth.py``); ``bind``/``advertise``:
         this worker's interface and address (``protocol.endpoint``), for a backend whose
         sending side listens too (gloo's pair device, on ``advertise``)."""
@@ -98,8 +107,9 @@ class KVSender(ABC):
         layers = [(layer, k_cache, v_cache)]
         return self.send_layers(transfer_id, layers, src_block_ids, dst, block_offset)
 
-    def send_latent_layer(self, transfer_id, layer, latent_cache, src_block_ids, dst,
-                          block_offset=0):  # fmt: skip
+    def send_latent_layer(
+        self, transfer_id, layer, latent_cache, src_block_ids, dst, block_offset=0
+    ):
         """A latent layout's ``send_layer``: ``latent_cache`` is the layer's ``[blocks,
         block_size, local latent heads * head_dim + rope_dim]`` view of the rank's cache."""
         layers = [(layer, latent_cache)]
@@ -123,9 +133,11 @@ class KVSender(ABC):
             self._check_cache(kv_cache)
         want = 1 + self.layout.parts
         if bad := [len(entry) for entry in layers if len(entry) != want]:
-            raise KVLayoutError(f"a layer to send has {bad[0] - 1} cache tensors; a "
-                                f"{self.layout.kind!r} layout sends {want - 1} per layer "
-                                "(send_layer for kv, send_latent_layer for latent)")  # fmt: skip
+            raise KVLayoutError(
+                f"a layer to send has {bad[0] - 1} cache tensors; a "
+                f"{self.layout.kind!r} layout sends {want - 1} per layer "
+                "(send_layer for kv, send_latent_layer for latent)"
+            )
         units = [(n, *(self._unit_part(c) for c in caches)) for n, *caches in layers]
         cache = None if kv_cache is None else self.layout.unit_view(kv_cache)
         return self._send_units(transfer_id, units, src_block_ids, dst, block_offset, cache)
@@ -147,8 +159,9 @@ class KVSender(ABC):
             # each position for every layer receiving it in turn (a sliding layer may
             # skip the leading blocks, KVDestination.layer_skip): backends copy such runs
             skips = {layer: dst.skip(layer) for layer in parts}
-            segments = plan_segments(ids, block_offset, skips, route.heads, max_blocks,
-                                     self.min_run)  # fmt: skip
+            segments = plan_segments(
+                ids, block_offset, skips, route.heads, max_blocks, self.min_run
+            )
             self._post(t, route, address, source, segments)
             t.segments[address] = t.segments.get(address, 0) + len(segments)
             sent += self.layout.parts * per_block * sum(s.count for s in segments)
@@ -232,13 +245,16 @@ class KVSender(ABC):
             if t is None:
                 self.layout.check_compatible(dst.layout)
                 if not dst.token:
-                    raise KVLayoutError(f"transfer {transfer_id!r}: the destination has no "
-                                        "token (KVReceiver.expect mints it)")  # fmt: skip
+                    raise KVLayoutError(
+                        f"transfer {transfer_id!r}: the destination has no "
+                        "token (KVReceiver.expect mints it)"
+                    )
                 t = self.outgoing(transfer_id, transfer_key(dst.token), dst)
                 self._transfers[transfer_id] = t
             elif t.dst != dst:
-                raise KVTransferError(f"transfer {transfer_id!r} already goes to "
-                                      f"{t.dst.addresses}: use another id")  # fmt: skip
+                raise KVTransferError(
+                    f"transfer {transfer_id!r} already goes to {t.dst.addresses}: use another id"
+                )
             return t
 
     def _check_blocks(self, t: Outgoing, ids: list[int], offset: int, layers) -> None:
@@ -277,8 +293,10 @@ class KVSender(ABC):
         want = lay.cache_shape(1)[3:] if lay.kind == "kv" else lay.cache_shape(1)[2:]
         what = "k_cache / v_cache" if lay.kind == "kv" else "latent_cache"
         if c.dim() != 1 + len(want) or tuple(c.shape[1:]) != want or c.dtype != lay.torch_dtype:
-            raise KVLayoutError(f"{what} is {tuple(c.shape)} {c.dtype}; this rank's layer "
-                                f"cache is {['blocks', *want]} {lay.dtype}")  # fmt: skip
+            raise KVLayoutError(
+                f"{what} is {tuple(c.shape)} {c.dtype}; this rank's layer "
+                f"cache is {['blocks', *want]} {lay.dtype}"
+            )
         self._check_memory(what, c)
         return c if lay.kind == "kv" else c.unsqueeze(-1)
 
@@ -291,5 +309,7 @@ class KVSender(ABC):
         if not c.is_contiguous():
             raise KVLayoutError(f"{name} must be contiguous (the cache or a layer view of it)")
         if self.device_type is not None and c.device.type != self.device_type:
-            raise KVLayoutError(f"{name} is on {c.device}; the {self.backend} backend sends "
-                                f"{self.device_type} tensors")  # fmt: skip
+            raise KVLayoutError(
+                f"{name} is on {c.device}; the {self.backend} backend sends "
+                f"{self.device_type} tensors"
+            )
