@@ -52,9 +52,12 @@ class EngineWorker:
     role = "colocated"
     # what a consumer may send up its feed (engine/feed.py): command -> the method applying it
     feed_commands = {"add": "add", "abort": "abort"}
-    # a role whose requests may hand off (engine/prefilled.py) gives the step's hook
-    # here and overrides ``_prefilled``
-    _last_chunk: LastChunkHook | None = None
+
+    @property
+    def _last_chunk(self) -> LastChunkHook | None:
+        """The step's hand-off hook (engine/prefilled.py): a role whose requests may hand
+        off overrides this and ``_prefilled``."""
+        return None
 
     def __init__(
         self,

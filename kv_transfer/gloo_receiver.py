@@ -34,7 +34,7 @@ from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.gloo_wire import FOREVER, NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
 from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.receiver import KVReceiver
+from kv_transfer.receiver import Claim, KVReceiver
 from kv_transfer.segment import BufferPool, typed
 
 log = logging.getLogger(__name__)
@@ -238,8 +238,8 @@ class GlooReceiver(KVReceiver):
             raise RuntimeError(f"a pack of {size} bytes exceeds {self.pack_bytes}")
         pack = None
         if size:
-            buf = self.pool.take(size)
-            pack = (pair.pg.recv([buf[:size]], 0, wire.TAG_PACK), buf)
+            staging = self.pool.take(size)
+            pack = (pair.pg.recv([staging[:size]], 0, wire.TAG_PACK), staging)
         direct = [(seg, total) for seg, total, offset in rows if offset == NOT_PACKED]
         items = []
         if direct:
@@ -279,7 +279,8 @@ class GlooReceiver(KVReceiver):
         broken = False
         while (item := done.get()) is not None:
             if len(item) == 4:
-                broken = self._complete_batch(pair, *item, broken)
+                h, rows, pack, items = item
+                broken = self._complete_batch(pair, h, rows, pack, items, broken)
                 continue
             h, handoff = item
             if broken or (handoff is not None and not self._waited(handoff[0])):
@@ -304,7 +305,8 @@ class GlooReceiver(KVReceiver):
         if items:  # receives of one tag complete in order: the last one implies all
             ok = not broken and self._waited(items[-1][4][-1])
             broken = broken or not ok
-            landed, failed = [], []
+            landed: list[Claim] = []
+            failed: list[Claim] = []
             for claim, total, parts, buf, _ in items:
                 if claim is not None:
                     good = ok and (total is None or self.verify(claim, total, *parts))

@@ -96,7 +96,7 @@ class GlooOutgoing(Outgoing):
     aborted: bool = False
 
 
-class GlooSender(KVSender):
+class GlooSender(KVSender[GlooOutgoing]):
     """Prefill side over torch.distributed point-to-point (gloo on CPU)."""
 
     backend = "gloo"
@@ -248,7 +248,7 @@ class GlooSender(KVSender):
                 direct += list(parts) if offset == NOT_PACKED else []
             wire.put_row(h, i, seg, total, offset)
         hdr = torch.tensor(h, dtype=torch.int64, device=self.device_type)
-        messages = [(hdr, wire.TAG_HDR, None)]
+        messages: list[tuple[torch.Tensor, int, torch.Tensor | None]] = [(hdr, wire.TAG_HDR, None)]
         if pack is not None:
             messages.append((pack[: batch.pack_bytes], wire.TAG_PACK, pack))
         messages += [(part, wire.TAG_DATA, None) for part in direct]

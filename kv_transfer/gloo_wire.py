@@ -27,6 +27,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any, cast
 
 import torch
 
@@ -205,7 +206,8 @@ class GlooGroup:
     def make_group(store, rank: int, host: str, timeout: datetime.timedelta):
         from torch.distributed import ProcessGroupGloo
 
-        opts = ProcessGroupGloo._Options()
+        # the pybind options that take a device: torch's stubs declare another class
+        opts = cast(Any, ProcessGroupGloo)._Options()
         opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = timeout
         return ProcessGroupGloo(store, rank, 2, opts)

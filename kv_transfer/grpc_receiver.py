@@ -138,7 +138,7 @@ class GrpcReceiver(KVReceiver):
                             self.refused,
                             problem,
                         )
-                        return pb.PushAck(status=int(Status.REJECTED), message=problem)
+                        return pb.PushAck(status=Status.REJECTED.name, message=problem)
                     key, layout = (
                         transfer_key(head.transfer_id),
                         KVLayout.from_proto(head.src_layout),
@@ -154,7 +154,7 @@ class GrpcReceiver(KVReceiver):
         finally:  # a stream that ends without its END: the sender died, or gave up
             if key is not None and not ended:
                 self.link_lost(link, src, "the stream ended before its END")
-        return pb.PushAck(status=int(status), message=text)
+        return pb.PushAck(status=status.name, message=text)
 
     def _unproven(self, head: pb.KVChunk) -> str:
         """Why a stream's first message does not open a push ("" when it does)."""
@@ -188,7 +188,7 @@ class GrpcReceiver(KVReceiver):
             if meta.has_checksum and not self.verify(claims[0], meta.checksum, *parts):
                 return
             if self.kv_cache.device.type != "cpu":
-                parts = [p.to(self.kv_cache.device) for p in parts]
+                parts = tuple(p.to(self.kv_cache.device) for p in parts)
             self.write(claims[0], *parts)
             if self.kv_cache.device.type != "cpu":
                 torch.cuda.current_stream(self.kv_cache.device).synchronize()

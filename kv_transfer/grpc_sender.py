@@ -67,7 +67,8 @@ class PushStream:
         self.queue: collections.deque = collections.deque()
         self.queued, self.closed, self.failed = 0, False, None
         self.cond = threading.Condition()
-        self.future = None
+        # the call reading this stream, set by the sender right after it starts the call
+        self.future: grpc.Future[pb.PushAck]
 
     def put(self, item, size: int) -> None:
         with self.cond:
@@ -101,7 +102,8 @@ class PushStream:
                 self.cond.wait()
             if not self.queue:
                 raise StopIteration
-            items, size = [], 0
+            items: list[object] = []
+            size = 0
             while self.queue and (not items or size + self.queue[0][1] <= self.chunk):
                 item, n = self.queue.popleft()
                 items.append(item)
@@ -119,7 +121,7 @@ class GrpcOutgoing(Outgoing):
     opened: set[str] = field(default_factory=set)  # streams whose first message went
 
 
-class GrpcSender(KVSender):
+class GrpcSender(KVSender[GrpcOutgoing]):
     """Prefill side over gRPC streams."""
 
     backend = "grpc"
@@ -144,6 +146,7 @@ class GrpcSender(KVSender):
                     self._channels[address] = grpc.insecure_channel(
                         address, options=CHANNEL_OPTIONS
                     )
+                call: grpc.StreamUnaryMultiCallable[bytes, pb.PushAck]
                 call = self._channels[address].stream_unary(
                     METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString
                 )
@@ -153,7 +156,7 @@ class GrpcSender(KVSender):
                 lambda items: self._encode(t, address, items),
             )
             stream.future = call.future(stream)
-            stream.future.add_done_callback(lambda f, s=stream: s.fail(_rpc_error(f)))
+            stream.future.add_done_callback(lambda f: stream.fail(_rpc_error(f)))
         return stream
 
     def _part_limit(self, t, address, route) -> int:

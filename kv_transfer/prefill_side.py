@@ -31,11 +31,17 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.messages import Attempt, Update
-from engine.prefilled import Prefilled
+from engine.prefilled import LastChunkHook, Prefilled
 from kv_transfer import Handoff, KVDestination, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
+
+if TYPE_CHECKING:  # the mixin's host, for the checker: its attributes and ``super()``
+    from engine.worker import EngineWorker as _Host
+else:
+    _Host = object
 
 
 def ack_timeout_s(lease_s: float) -> float:
@@ -167,8 +173,15 @@ class PrefillSide:
             )
         times = {**p.times, "transfer_start": job.transfer_start or time.time()}
         lp = p.logprobs  # the first token's, when the request asked
-        first = () if lp is None else (lp.logprob, lp.top_ids, lp.top_logprobs)
-        handoff = Handoff(p.first_token, times, self.name, *first, cached_tokens=p.cached_tokens)
+        handoff = Handoff(
+            p.first_token,
+            times,
+            self.name,
+            first_logprob=None if lp is None else lp.logprob,
+            top_ids=() if lp is None else lp.top_ids,
+            top_logprobs=() if lp is None else lp.top_logprobs,
+            cached_tokens=p.cached_tokens,
+        )
         self._acks.submit(self._finish, job, handoff)
         return []
 
@@ -212,17 +225,19 @@ class PrefillSide:
         self.sender.close()
 
 
-class PrefillsForOthers:
+class PrefillsForOthers(_Host):
     """Mixed into an ``EngineWorker`` subclass (before it) whose ``_setup`` makes
     ``self.side``, a ``PrefillSide``: the ``prefill`` call, its ops on the step loop
     (``prefill``, ``acked``), the step's hand-offs and failures. A role with more
     requests of its own chains ``_owns`` and ``_abort`` to these."""
 
+    side: PrefillSide
+
     # the router sends ``prefill`` up the feed too
     feed_commands = {"add": "add", "prefill": "prefill", "abort": "abort"}
 
     @property
-    def _last_chunk(self):
+    def _last_chunk(self) -> LastChunkHook | None:
         """The step's hook while jobs are here; None otherwise, so that a decode
         instance's steps without one do no hand-off work (engine/prefilled.py)."""
         return self.side.on_last_chunk if self.side.jobs else None

@@ -66,11 +66,11 @@ def endpoint(bind: str | None = None, advertise: str | None = None) -> tuple[str
     ``bind`` None: this node's Ray address in a Ray worker, else loopback (the cluster
     passes 127.0.0.1 for an embedded Ray, cluster/supervisor.py). ``advertise`` None:
     ``bind``, or the node's Ray address when ``bind`` is a wildcard (0.0.0.0, ::)."""
-    node = None
-    if bind is None or (advertise is None and bind in WILDCARDS):
-        import ray
+    if bind is not None and (advertise is not None or bind not in WILDCARDS):
+        return bind, advertise or bind  # no node address needed
+    import ray
 
-        node = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    node: str = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
     bind = bind or node
     return bind, advertise or (node if bind in WILDCARDS else bind)
 

@@ -107,7 +107,8 @@ class Transfer:
 
     def __post_init__(self):
         self.rows = {key: i for i, key in enumerate(sorted(self.routes))}
-        self.sources = {src: [] for src, _ in sorted(self.routes)}  # source rank -> its rows
+        # source rank -> its rows
+        self.sources: dict[int, list[int]] = {src: [] for src, _ in sorted(self.routes)}
         for (src, _), row in self.rows.items():
             self.sources[src].append(row)
 
@@ -546,15 +547,15 @@ class KVReceiver:
                 while not self._events and not self._closed:
                     now = time.monotonic()
                     due = [
-                        t
+                        (t.deadline, t)
                         for t in self._by_id.values()
                         if t.state == State.RECEIVING and t.deadline is not None
                     ]
-                    for t in [t for t in due if t.deadline <= now]:
+                    for t in [t for at, t in due if at <= now]:
                         self._finish(t, State.EXPIRED, self._timeout(t, f"for {t.lease_s:g}s"))
                     if self._events:
                         break
-                    self._clock.wait(min((t.deadline - now for t in due), default=None))
+                    self._clock.wait(min((at - now for at, _ in due), default=None))
                 if self._closed:
                     return
                 events, self._events = list(self._events), deque()

@@ -18,6 +18,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -69,10 +70,13 @@ class Outgoing:
     buffers: list[torch.Tensor] = field(default_factory=list)  # pooled, returned at the end
 
 
-class KVSender(ABC):
+OutgoingT = TypeVar("OutgoingT", bound=Outgoing)
+
+
+class KVSender(ABC, Generic[OutgoingT]):
     backend = ""
     device_type: str | None = "cpu"  # the caches it sends from (None: any device)
-    outgoing = Outgoing
+    outgoing: type[OutgoingT]  # a backend's transfer state
 
     def __init__(
         self,
@@ -97,7 +101,7 @@ class KVSender(ABC):
         self.min_run = min_run
         self.pool = BufferPool(self.device_type or "cpu")
         self._lock = threading.Lock()
-        self._transfers: dict[str, Outgoing] = {}
+        self._transfers: dict[str, OutgoingT] = {}
 
     # -- public ------------------------------------------------------------------------
     def send_layer(self, transfer_id, layer, k_cache, v_cache, src_block_ids, dst, block_offset=0):
@@ -208,16 +212,16 @@ class KVSender(ABC):
 
     # -- backends ----------------------------------------------------------------------
     @abstractmethod
-    def _post(self, t: Outgoing, route: HeadRoute, address: str, source: Source, segments):
+    def _post(self, t: OutgoingT, route: HeadRoute, address: str, source: Source, segments):
         """Hand segments for one destination rank to the transport. Their bytes stay
         readable until the transfer ends (views of the cache, or pooled buffers)."""
 
     @abstractmethod
-    def _end(self, t: Outgoing, address: str, handoff: bytes) -> None:
+    def _end(self, t: OutgoingT, address: str, handoff: bytes) -> None:
         """Post the transfer's END to one destination rank, after everything posted."""
 
     @abstractmethod
-    def _acks(self, t: Outgoing, timeout: float) -> list[Ack]:
+    def _acks(self, t: OutgoingT, timeout: float) -> list[Ack]:
         """Wait for every END's answer; raise ``KVPeerError`` / ``KVTransferTimeout``."""
 
     @abstractmethod
@@ -227,19 +231,19 @@ class KVSender(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def _abort(self, t: Outgoing) -> None:  # noqa: B027 - optional
+    def _abort(self, t: OutgoingT) -> None:  # noqa: B027 - optional
         """Default: nothing to cancel; buffers are dropped (not pooled: still in use)."""
 
-    def _part_limit(self, t: Outgoing, address: str, route: HeadRoute) -> int:
+    def _part_limit(self, t: OutgoingT, address: str, route: HeadRoute) -> int:
         """Most bytes of K (or V) in one segment to this destination."""
         return self.part_bytes
 
-    def _sum(self, t: Outgoing, seg: Segment, *parts: torch.Tensor) -> int:
+    def _sum(self, t: OutgoingT, seg: Segment, *parts: torch.Tensor) -> int:
         """The segment's checksum, taken on the bytes that go out (K's, then V's)."""
         return checksum(*parts)
 
     # -- checks ------------------------------------------------------------------------
-    def _outgoing(self, transfer_id: str, dst: KVDestination) -> Outgoing:
+    def _outgoing(self, transfer_id: str, dst: KVDestination) -> OutgoingT:
         with self._lock:
             t = self._transfers.get(transfer_id)
             if t is None:
@@ -257,7 +261,7 @@ class KVSender(ABC):
                 )
             return t
 
-    def _check_blocks(self, t: Outgoing, ids: list[int], offset: int, layers) -> None:
+    def _check_blocks(self, t: OutgoingT, ids: list[int], offset: int, layers) -> None:
         if not ids:
             raise KVTransferError(f"transfer {t.transfer_id!r}: no source blocks")
         if offset < 0 or offset + len(ids) > len(t.dst.block_ids):
@@ -269,7 +273,7 @@ class KVSender(ABC):
         if bad := [b for b in ids if not 0 <= b < num_blocks]:
             raise KVLayoutError(f"source blocks {bad[:5]} outside the cache's {num_blocks}")
 
-    def _check_layers(self, t: Outgoing, layers: Sequence, offset: int, cache):
+    def _check_layers(self, t: OutgoingT, layers: Sequence, offset: int, cache):
         """Check each layer sent (its parts in the unit view); returns ``cache`` when the
         layers are views of it (then checked once), else None."""
         if cache is not None:
