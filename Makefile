@@ -15,6 +15,7 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy engine/scheduler.py engine/block_manager.py kv_transfer/
 
 test: lint
 	$(BIN)/pytest -q

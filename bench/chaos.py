@@ -60,10 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace, config) -> None:
-    for flag, value in (("--requests", args.requests), ("--rate", args.rate),
-                        ("--max-tokens", args.max_tokens),
-                        ("--max-prompt-tokens", args.max_prompt_tokens),
-                        ("--timeout-s", args.timeout_s)):  # fmt: skip
+    for flag, value in (
+        ("--requests", args.requests),
+        ("--rate", args.rate),
+        ("--max-tokens", args.max_tokens),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--timeout-s", args.timeout_s),
+    ):
         if value <= 0:
             raise ValueError(f"{flag} {value}: must be > 0")
     if args.kill_every < 0 or args.settle_s < 0:
@@ -186,8 +189,10 @@ def run(
 
     started = time.monotonic()
     expected = expected_outputs(config, prompts, args.max_tokens)
-    log(f"chaos: expected outputs of {len(prompts)} prompts, offline, in "
-        f"{time.monotonic() - started:.1f} s")  # fmt: skip
+    log(
+        f"chaos: expected outputs of {len(prompts)} prompts, offline, in "
+        f"{time.monotonic() - started:.1f} s"
+    )
     cluster = launch(config, [QUIET])
     log(f"chaos: cluster up at {cluster.address}")
     all_targets = targets(config)
@@ -198,8 +203,16 @@ def run(
     killer = None
     try:
         if args.kill_every > 0:
-            killer = Killer(all_targets, args.role, args.signal, args.kill_every, args.seed,
-                            sampler.serving, start, progress.event)  # fmt: skip
+            killer = Killer(
+                all_targets,
+                args.role,
+                args.signal,
+                args.kill_every,
+                args.seed,
+                sampler.serving,
+                start,
+                progress.event,
+            )
             killer.start()
         client = cluster.client()
         records = asyncio.run(
@@ -224,14 +237,26 @@ def run(
         cluster.shutdown(drain=False)
     events = killer.events if killer is not None else []
     results = summarize(records, expected, events, sampler.samples, checked)
+    load = {
+        "requests": args.requests,
+        "rate": args.rate,
+        "arrivals": args.arrivals,
+        "max_tokens": args.max_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "timeout_s": args.timeout_s,
+        "seed": args.seed,
+        "seconds": round(load_s, 2),
+    }
+    chaos = {"kill_every_s": args.kill_every, "role": args.role, "signal": args.signal}
     results.update(
-        config=str(args.config), overrides=args.set or [], model=config.model, mode=config.mode,
-        load={"requests": args.requests, "rate": args.rate, "arrivals": args.arrivals,
-              "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-              "timeout_s": args.timeout_s, "seed": args.seed, "seconds": round(load_s, 2)},
-        chaos={"kill_every_s": args.kill_every, "role": args.role, "signal": args.signal},
+        config=str(args.config),
+        overrides=args.set or [],
+        model=config.model,
+        mode=config.mode,
+        load=load,
+        chaos=chaos,
         settled=settled,
-    )  # fmt: skip
+    )
     return results
 
 

@@ -152,8 +152,15 @@ def plot_timeline(results: dict) -> bytes:
             for ax in (top, bottom):
                 ax.axvline(k["t"], color=color, linestyle="--", linewidth=1)
             label, at = f"{k['instance']}:{k['rank']}", (k["t"], 1)
-            top.annotate(label, at, xycoords=("data", "axes fraction"), rotation=90, va="top",
-                         ha="right", fontsize=7)  # fmt: skip
+            top.annotate(
+                label,
+                at,
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+            )
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)

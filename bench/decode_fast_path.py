@@ -24,8 +24,11 @@ MODEL = "smollm2-135m"
 def step_ms(llm: LLM, steps: int) -> float:
     """Median ms of one decode step of one request."""
     engine = llm.engine
-    engine.add_request("r", [100 + j % 50 for j in range(128)], SamplingParams(
-        max_tokens=steps + 1, temperature=0, ignore_eos=True))  # fmt: skip
+    engine.add_request(
+        "r",
+        [100 + j % 50 for j in range(128)],
+        SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True),
+    )
     engine.step()  # the prefill
     times = []
     while engine.has_unfinished_requests():

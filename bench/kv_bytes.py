@@ -64,8 +64,18 @@ def layout(shape: ModelShape, tp: int, rank: int = 0) -> KVLayout:
         return KVLayout(
             shape.num_layers, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, DTYPE, tp, rank
         )
-    return KVLayout(shape.num_layers, BLOCK_SIZE, lat.heads, lat.dim, DTYPE, tp, rank,
-                    "latent", lat.rope_dim, lat.heads == 1)  # fmt: skip
+    return KVLayout(
+        shape.num_layers,
+        BLOCK_SIZE,
+        lat.heads,
+        lat.dim,
+        DTYPE,
+        tp,
+        rank,
+        "latent",
+        lat.rope_dim,
+        lat.heads == 1,
+    )
 
 
 def bytes_per_token_per_device(shape: ModelShape, tp: int) -> int:

@@ -37,8 +37,18 @@ def _layout(shape: ModelShape, layers: int, block_size: int, tp: int, rank: int)
         return KVLayout(
             layers, block_size, shape.num_kv_heads, shape.head_dim, "bfloat16", tp, rank
         )
-    return KVLayout(layers, block_size, lat.heads, lat.dim, "bfloat16", tp, rank, "latent",
-                    lat.rope_dim, lat.heads == 1)  # fmt: skip
+    return KVLayout(
+        layers,
+        block_size,
+        lat.heads,
+        lat.dim,
+        "bfloat16",
+        tp,
+        rank,
+        "latent",
+        lat.rope_dim,
+        lat.heads == 1,
+    )
 
 
 def measure_handoff(

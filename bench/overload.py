@@ -54,9 +54,13 @@ async def _send(client, req, start: float, timeout_s: float) -> Outcome:
     sent = time.monotonic()
     out = Outcome(sent - start, 0.0)
     try:
-        done = await client.acomplete(prompt_token_ids=req.prompt_token_ids,
-                                      max_tokens=req.output_len, temperature=0.0,
-                                      ignore_eos=True, timeout=timeout_s)  # fmt: skip
+        done = await client.acomplete(
+            prompt_token_ids=req.prompt_token_ids,
+            max_tokens=req.output_len,
+            temperature=0.0,
+            ignore_eos=True,
+            timeout=timeout_s,
+        )
         out.ttft_ms, out.tpot_ms = done.timings.ttft_ms, done.timings.tpot_ms
     except grpc.aio.AioRpcError as e:
         out.refused = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -72,8 +76,10 @@ async def _run(client, requests, label: str, timeout_s: float) -> list[Outcome]:
         while not all(t.done() for t in tasks):
             await asyncio.wait(tasks, timeout=5.0)
             done = sum(t.done() for t in tasks)
-            sys.stderr.write(f"overload: {label}: {done}/{len(tasks)} answered, "
-                             f"{time.monotonic() - start:.0f} s\n")  # fmt: skip
+            sys.stderr.write(
+                f"overload: {label}: {done}/{len(tasks)} answered, "
+                f"{time.monotonic() - start:.0f} s\n"
+            )
     finally:
         await client.aclose()
     return [t.result() for t in tasks]
@@ -108,8 +114,15 @@ def _plot(runs: dict[str, list[Outcome]], slo: SLO) -> bytes:
         refused = [o.sent_s for o in outcomes if o.refused]
         ax.scatter(*zip(*served, strict=True), s=6, color=color, label=f"{label}: TTFT")
         if refused:
-            ax.scatter(refused, [0] * len(refused), s=10, marker="x", color=color,
-                       alpha=0.4, label=f"{label}: refused")  # fmt: skip
+            ax.scatter(
+                refused,
+                [0] * len(refused),
+                s=10,
+                marker="x",
+                color=color,
+                alpha=0.4,
+                label=f"{label}: refused",
+            )
     ax.axhline(slo.ttft_ms / 1e3, color="grey", linestyle=":", label="TTFT objective")
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_ylim(bottom=0)
@@ -137,8 +150,10 @@ def main(args: argparse.Namespace) -> int:
         capacity = sum(o.error is None for o in outcomes) / (time.monotonic() - started)
         rate = args.factor * capacity
         n = round(rate * args.duration)
-        print(f"overload: capacity {capacity:.2f} req/s; sending {n} at {rate:.2f} req/s "
-              f"({args.factor:g}x) for {args.duration:g} s")  # fmt: skip
+        print(
+            f"overload: capacity {capacity:.2f} req/s; sending {n} at {rate:.2f} req/s "
+            f"({args.factor:g}x) for {args.duration:g} s"
+        )
         spec.seed = 1
         requests = make_workload(spec, tokenizer, n, rate, max_len)
         runs["baseline (no shedding)"] = asyncio.run(
@@ -165,15 +180,21 @@ def _print(table: dict, capacity: float, rate: float, slo: SLO) -> None:
     def f(v, spec=".0f"):
         return "-" if v is None else format(v, spec)
 
-    print(f"\ncapacity {capacity:.2f} req/s, offered {rate:.2f} req/s; SLO TTFT "
-          f"{slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms")  # fmt: skip
-    print(f"{'run':<26}{'sent':>6}{'admit':>7}{'refuse':>8}{'ref p99 ms':>11}"
-          f"{'attain':>8}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}")  # fmt: skip
+    print(
+        f"\ncapacity {capacity:.2f} req/s, offered {rate:.2f} req/s; SLO TTFT "
+        f"{slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms"
+    )
+    print(
+        f"{'run':<26}{'sent':>6}{'admit':>7}{'refuse':>8}{'ref p99 ms':>11}"
+        f"{'attain':>8}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+    )
     for label, s in table.items():
-        print(f"{label:<26}{s['sent']:>6}{s['admitted']:>7}{s['refused']:>8}"
-              f"{f(s['refusal_p99_ms']):>11}{f(s['attainment_admitted'], '.0%'):>8}"
-              f"{s['goodput_rps']:>9.2f}{f(s['ttft_p50_ms']):>10}"
-              f"{f(s['ttft_p99_ms']):>10}")  # fmt: skip
+        print(
+            f"{label:<26}{s['sent']:>6}{s['admitted']:>7}{s['refused']:>8}"
+            f"{f(s['refusal_p99_ms']):>11}{f(s['attainment_admitted'], '.0%'):>8}"
+            f"{s['goodput_rps']:>9.2f}{f(s['ttft_p50_ms']):>10}"
+            f"{f(s['ttft_p99_ms']):>10}"
+        )
     base, shed = table.values()
     if base["goodput_rps"]:
         print(f"goodput shedding / baseline: {shed['goodput_rps'] / base['goodput_rps']:.2f}x")

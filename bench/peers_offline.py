@@ -97,12 +97,16 @@ class Driver:
 def driver_command(python: str, system: str, model: str, args, max_id: int) -> list[str]:
     """``peers_driver.py`` under ``python``; ``-P``: the script's folder (bench/, whose
     ``datasets.py`` would shadow HF's) is not put on ``sys.path``."""
-    return [
-        python, "-P", str(DRIVER), "--system", system, "--model", model,
-        "--rows", ",".join(args.rows), "--context", str(args.context),
-        "--steps", str(args.decode_steps), "--threads", str(args.threads),
-        "--max-id", str(max_id),
-    ]  # fmt: skip
+    flags = {
+        "--system": system,
+        "--model": model,
+        "--rows": ",".join(args.rows),
+        "--context": str(args.context),
+        "--steps": str(args.decode_steps),
+        "--threads": str(args.threads),
+        "--max-id": str(max_id),
+    }
+    return [python, "-P", str(DRIVER), *(part for pair in flags.items() for part in pair)]
 
 
 def measure_offline(

@@ -43,8 +43,9 @@ class PerThreadClients:
             client = self._local.client = self.cluster.client()
             with self._lock:
                 self.clients.append(client)
-        stream = client.generate(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0,
-                                 ignore_eos=True)  # fmt: skip
+        stream = client.generate(
+            prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True
+        )
         return [t for chunk in stream for t in chunk.token_ids]
 
     def close(self) -> None:
@@ -67,7 +68,7 @@ def run(model: str, replicas: int, work, args, levels: list[int]) -> list[tuple]
             "policy": "round_robin",
             "max_queue": 4096,
             "replicas": replicas,
-        },  # fmt: skip
+        },
         "colocated": {"instances": 2, "resources": {"num_cpus": 1}, "prefix_caching": False},
     }
     cluster = launch(config, ["logging.level=WARNING"])
@@ -118,19 +119,25 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.max_tokens} tokens (greedy), 2 co-located instances of 1 CPU, round robin, "
         f"a gRPC client per load thread; {os.cpu_count()} CPUs\n"
     )
-    print("| concurrency | router replicas | direct req/s | router req/s | router/direct "
-          "| p50 ms | p99 ms | router CPU ms/req | placed per replica |")  # fmt: skip
+    print(
+        "| concurrency | router replicas | direct req/s | router req/s | router/direct "
+        "| p50 ms | p99 ms | router CPU ms/req | placed per replica |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for i, c in enumerate(levels):
         for n, rows in results.items():
             _, d, r = rows[i]
-            print(f"| {c} | {n} | {d['rps']:.1f} | {r['rps']:.1f} | {r['rps'] / d['rps']:.2f} "
-                  f"| {r['p50']:.1f} | {r['p99']:.1f} | {r['router_cpu']:.2f} "
-                  f"| {' / '.join(map(str, r['placed']))} |")  # fmt: skip
+            print(
+                f"| {c} | {n} | {d['rps']:.1f} | {r['rps']:.1f} | {r['rps'] / d['rps']:.2f} "
+                f"| {r['p50']:.1f} | {r['p99']:.1f} | {r['router_cpu']:.2f} "
+                f"| {' / '.join(map(str, r['placed']))} |"
+            )
     for i, c in enumerate(levels):
         one, more = results[1][i][2], results[args.replicas][i][2]
-        print(f"concurrency {c}: {args.replicas} replicas / 1, requests/s "
-              f"{more['rps'] / one['rps']:.2f}")  # fmt: skip
+        print(
+            f"concurrency {c}: {args.replicas} replicas / 1, requests/s "
+            f"{more['rps'] / one['rps']:.2f}"
+        )
 
 
 if __name__ == "__main__":

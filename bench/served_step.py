@@ -169,9 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    pool = {"instances": 1, "resources": {"num_cpus": 1}, "prefix_caching": False,
-            "max_batch_size": max(batches),
-            "max_batch_tokens": max(512, args.prefill_tokens)}  # fmt: skip
+    pool = {
+        "instances": 1,
+        "resources": {"num_cpus": 1},
+        "prefix_caching": False,
+        "max_batch_size": max(batches),
+        "max_batch_tokens": max(512, args.prefill_tokens),
+    }
     config = {"model": args.model, "router": {"port": 0, "http_port": 0}, "colocated": pool}
     engine, cpu_path = offline_engine(config)
     max_tokens = engine.max_context - PROMPT  # decode until the context runs out
@@ -194,10 +198,14 @@ def main(argv: list[str] | None = None) -> None:
         served.close()
     finally:
         cluster.shutdown(drain=False)
-    print(f"\n{args.model}: one co-located instance of 1 CPU against the same engine in "
-          f"this process; {cpu_path}\n")  # fmt: skip
-    print("| step | offline ms, best / median | served ms, best / median "
-          "| served / offline, best | median |")  # fmt: skip
+    print(
+        f"\n{args.model}: one co-located instance of 1 CPU against the same engine in "
+        f"this process; {cpu_path}\n"
+    )
+    print(
+        "| step | offline ms, best / median | served ms, best / median "
+        "| served / offline, best | median |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     for what, off, on in rows:
         o, s = (min(off), statistics.median(off)), (min(on), statistics.median(on))

@@ -123,9 +123,13 @@ def offline(engine, work: list[list[int]], max_tokens: int, concurrency: int) ->
                     add()
     wall = time.perf_counter() - start
     q = statistics.quantiles(latencies, n=100, method="inclusive")
-    return {"rps": len(work) / wall, "p50": q[49] * 1000, "p99": q[98] * 1000,
-            "step": decode_step_ms(steps.take()),
-            "engine_cpu": (time.process_time() - cpu) / len(work) * 1000}  # fmt: skip
+    return {
+        "rps": len(work) / wall,
+        "p50": q[49] * 1000,
+        "p99": q[98] * 1000,
+        "step": decode_step_ms(steps.take()),
+        "engine_cpu": (time.process_time() - cpu) / len(work) * 1000,
+    }
 
 
 def http_path(address: str):
@@ -172,8 +176,9 @@ def run_mode(mode: str, model: str, work, args, levels: list[int]) -> tuple[str,
 
         def caller(client):
             def call(ids, max_tokens):
-                stream = client.generate(prompt_token_ids=ids, max_tokens=max_tokens,
-                                         temperature=0, ignore_eos=True)  # fmt: skip
+                stream = client.generate(
+                    prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True
+                )
                 return [t for chunk in stream for t in chunk.token_ids]
 
             return call
@@ -222,8 +227,10 @@ def _profile(cluster, handles, call, work, args) -> None:
     from bench import serving_profile
 
     folder = Path(args.profile)
-    pids = {"router": ray.get(cluster.router.pid.remote()),
-            "instance": ray.get(handles[0].ready.remote())["pid"]}  # fmt: skip
+    pids = {
+        "router": ray.get(cluster.router.pid.remote()),
+        "instance": ray.get(handles[0].ready.remote())["pid"],
+    }
     procs = serving_profile.record(pids, args.profile_seconds, folder)
     while any(p.poll() is None for p in procs):
         measure(call, work[:64], args.max_tokens, 16)
@@ -236,11 +243,15 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def _print(args, mode: str, cpu_path: str, rows) -> None:
-    print(f"\n### {mode}: {args.requests} requests of {args.prompt_tokens} prompt tokens -> "
-          f"{args.max_tokens} tokens (greedy); {cpu_path}\n")  # fmt: skip
-    print("| concurrency | path | requests/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
-          "| req/s vs offline | req/s vs direct | decode step ms | step vs offline "
-          "| instances CPU ms/req | router CPU ms/req | caller CPU ms/req |")  # fmt: skip
+    print(
+        f"\n### {mode}: {args.requests} requests of {args.prompt_tokens} prompt tokens -> "
+        f"{args.max_tokens} tokens (greedy); {cpu_path}\n"
+    )
+    print(
+        "| concurrency | path | requests/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
+        "| req/s vs offline | req/s vs direct | decode step ms | step vs offline "
+        "| instances CPU ms/req | router CPU ms/req | caller CPU ms/req |"
+    )
     print("| ---: | --- " + "| ---: " * 12 + "|")
     for c, figures in rows:
         off, direct = figures["offline"], figures.get("direct")
@@ -269,10 +280,12 @@ def _print(args, mode: str, cpu_path: str, rows) -> None:
         floor, grpc = figures.get("grpc floor"), figures.get("grpc")
         if floor and grpc:
             own = grpc["router_cpu"] - floor["router_cpu"]
-            print(f"concurrency {c}: router CPU {grpc['router_cpu']:.2f} ms/req = gRPC floor "
-                  f"{floor['router_cpu']:.2f} + the router's own {own:.2f}; caller "
-                  f"{grpc['client_cpu']:.2f} ms/req (on the floor "
-                  f"{floor['client_cpu']:.2f})")  # fmt: skip
+            print(
+                f"concurrency {c}: router CPU {grpc['router_cpu']:.2f} ms/req = gRPC floor "
+                f"{floor['router_cpu']:.2f} + the router's own {own:.2f}; caller "
+                f"{grpc['client_cpu']:.2f} ms/req (on the floor "
+                f"{floor['client_cpu']:.2f})"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -281,8 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     add_load_args(parser, "1,16,64")
     parser.add_argument("--profile", metavar="DIR", help="py-spy the router and an instance")
     parser.add_argument("--profile-seconds", type=int, default=20)
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: co-located, concurrency 1,4, 24 requests")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: co-located, concurrency 1,4, 24 requests"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.modes, args.concurrency, args.requests = "colocated", "1,4", 24

@@ -53,7 +53,7 @@ def record(pids: dict[str, int], seconds: int, folder: Path) -> list[subprocess.
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-        )  # fmt: skip
+        )
         for name, pid in pids.items()
     ]
 

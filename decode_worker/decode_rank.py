@@ -18,21 +18,32 @@ class DecodeRank(RankActor):
     def _setup(self, kv_config: dict) -> None:
         self.layout = cache_layout(self.engine)
         self.receiver = get_transport(kv_config["backend"]).receiver(
-            self.layout, self.engine.runner.kv_cache, secret=kv_config["secret"],
-            bind=kv_config["bind"], advertise=kv_config["advertise"],
-        )  # fmt: skip
+            self.layout,
+            self.engine.runner.kv_cache,
+            secret=kv_config["secret"],
+            bind=kv_config["bind"],
+            advertise=kv_config["advertise"],
+        )
         self.receiver.on_event = self._report
 
     def ready(self) -> dict:
         return {**super().ready(), "kv_address": self.receiver.address}
 
-    def expect(self, transfer_id: str, block_ids: list[int], src_tp: int, token: str,
-               sender: str, layer_skip: list[int]) -> None:  # fmt: skip
+    def expect(
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        src_tp: int,
+        token: str,
+        sender: str,
+        layer_skip: list[int],
+    ) -> None:
         """Expect rank 0's reservation, named on the wire by rank 0's ``token``, from the
         prefill instance ``sender``, each layer's blocks from ``layer_skip`` on."""
         src = replace(self.layout, tp_size=src_tp, tp_rank=0)
-        self.receiver.expect(transfer_id, block_ids, src, token=token, sender=sender,
-                             layer_skip=layer_skip)  # fmt: skip
+        self.receiver.expect(
+            transfer_id, block_ids, src, token=token, sender=sender, layer_skip=layer_skip
+        )
 
     def release(self, transfer_id: str) -> None:
         self.receiver.release(transfer_id)

@@ -96,9 +96,12 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         self.windows = [cfg.window(layer) for layer in range(cfg.num_layers)]  # None: global
         self.transport = get_transport(kv_config["backend"])
         self.receiver = self.transport.receiver(
-            self.layout, self.engine.runner.kv_cache, secret=kv_config["secret"],
-            bind=kv_config["bind"], advertise=kv_config["advertise"],
-        )  # fmt: skip
+            self.layout,
+            self.engine.runner.kv_cache,
+            secret=kv_config["secret"],
+            bind=kv_config["bind"],
+            advertise=kv_config["advertise"],
+        )
         self.receiver.on_event = lambda outcome: self._post(("landed", outcome))
         self.lease_s = kv_config["lease_s"]
         # a replicated latent crosses the wire once, to rank 0, which forwards it
@@ -113,9 +116,14 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             self.addresses += [
                 i["kv_address"] for i in ray.get([r.ready.remote() for r in self.ranks])
             ]
-        self._ops.update(landed=self._op_landed, free=self._op_free, prefill=self._op_prefill,
-                         acked=self._op_acked, reserve=self._op_reserve,
-                         expected=self._op_expected)  # fmt: skip
+        self._ops.update(
+            landed=self._op_landed,
+            free=self._op_free,
+            prefill=self._op_prefill,
+            acked=self._op_acked,
+            reserve=self._op_reserve,
+            expected=self._op_expected,
+        )
         self._expecting: dict[str, Expecting] = {}  # by attempt id
         self._totals.update(kv_bytes_total=0, leases_expired_total=0)
         # prefills for a peer (hybrid mode without a prefill pool) at one rank only: the
@@ -173,9 +181,17 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         if dst is None or not self.ranks or self.forwards:
             tell(Reserved(attempt.id, None if dst is None else dst.to_bytes()))
             return []
-        refs = [r.expect.remote(attempt.id, list(dst.block_ids), attempt.prefill_tp,
-                                dst.token, attempt.prefill, list(dst.layer_skip))
-                for r in self.ranks]  # fmt: skip
+        refs = [
+            r.expect.remote(
+                attempt.id,
+                list(dst.block_ids),
+                attempt.prefill_tp,
+                dst.token,
+                attempt.prefill,
+                list(dst.layer_skip),
+            )
+            for r in self.ranks
+        ]
         self._expecting[attempt.id] = Expecting(len(refs), tell)
         for ref in refs:
             ref.future().add_done_callback(
@@ -222,13 +238,28 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
         try:  # the receiver mints the transfer's token: its only name on the wire
             ranks = 1 if self.forwards else 1 + len(self.ranks)
-            token = self.receiver.expect(attempt.id, block_ids, src, self.lease_s, ranks,
-                                         sender=attempt.prefill, layer_skip=skip)  # fmt: skip
+            token = self.receiver.expect(
+                attempt.id,
+                block_ids,
+                src,
+                self.lease_s,
+                ranks,
+                sender=attempt.prefill,
+                layer_skip=skip,
+            )
         except Exception:  # a layout the receiver refuses: nothing stays held
             e.blocks.free(attempt.id)
             raise
-        dst = KVDestination(self.addresses, block_ids, self.layout, self.transport.name, token,
-                            cached, outside, skip)  # fmt: skip
+        dst = KVDestination(
+            self.addresses,
+            block_ids,
+            self.layout,
+            self.transport.name,
+            token,
+            cached,
+            outside,
+            skip,
+        )
         self.reservations[attempt.id], self.destinations[attempt.id] = attempt, dst
         self._consumer[attempt.id] = attempt.consumer
         return dst
@@ -250,9 +281,11 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             return self._start(attempt, outcome, dst)
         if outcome.state == State.EXPIRED:
             self._totals["leases_expired_total"] += 1
-            why = (f"KV transfer {attempt.id!r} to {self.name} made no progress within "
-                   f"kv_transfer.lease_s={self.lease_s:g}s; its reservation was released "
-                   f"({outcome.error})")  # fmt: skip
+            why = (
+                f"KV transfer {attempt.id!r} to {self.name} made no progress within "
+                f"kv_transfer.lease_s={self.lease_s:g}s; its reservation was released "
+                f"({outcome.error})"
+            )
         else:
             why = str(outcome.error or "source rank 0 ended the transfer without a handoff")
         return [Update(attempt.id, error=why, retryable=True)]
@@ -271,9 +304,16 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             first = Logprobs(h.first_token, h.first_logprob, h.top_ids, h.top_logprobs)
         try:
             partial = dst.outside_blocks + dst.cached_blocks + max(dst.layer_skip, default=0)
-            out = self.engine.add_prefilled(attempt.id, list(attempt.prompt_ids), h.first_token,
-                                            attempt.params, attempt.delivered,
-                                            attempt.delivered_chars, first, partial)  # fmt: skip
+            out = self.engine.add_prefilled(
+                attempt.id,
+                list(attempt.prompt_ids),
+                h.first_token,
+                attempt.params,
+                attempt.delivered,
+                attempt.delivered_chars,
+                first,
+                partial,
+            )
         except ValueError as e:
             self.engine.blocks.free(attempt.id)
             return [Update(attempt.id, error=str(e))]
@@ -281,11 +321,24 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         self._totals["requests_total"] += 1
         self._totals["kv_bytes_total"] += outcome.bytes
         self._totals["tokens_total"] += 1
-        info = {"phases": times, "kv_bytes": outcome.bytes, "transfer_s": outcome.seconds,
-                "prefill_instance": h.prefill_instance, "cached_tokens": h.cached_tokens,
-                "kv_cached_tokens": dst.cached_blocks * self.layout.block_size}  # fmt: skip
-        return [Update(attempt.id, out.new_token_ids, out.new_text, out.finish_reason,
-                       info=info, logprobs=out.new_logprobs)]  # fmt: skip
+        info = {
+            "phases": times,
+            "kv_bytes": outcome.bytes,
+            "transfer_s": outcome.seconds,
+            "prefill_instance": h.prefill_instance,
+            "cached_tokens": h.cached_tokens,
+            "kv_cached_tokens": dst.cached_blocks * self.layout.block_size,
+        }
+        return [
+            Update(
+                attempt.id,
+                out.new_token_ids,
+                out.new_text,
+                out.finish_reason,
+                info=info,
+                logprobs=out.new_logprobs,
+            )
+        ]
 
     def _release(self, attempt_id: str, free: bool = True) -> None:
         """Take the transfer out of every rank's receiver; with ``free``, then its blocks
@@ -309,8 +362,11 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         return []
 
     def _owns(self, request_id: str) -> bool:
-        return (request_id in self.reservations or self.side.owns(request_id)
-                or super()._owns(request_id))  # fmt: skip
+        return (
+            request_id in self.reservations
+            or self.side.owns(request_id)
+            or super()._owns(request_id)
+        )
 
     def _abort(self, request_id: str) -> list[Update]:
         if self.side.owns(request_id):

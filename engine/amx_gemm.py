@@ -46,9 +46,18 @@ class AmxGemm:
         scratch = self._scratch(self.scratch_bytes(m, out_features, k))
         y = x.new_empty(m, out_features)
         ok = self.gemm(
-            x.data_ptr(), x.stride(0), panels.data_ptr(), format, y.data_ptr(), out_features,
-            m, out_features, k, scratch.data_ptr(), threads,
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0),
+            panels.data_ptr(),
+            format,
+            y.data_ptr(),
+            out_features,
+            m,
+            out_features,
+            k,
+            scratch.data_ptr(),
+            threads,
+        )
         if not ok:
             raise ValueError(f"AMX GEMM takes Q4 / Q8 panels with K % 32 == 0, not {format}, {k}")
         return y

@@ -45,6 +45,7 @@ placeholders (``allocate(placeholders=...)``, ``window_start``): never held at a
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.block_hash import block_hashes
@@ -127,7 +128,7 @@ class BlockManager:
         return window_start(num_tokens, self.window, self.block_size)
 
     def num_new_blocks(
-        self, owner: str, num_tokens: int, prefix: list[int] = (), placeholders: int = 0
+        self, owner: str, num_tokens: int, prefix: Sequence[int] = (), placeholders: int = 0
     ) -> int:
         """Free blocks ``owner`` would take to hold ``num_tokens`` tokens in all, starting
         an empty table with ``placeholders`` placeholders and the cached ``prefix`` past
@@ -137,13 +138,13 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - have) + revived
 
     def can_allocate(
-        self, owner: str, num_tokens: int, prefix: list[int] = (), placeholders: int = 0
+        self, owner: str, num_tokens: int, prefix: Sequence[int] = (), placeholders: int = 0
     ) -> bool:
         need = self.num_new_blocks(owner, num_tokens, prefix, placeholders)
         return need <= self.num_free_blocks
 
     def allocate(
-        self, owner: str, num_tokens: int, prefix: list[int] = (), placeholders: int = 0
+        self, owner: str, num_tokens: int, prefix: Sequence[int] = (), placeholders: int = 0
     ) -> list[int]:
         """Grow ``owner``'s table to hold ``num_tokens`` tokens; returns the new block ids.
         ``prefix`` (from ``match``) starts an empty table with those shared blocks.
@@ -333,7 +334,7 @@ class BlockManager:
             table = self.tables.get(owner, [])
             if len(hashes) > len(table):
                 raise AssertionError(f"{owner!r}: {len(hashes)} hashes, {len(table)} blocks")
-            held = list(zip(hashes, table, strict=False))[self.released.get(owner, 0) :]
-            for h, b in held:
+            pairs = list(zip(hashes, table, strict=False))[self.released.get(owner, 0) :]
+            for h, b in pairs:
                 if self.hash_of.get(b, h) != h:
                     raise AssertionError(f"{owner!r}: block {b} is registered as other content")

@@ -129,9 +129,18 @@ class PanelWeight:
         scratch = torch.empty(self.kernel.scratch_floats(m, threads))
         y = x.new_empty(m, n)
         self.kernel.gemm(
-            x.data_ptr(), x.stride(0), panels.data_ptr(), self.format, y.data_ptr(), n, m, n,
-            k, scratch.data_ptr(), threads,
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0),
+            panels.data_ptr(),
+            self.format,
+            y.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            scratch.data_ptr(),
+            threads,
+        )
         return y
 
 

@@ -135,9 +135,13 @@ class CpuDecodeLayers:
         h, residual = h.clone(), torch.empty_like(h)
         tmp = h.new_empty(2, *h.shape)
         rc = self._stack(
-            self.stack, len(self.layers), ctypes.byref(step.batch), h.data_ptr(),
-            residual.data_ptr(), tmp.data_ptr(),
-        )  # fmt: skip
+            self.stack,
+            len(self.layers),
+            ctypes.byref(step.batch),
+            h.data_ptr(),
+            residual.data_ptr(),
+            tmp.data_ptr(),
+        )
         if rc != 0:
             raise MemoryError("decode_layers_f32: could not allocate its score buffers")
         return h, residual
@@ -147,9 +151,13 @@ class CpuDecodeLayers:
         layer, batch = ctypes.byref(self.layers[i]), ctypes.byref(step.batch)
         out, res = torch.empty_like(h), torch.empty_like(h)
         rc = self._attention(
-            layer, batch, h.data_ptr(), None if residual is None else residual.data_ptr(),
-            out.data_ptr(), res.data_ptr(),
-        )  # fmt: skip
+            layer,
+            batch,
+            h.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+            res.data_ptr(),
+        )
         if rc != 0:
             raise MemoryError("decode_attention_f32: could not allocate its score buffers")
         h = tp.all_reduce(out)

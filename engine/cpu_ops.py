@@ -71,9 +71,13 @@ class CpuOps:
             x = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._argmax(
-            x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            x.shape[1],
+            out.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def rotary_(self, x: torch.Tensor, positions, cos, sin) -> bool:

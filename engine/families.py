@@ -64,9 +64,12 @@ class Family:
 
 LLAMA = Family("Llama", ("LlamaForCausalLM",), cpu_decode=True)
 _GEMMA = dict(
-    sandwich_norms=True, norm_plus_one=True, scaled_embedding=True, activation="gelu_tanh",
+    sandwich_norms=True,
+    norm_plus_one=True,
+    scaled_embedding=True,
+    activation="gelu_tanh",
     window_layers="typed",
-)  # fmt: skip
+)
 FAMILIES = (
     LLAMA,
     Family("Qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, window_layers="typed"),
@@ -74,9 +77,7 @@ FAMILIES = (
     Family("Mistral", ("MistralForCausalLM",), window_layers="all", cpu_decode=True),
     Family("Gemma 2", ("Gemma2ForCausalLM",), default_sliding="alternate", **_GEMMA),
     Family("Gemma 3", ("Gemma3ForCausalLM",), qk_norm=True, default_sliding="pattern", **_GEMMA),
-    Family(
-        "Phi-3", ("Phi3ForCausalLM",), fused_weights=True, window_layers="all", cpu_decode=True
-    ),  # fmt: skip
+    Family("Phi-3", ("Phi3ForCausalLM",), fused_weights=True, window_layers="all", cpu_decode=True),
     Family("MLA", MLA_ARCHITECTURES, latent=True),
 )
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)

@@ -92,9 +92,15 @@ COMMANDS = ("add", "prefill", "reserve", "abort")
 ATTEMPT_COMMANDS = ("add", "prefill", "reserve")  # their value: an ``Attempt``
 
 _UPDATE_DEFAULTS = {
-    "token_ids": [], "text": "", "finish_reason": None, "error": None, "retryable": False,
-    "handed_off": False, "info": {}, "logprobs": None,
-}  # fmt: skip
+    "token_ids": [],
+    "text": "",
+    "finish_reason": None,
+    "error": None,
+    "retryable": False,
+    "handed_off": False,
+    "info": {},
+    "logprobs": None,
+}
 
 
 def encode(polled: Polled) -> bytes:
@@ -296,8 +302,9 @@ class FeedServer:
                 for body in cut(buf):
                     kind, value = decode_command(body)
                     if kind not in self._commands:
-                        raise ValueError(f"feed command {kind!r}: this instance takes "
-                                         f"{sorted(self._commands)}")  # fmt: skip
+                        raise ValueError(
+                            f"feed command {kind!r}: this instance takes {sorted(self._commands)}"
+                        )
                     self._commands[kind](value)
         except OSError:  # the connection ended
             return

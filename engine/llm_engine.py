@@ -65,9 +65,11 @@ class LLMEngine:
         # a model whose every layer slides (Mistral, Phi-3) frees the blocks before the
         # window of each request's next token (engine/block_manager.py)
         self.blocks = BlockManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
             window=self.model.cfg.cache_window,
-        )  # fmt: skip
+        )
         self.scheduler = Scheduler(
             self.blocks, config.max_batch_tokens, config.max_batch_size, config.mixed_prefill_tokens
         )
@@ -270,8 +272,11 @@ class LLMEngine:
             requests = [r for r, _ in batch.items]
             if len(requests) == 1 or self.model.tp.size > 1 or on_layer is not None:
                 raise StepFailed([r.request_id for r in requests]) from e
-            log.warning("a step of %d requests failed; running each alone to find the cause",
-                        len(requests), exc_info=True)  # fmt: skip
+            log.warning(
+                "a step of %d requests failed; running each alone to find the cause",
+                len(requests),
+                exc_info=True,
+            )
             self.scheduler.isolate(requests)
             return []
         if self.scheduler.suspects:
@@ -302,10 +307,13 @@ class LLMEngine:
         self.detokenizers.pop(request.request_id, None)
         end = time.time()
         return Prefilled(
-            request, sample.token, list(self.blocks.block_table(request.request_id)),
+            request,
+            sample.token,
+            list(self.blocks.block_table(request.request_id)),
             {"prefill_start": request.started_s or end, "prefill_end": end},
-            logprobs=sample.logprobs, cached_tokens=max(0, request.num_cached_tokens),
-        )  # fmt: skip
+            logprobs=sample.logprobs,
+            cached_tokens=max(0, request.num_cached_tokens),
+        )
 
     def _append(self, sample: Sample) -> RequestOutput:
         """The sampled token joins its request's output; the output (maybe the last)."""

@@ -52,8 +52,11 @@ class MLAAttention(nn.Module):
         g0, g1 = (0, 1) if m.replicated else tp.shard(m.latent_heads, "num_kv_heads")
         self.num_heads, self.latent_heads, self.latent_range = h1 - h0, g1 - g0, (g0, g1)
         self.dn, self.dr, self.dv, self.dc = (
-            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
-        )  # fmt: skip
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        )
         self.q_rank, self.tied = m.q_lora_rank, m.tied
         q_width = self.num_heads * (self.dn + self.dr)
         self.q_a_width = q_width if m.q_lora_rank is None else m.q_lora_rank
@@ -112,9 +115,13 @@ class MLAAttention(nn.Module):
         if meta.num_decodes:
             first = meta.num_prefills
             out[start:] = self.absorbed(
-                q_nope[start:], q_r[start:], cache, meta.block_tables[first:],
-                meta.seq_lens[first:], latent_decode_op(attn_name),
-            )  # fmt: skip
+                q_nope[start:],
+                q_r[start:],
+                cache,
+                meta.block_tables[first:],
+                meta.seq_lens[first:],
+                latent_decode_op(attn_name),
+            )
         return self.project("o", out.view(t, h * self.dv))
 
     def _norm_heads(self, latent: torch.Tensor) -> torch.Tensor:
@@ -146,9 +153,13 @@ class MLAAttention(nn.Module):
         positions = torch.arange(context - n, context, device=q.device).unsqueeze(1)
         mask = torch.arange(context, device=q.device).unsqueeze(0) <= positions
         out = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale,
+            q,
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.scale,
             enable_gqa=True,
-        )  # fmt: skip
+        )
         return out.transpose(0, 1)
 
     def absorbed(self, q_nope, q_r, cache, block_tables, seq_lens, decode) -> torch.Tensor:
@@ -159,10 +170,18 @@ class MLAAttention(nn.Module):
         c_cache = cache[..., :width].unflatten(-1, (self.latent_heads, self.dc))
         r_cache = cache[..., width:]
         if self.tied:
-            return decode(q_nope.contiguous(), q_r.contiguous(), c_cache, r_cache,
-                          block_tables, seq_lens, self.scale)  # fmt: skip
+            return decode(
+                q_nope.contiguous(),
+                q_r.contiguous(),
+                c_cache,
+                r_cache,
+                block_tables,
+                seq_lens,
+                self.scale,
+            )
         w = self.kv_b.view(self.num_heads, self.dn + self.dv, self.dc)
         q_c = torch.bmm(q_nope.transpose(0, 1), w[:, : self.dn]).transpose(0, 1)
-        latent = decode(q_c.contiguous(), q_r.contiguous(), c_cache, r_cache, block_tables,
-                        seq_lens, self.scale)  # fmt: skip
+        latent = decode(
+            q_c.contiguous(), q_r.contiguous(), c_cache, r_cache, block_tables, seq_lens, self.scale
+        )
         return torch.bmm(latent.transpose(0, 1), w[:, self.dn :].transpose(1, 2)).transpose(0, 1)

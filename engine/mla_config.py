@@ -69,8 +69,17 @@ class MLAConfig:
         arch = cfg["architectures"][0]
         if arch == "GTAForCausalLM":
             d = cfg["head_dim"]
-            return cls(None, d, d // 2, d // 2, d, False, d**-0.5 * _mscale_squared(rope),
-                       latent_heads=cfg["num_key_value_heads"], tied=True)  # fmt: skip
+            return cls(
+                None,
+                d,
+                d // 2,
+                d // 2,
+                d,
+                False,
+                d**-0.5 * _mscale_squared(rope),
+                latent_heads=cfg["num_key_value_heads"],
+                tied=True,
+            )
         refuse_moe(cfg)
         nope, rope_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
         # DeepSeek-V2 always rotates pairs (HF applies it as complex numbers)

@@ -105,9 +105,16 @@ class DecoderLayer(nn.Module):
             k = ops.rms_norm(k.reshape(-1, d), self.k_norm, self.eps).view(t, -1, d)
         q, k = ops.rotary(q, k, rope)
         o = attn.forward(
-            q, k, v.view(t, -1, d), k_cache, v_cache, meta, self.scale,
-            window=self.window, softcap=self.softcap,
-        )  # fmt: skip
+            q,
+            k,
+            v.view(t, -1, d),
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            window=self.window,
+            softcap=self.softcap,
+        )
         return self.project("o", o.reshape(t, -1))
 
     def mlp(self, x, ops) -> torch.Tensor:

@@ -98,9 +98,9 @@ def serve_store(
         sock.bind((bind, port))
         sock.listen(128)
         port = sock.getsockname()[1]
-        store = torch.distributed.TCPStore(bind, port, None, True, TIMEOUT,
-                                           wait_for_workers=False,
-                                           master_listen_fd=sock.fileno())  # fmt: skip
+        store = torch.distributed.TCPStore(
+            bind, port, None, True, TIMEOUT, wait_for_workers=False, master_listen_fd=sock.fileno()
+        )
     except BaseException:
         sock.close()
         raise

@@ -52,9 +52,12 @@ class EngineWorker:
     role = "colocated"
     # what a consumer may send up its feed (engine/feed.py): command -> the method applying it
     feed_commands = {"add": "add", "abort": "abort"}
-    # a role whose requests may hand off (engine/prefilled.py) gives the step's hook
-    # here and overrides ``_prefilled``
-    _last_chunk: LastChunkHook | None = None
+
+    @property
+    def _last_chunk(self) -> LastChunkHook | None:
+        """The step's hand-off hook (engine/prefilled.py): a role whose requests may hand
+        off overrides this and ``_prefilled``."""
+        return None
 
     def __init__(
         self,
@@ -104,15 +107,20 @@ class EngineWorker:
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
         # the inbox's op kinds and their handlers (a role's ``_setup`` adds its own)
-        self._ops = {"call": self._op_call, "abort": self._op_abort, "add": self._op_add,
-                     "consumer_left": self._op_consumer_left}  # fmt: skip
+        self._ops = {
+            "call": self._op_call,
+            "abort": self._op_abort,
+            "add": self._op_add,
+            "consumer_left": self._op_consumer_left,
+        }
         self._setup(*setup)
         self._snapshot = self._stats()
         self._stopping = False
         feed = feed or {"bind": "127.0.0.1", "advertise": "127.0.0.1"}
         commands = {kind: getattr(self, method) for kind, method in self.feed_commands.items()}
-        self._feed = FeedServer(name, self.poll, commands, feed["bind"], feed["advertise"],
-                                self.consumer_left)  # fmt: skip
+        self._feed = FeedServer(
+            name, self.poll, commands, feed["bind"], feed["advertise"], self.consumer_left
+        )
         self._busy_since: float | None = None  # monotonic start of the work under way
         self._loop = threading.Thread(target=self._run, name=f"{name}-steps", daemon=True)
         self._loop.start()
@@ -162,8 +170,12 @@ class EngineWorker:
             wait = self._waits.get(consumer)
             if wait is None:
                 wait = self._waits[consumer] = threading.Condition(self._lock)
-            while not (self._outboxes.get(consumer) or self._reserved.get(consumer)
-                       or log.has_news(cache) or self._stopping):  # fmt: skip
+            while not (
+                self._outboxes.get(consumer)
+                or self._reserved.get(consumer)
+                or log.has_news(cache)
+                or self._stopping
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -322,8 +334,9 @@ class EngineWorker:
             self._reserved.pop(consumer, None)
             self._waits.pop(consumer, None)
         if theirs:
-            log.warning("%s: consumer %r left; dropped its %d requests", self.name, consumer,
-                        len(theirs))  # fmt: skip
+            log.warning(
+                "%s: consumer %r left; dropped its %d requests", self.name, consumer, len(theirs)
+            )
         return out
 
     def _take_early_abort(self, request_id: str) -> bool:
@@ -342,8 +355,13 @@ class EngineWorker:
             return []
         self._consumer[attempt.id] = attempt.consumer
         try:
-            self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params,
-                                    attempt.delivered, attempt.delivered_chars)  # fmt: skip
+            self.engine.add_request(
+                attempt.id,
+                list(attempt.prompt_ids),
+                attempt.params,
+                attempt.delivered,
+                attempt.delivered_chars,
+            )
         except ValueError as e:
             return [Update(attempt.id, error=str(e))]
         self._totals["requests_total"] += 1
@@ -367,8 +385,16 @@ class EngineWorker:
             # when 0 (a decode instance's handed-over request leaves the prefill's figure)
             hit = o.num_cached_tokens if o.finish_reason else 0
             info = {"cached_tokens": hit} if hit else {}
-            out.append(Update(o.request_id, o.new_token_ids, o.new_text, o.finish_reason,
-                              info=info, logprobs=o.new_logprobs))  # fmt: skip
+            out.append(
+                Update(
+                    o.request_id,
+                    o.new_token_ids,
+                    o.new_text,
+                    o.finish_reason,
+                    info=info,
+                    logprobs=o.new_logprobs,
+                )
+            )
         return out
 
     def _prefilled(self, p: Prefilled) -> list[Update]:
@@ -381,8 +407,9 @@ class EngineWorker:
         the process ends instead, so that its supervisor restarts the instance whole and
         the router migrates its requests (docs/serving.md, "Supervision and migration")."""
         incident = uuid.uuid4().hex[:12]  # the traceback stays in the log, under this id
-        log.error("%s: engine step failed (incident %s)\n%s", self.name, incident,
-                  traceback.format_exc())  # fmt: skip
+        log.error(
+            "%s: engine step failed (incident %s)\n%s", self.name, incident, traceback.format_exc()
+        )
         if self.ranks:
             log.error("%s: tensor-parallel ranks out of step; ending the process", self.name)
             logging.shutdown()

@@ -79,12 +79,34 @@ def get_transport(name: str) -> Transport:
         )
     transport = getattr(importlib.import_module(module), attr)
     if not isinstance(transport, Transport):
-        raise ValueError(f"kv_transfer.backend={name!r} names a {type(transport).__name__}, "
-                         "not a kv_transfer.Transport")  # fmt: skip
+        raise ValueError(
+            f"kv_transfer.backend={name!r} names a {type(transport).__name__}, "
+            "not a kv_transfer.Transport"
+        )
     return transport
 
 
-__all__ = ["BACKENDS", "Ack", "Handoff", "HeadRoute", "KVChecksumError", "KVDestination",
-    "KVLayout", "KVLayoutError", "KVPeerError", "KVReceiver", "KVSender",
-    "KVTransferError", "KVTransferTimeout", "Outcome", "State", "Status", "TransferAck",
-    "Transport", "all_routes", "get_transport", "routes_from", "routes_into"]  # fmt: skip
+__all__ = [
+    "BACKENDS",
+    "Ack",
+    "Handoff",
+    "HeadRoute",
+    "KVChecksumError",
+    "KVDestination",
+    "KVLayout",
+    "KVLayoutError",
+    "KVPeerError",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "KVTransferTimeout",
+    "Outcome",
+    "State",
+    "Status",
+    "TransferAck",
+    "Transport",
+    "all_routes",
+    "get_transport",
+    "routes_from",
+    "routes_into",
+]

@@ -47,8 +47,10 @@ def check_secret(secret: bytes) -> bytes:
     """``secret`` when it can key the handshake, else a ValueError naming what is allowed."""
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
         got = f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__
-        raise ValueError(f"the KV plane's secret is {got}; it must be at least "
-                         f"{MIN_SECRET_BYTES} bytes (kv_transfer.secret_file)")  # fmt: skip
+        raise ValueError(
+            f"the KV plane's secret is {got}; it must be at least "
+            f"{MIN_SECRET_BYTES} bytes (kv_transfer.secret_file)"
+        )
     return secret
 
 
@@ -61,8 +63,9 @@ def _mac(secret: bytes, purpose: str, *fields) -> bytes:
     return h.digest()
 
 
-def join_proof(secret: bytes, incarnation: str, name: str, rank: int, gen: str,
-               layout: bytes) -> bytes:  # fmt: skip
+def join_proof(
+    secret: bytes, incarnation: str, name: str, rank: int, gen: str, layout: bytes
+) -> bytes:
     """A gloo join's proof, for the receiver ``incarnation`` (read from its card)."""
     return _mac(secret, "pdserve-kv-join", incarnation, name, rank, gen, layout)
 

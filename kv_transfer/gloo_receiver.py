@@ -34,7 +34,7 @@ from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.gloo_wire import FOREVER, NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
 from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.receiver import KVReceiver
+from kv_transfer.receiver import Claim, KVReceiver
 from kv_transfer.segment import BufferPool, typed
 
 log = logging.getLogger(__name__)
@@ -68,19 +68,31 @@ class GlooReceiver(KVReceiver):
     backend = "gloo"
     group = GlooGroup
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, port=0, connect_timeout=30.0,
-                 slots=4, pack_bytes=4 << 20, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_cache: torch.Tensor,
+        *,
+        port=0,
+        connect_timeout=30.0,
+        slots=4,
+        pack_bytes=4 << 20,
+        **kwargs,
+    ):
         if kv_cache.device.type != self.group.device_type:
-            raise KVLayoutError(f"the {self.backend} backend needs a {self.group.device_type} "
-                                f"cache, got {kv_cache.device}")  # fmt: skip
+            raise KVLayoutError(
+                f"the {self.backend} backend needs a {self.group.device_type} "
+                f"cache, got {kv_cache.device}"
+            )
         super().__init__(layout, kv_cache, **kwargs)
         self.slots, self.pack_bytes = slots, pack_bytes
         self.pool = BufferPool(kv_cache.device)
         self.connect_timeout = datetime.timedelta(seconds=connect_timeout)
         self._store = wire.listening_store(self.bind, port, datetime.timedelta(seconds=60))
         self.incarnation = uuid.uuid4().hex
-        card = pb.ReceiverCard(backend=self.backend, incarnation=self.incarnation,
-                               pack_bytes=pack_bytes)  # fmt: skip
+        card = pb.ReceiverCard(
+            backend=self.backend, incarnation=self.incarnation, pack_bytes=pack_bytes
+        )
         layout.to_proto(card.layout)
         self._store.set("kv/receiver", card.SerializeToString())
         self._address = self._address_of(self._store.port)
@@ -124,16 +136,22 @@ class GlooReceiver(KVReceiver):
                 join = self._check_join(raw)
             except Exception as e:  # noqa: BLE001 - a bad join must not stop the loop
                 self.refused += 1
-                log.warning("KV receiver %s: join refused (%d so far): %s", self._address,
-                            self.refused, e)  # fmt: skip
+                log.warning(
+                    "KV receiver %s: join refused (%d so far): %s", self._address, self.refused, e
+                )
                 continue
             try:
                 prefix = f"pair/{join.name}/{join.rank}/{join.gen}"
                 form = min(self.connect_timeout, wire.PAIR_FORM)
                 pg = self.group.make_group(PrefixStore(prefix, store), 1, self.advertise, form)
             except Exception as e:  # noqa: BLE001 - the sender went away meanwhile
-                log.warning("KV receiver %s: pair with %s rank %d not formed: %s",
-                            self._address, join.name[:64], join.rank, e)  # fmt: skip
+                log.warning(
+                    "KV receiver %s: pair with %s rank %d not formed: %s",
+                    self._address,
+                    join.name[:64],
+                    join.rank,
+                    e,
+                )
                 continue
             pair = RecvPair(join, pg)
             with self._pairs_lock:
@@ -152,8 +170,9 @@ class GlooReceiver(KVReceiver):
         join = pb.Join.FromString(raw)
         who = f"{join.name[:64]!r} rank {join.rank}"
         layout = join.layout.SerializeToString(deterministic=True)
-        proof = auth.join_proof(self.secret, self.incarnation, join.name, join.rank, join.gen,
-                                layout)  # fmt: skip
+        proof = auth.join_proof(
+            self.secret, self.incarnation, join.name, join.rank, join.gen, layout
+        )
         if not auth.valid(proof, join.proof):
             raise ValueError(f"join from {who} does not prove the cluster's secret")
         if not self._seen.first(proof):
@@ -219,13 +238,19 @@ class GlooReceiver(KVReceiver):
             raise RuntimeError(f"a pack of {size} bytes exceeds {self.pack_bytes}")
         pack = None
         if size:
-            buf = self.pool.take(size)
-            pack = (pair.pg.recv([buf[:size]], 0, wire.TAG_PACK), buf)
+            staging = self.pool.take(size)
+            pack = (pair.pg.recv([staging[:size]], 0, wire.TAG_PACK), staging)
         direct = [(seg, total) for seg, total, offset in rows if offset == NOT_PACKED]
         items = []
         if direct:
-            claims, _, _ = self.claim(h[wire.H_KEY], h[wire.H_SRC_RANK], pair.layout,
-                                      [s for s, _ in direct], pair, pair.break_)  # fmt: skip
+            claims, _, _ = self.claim(
+                h[wire.H_KEY],
+                h[wire.H_SRC_RANK],
+                pair.layout,
+                [s for s, _ in direct],
+                pair,
+                pair.break_,
+            )
             for i, (seg, total) in enumerate(direct):
                 claim = claims[i] if claims else None
                 targets = None if claim is None else self.targets(claim)
@@ -234,8 +259,9 @@ class GlooReceiver(KVReceiver):
                     n = seg.count * seg.num_heads * per
                     buf = self.pool.take(parts * n)
                     shape = (seg.count, lay.block_size, seg.num_heads, lay.unit_dim)
-                    targets = tuple(typed(buf[p * n :], lay.torch_dtype, shape)
-                                    for p in range(parts))  # fmt: skip
+                    targets = tuple(
+                        typed(buf[p * n :], lay.torch_dtype, shape) for p in range(parts)
+                    )
                 works = [pair.pg.recv([x], 0, wire.TAG_DATA) for x in targets]
                 items.append((claim, total, targets, buf, works))
         return h, rows, pack, items
@@ -253,7 +279,8 @@ class GlooReceiver(KVReceiver):
         broken = False
         while (item := done.get()) is not None:
             if len(item) == 4:
-                broken = self._complete_batch(pair, *item, broken)
+                h, rows, pack, items = item
+                broken = self._complete_batch(pair, h, rows, pack, items, broken)
                 continue
             h, handoff = item
             if broken or (handoff is not None and not self._waited(handoff[0])):
@@ -278,7 +305,8 @@ class GlooReceiver(KVReceiver):
         if items:  # receives of one tag complete in order: the last one implies all
             ok = not broken and self._waited(items[-1][4][-1])
             broken = broken or not ok
-            landed, failed = [], []
+            landed: list[Claim] = []
+            failed: list[Claim] = []
             for claim, total, parts, buf, _ in items:
                 if claim is not None:
                     good = ok and (total is None or self.verify(claim, total, *parts))
@@ -298,8 +326,11 @@ class GlooReceiver(KVReceiver):
         are claimed together and copied with one (indexed) copy."""
         lay = self.layout
         per, dtype, parts = lay.block_bytes(1), lay.torch_dtype, lay.parts
-        packed = [(seg, off, seg.count * seg.num_heads * per, total)
-                  for seg, total, off in rows if off != NOT_PACKED]  # fmt: skip
+        packed = [
+            (seg, off, seg.count * seg.num_heads * per, total)
+            for seg, total, off in rows
+            if off != NOT_PACKED
+        ]
         for i, j in wire.layer_spans([p[:3] for p in packed], parts):
             segs = [p[0] for p in packed[i:j]]
             claims, _, _ = self.claim(h[wire.H_KEY], h[wire.H_SRC_RANK], pair.layout, segs, pair)
@@ -308,8 +339,10 @@ class GlooReceiver(KVReceiver):
             shape = (segs[0].count, lay.block_size, segs[0].num_heads, lay.unit_dim)
             data = typed(buf[packed[i][1] :], dtype, (j - i, parts, *shape))
             sums = [p[3] for p in packed[i:j]]
-            ok = all(total is None or self.verify(c, total, *data[r].unbind(0))
-                     for r, (c, total) in enumerate(zip(claims, sums, strict=True)))  # fmt: skip
+            ok = all(
+                total is None or self.verify(c, total, *data[r].unbind(0))
+                for r, (c, total) in enumerate(zip(claims, sums, strict=True))
+            )
             if ok:
                 self.write_layers(claims, data)
                 self.group.sync()

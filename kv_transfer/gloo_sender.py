@@ -96,16 +96,25 @@ class GlooOutgoing(Outgoing):
     aborted: bool = False
 
 
-class GlooSender(KVSender):
+class GlooSender(KVSender[GlooOutgoing]):
     """Prefill side over torch.distributed point-to-point (gloo on CPU)."""
 
     backend = "gloo"
     group = GlooGroup
     outgoing = GlooOutgoing
 
-    def __init__(self, layout: KVLayout, *, connect_timeout=30.0,
-                 pack_below=128 << 10, pack_bytes=4 << 20, pack_window=4, verify_idle_s=1.0,
-                 batch_bytes: int | None = None, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        connect_timeout=30.0,
+        pack_below=128 << 10,
+        pack_bytes=4 << 20,
+        pack_window=4,
+        verify_idle_s=1.0,
+        batch_bytes: int | None = None,
+        **kwargs,
+    ):
         self.device_type = self.group.device_type
         super().__init__(layout, **kwargs)
         self.pack_below = pack_below  # K (or V) parts under this are packed, not sent alone
@@ -142,8 +151,10 @@ class GlooSender(KVSender):
         theirs = KVLayout.from_proto(card.layout)
         self.layout.check_compatible(theirs)
         if theirs.tp_rank != dst_rank:
-            raise KVLayoutError(f"KV receiver {address} is decode rank {theirs.tp_rank}, but "
-                                f"the destination lists it as rank {dst_rank}")  # fmt: skip
+            raise KVLayoutError(
+                f"KV receiver {address} is decode rank {theirs.tp_rank}, but "
+                f"the destination lists it as rank {dst_rank}"
+            )
         if card.backend != self.backend:
             raise KVPeerError(f"KV receiver {address} runs {card.backend!r}, not {self.backend!r}")
         join = pb.Join(name=self.name, rank=self.layout.tp_rank, gen=uuid.uuid4().hex)
@@ -215,8 +226,9 @@ class GlooSender(KVSender):
     def _post(self, t: GlooOutgoing, route, address: str, source: Source, segments) -> None:
         pair = self._transfer_pair(t, address, route.dst_rank)
         per, parts = self.layout.block_bytes(1), self.layout.parts
-        for batch in wire.plan_batches(segments, source, per, pair.pack_bytes, self.pack_below,
-                                       self.batch_bytes, parts):  # fmt: skip
+        for batch in wire.plan_batches(
+            segments, source, per, pair.pack_bytes, self.pack_below, self.batch_bytes, parts
+        ):
             self._post_batch(t, route, address, source, batch)
 
     def _post_batch(self, t: GlooOutgoing, route, address, source: Source, batch) -> None:
@@ -236,7 +248,7 @@ class GlooSender(KVSender):
                 direct += list(parts) if offset == NOT_PACKED else []
             wire.put_row(h, i, seg, total, offset)
         hdr = torch.tensor(h, dtype=torch.int64, device=self.device_type)
-        messages = [(hdr, wire.TAG_HDR, None)]
+        messages: list[tuple[torch.Tensor, int, torch.Tensor | None]] = [(hdr, wire.TAG_HDR, None)]
         if pack is not None:
             messages.append((pack[: batch.pack_bytes], wire.TAG_PACK, pack))
         messages += [(part, wire.TAG_DATA, None) for part in direct]
@@ -360,8 +372,10 @@ class GlooSender(KVSender):
         except Exception as e:  # noqa: BLE001
             err = self._broken(pair, e)
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise KVTransferTimeout(f"KV transfer {t.transfer_id!r} to {pair.address}: no "
-                                        f"acknowledgement in time ({e})") from e  # fmt: skip
+                raise KVTransferTimeout(
+                    f"KV transfer {t.transfer_id!r} to {pair.address}: no "
+                    f"acknowledgement in time ({e})"
+                ) from e
             raise err from e
 
     def _abort(self, t: GlooOutgoing) -> None:

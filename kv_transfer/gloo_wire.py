@@ -27,6 +27,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any, cast
 
 import torch
 
@@ -69,14 +70,21 @@ def put_row(h: list[int], i: int, seg: Segment, total: int | None, offset: int) 
     """Row ``i``: the segment, its checksum (None: not summed), its place in the pack."""
     signed = 0 if total is None else total - (1 << 64) if total >= 1 << 63 else total
     h[HEAD + ROW * i : HEAD + ROW * (i + 1)] = [
-        seg.layer, seg.start, seg.count, seg.heads[0], seg.heads[1], int(total is not None),
-        signed, offset,
-    ]  # fmt: skip
+        seg.layer,
+        seg.start,
+        seg.count,
+        seg.heads[0],
+        seg.heads[1],
+        int(total is not None),
+        signed,
+        offset,
+    ]
     h[H_NSEGS] = max(h[H_NSEGS], i + 1)
 
 
-def rows(h: list[int], num_layers: int, max_blocks: int,
-         num_heads: int) -> list[tuple[Segment, int | None, int]]:  # fmt: skip
+def rows(
+    h: list[int], num_layers: int, max_blocks: int, num_heads: int
+) -> list[tuple[Segment, int | None, int]]:
     """The (segment, checksum or None, pack offset) rows of a DATA header, each checked
     against the receiver's cache before anything is allocated for it: a layer of its
     ``num_layers``, 1 to ``max_blocks`` blocks (its cache's), units inside the model's
@@ -141,8 +149,15 @@ class Batch:
     pack_bytes: int = 0
 
 
-def plan_batches(segs, source: Source, per_head_block: int, pack_limit: int, direct_from: int,
-                 most_bytes: int | None, parts: int) -> list[Batch]:  # fmt: skip
+def plan_batches(
+    segs,
+    source: Source,
+    per_head_block: int,
+    pack_limit: int,
+    direct_from: int,
+    most_bytes: int | None,
+    parts: int,
+) -> list[Batch]:
     """Batches of up to ``MAX_SEGS`` segments, one pack, and ``most_bytes`` of data;
     ``per_head_block``: bytes of one unit of one block of one part."""
     out, batch, data = [], Batch(), 0
@@ -164,8 +179,9 @@ def plan_batches(segs, source: Source, per_head_block: int, pack_limit: int, dir
     return out + ([batch] if batch.rows else [])
 
 
-def fill_pack(pack: torch.Tensor, batch: Batch, source: Source, dtype: torch.dtype,
-              parts: int) -> None:  # fmt: skip
+def fill_pack(
+    pack: torch.Tensor, batch: Batch, source: Source, dtype: torch.dtype, parts: int
+) -> None:
     """Gather the batch's packed segments into ``pack``: consecutive layers at one
     position with one copy when they come from one cache."""
     packed = [(seg, off, n) for seg, n, off in batch.rows if off != NOT_PACKED]
@@ -190,7 +206,8 @@ class GlooGroup:
     def make_group(store, rank: int, host: str, timeout: datetime.timedelta):
         from torch.distributed import ProcessGroupGloo
 
-        opts = ProcessGroupGloo._Options()
+        # the pybind options that take a device: torch's stubs declare another class
+        opts = cast(Any, ProcessGroupGloo)._Options()
         opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = timeout
         return ProcessGroupGloo(store, rank, 2, opts)
@@ -236,8 +253,15 @@ def listening_store(bind: str, port: int, timeout: datetime.timedelta):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own stores
         sock.bind((bind, port))
         sock.listen(128)
-        store = TCPStore(bind, sock.getsockname()[1], None, True, timeout,
-                         wait_for_workers=False, master_listen_fd=sock.fileno())  # fmt: skip
+        store = TCPStore(
+            bind,
+            sock.getsockname()[1],
+            None,
+            True,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
     except BaseException:
         sock.close()
         raise

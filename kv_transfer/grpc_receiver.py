@@ -82,17 +82,25 @@ class GrpcReceiver(KVReceiver):
 
     backend = "grpc"
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, port: int = 0,
-                 workers: int = 32, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_cache: torch.Tensor,
+        *,
+        port: int = 0,
+        workers: int = 32,
+        **kwargs,
+    ):
         super().__init__(layout, kv_cache, **kwargs)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-grpc"),
             options=CHANNEL_OPTIONS,
         )
         handler = grpc.stream_unary_rpc_method_handler(
-            self._push, request_deserializer=decode_chunk,
+            self._push,
+            request_deserializer=decode_chunk,
             response_serializer=pb.PushAck.SerializeToString,
-        )  # fmt: skip
+        )
         self._server.add_generic_rpc_handlers(
             (
                 grpc.method_handlers_generic_handler(
@@ -123,10 +131,14 @@ class GrpcReceiver(KVReceiver):
                 if key is None:
                     if problem := self._unproven(head):
                         self.refused += 1
-                        log.warning("KV receiver %s: push from %s refused (%d so far): %s",
-                                    self._address, context.peer(), self.refused,
-                                    problem)  # fmt: skip
-                        return pb.PushAck(status=int(Status.REJECTED), message=problem)
+                        log.warning(
+                            "KV receiver %s: push from %s refused (%d so far): %s",
+                            self._address,
+                            context.peer(),
+                            self.refused,
+                            problem,
+                        )
+                        return pb.PushAck(status=Status.REJECTED.name, message=problem)
                     key, layout = (
                         transfer_key(head.transfer_id),
                         KVLayout.from_proto(head.src_layout),
@@ -142,7 +154,7 @@ class GrpcReceiver(KVReceiver):
         finally:  # a stream that ends without its END: the sender died, or gave up
             if key is not None and not ended:
                 self.link_lost(link, src, "the stream ended before its END")
-        return pb.PushAck(status=int(status), message=text)
+        return pb.PushAck(status=status.name, message=text)
 
     def _unproven(self, head: pb.KVChunk) -> str:
         """Why a stream's first message does not open a push ("" when it does)."""
@@ -176,7 +188,7 @@ class GrpcReceiver(KVReceiver):
             if meta.has_checksum and not self.verify(claims[0], meta.checksum, *parts):
                 return
             if self.kv_cache.device.type != "cpu":
-                parts = [p.to(self.kv_cache.device) for p in parts]
+                parts = tuple(p.to(self.kv_cache.device) for p in parts)
             self.write(claims[0], *parts)
             if self.kv_cache.device.type != "cpu":
                 torch.cuda.current_stream(self.kv_cache.device).synchronize()

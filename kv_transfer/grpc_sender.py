@@ -67,7 +67,8 @@ class PushStream:
         self.queue: collections.deque = collections.deque()
         self.queued, self.closed, self.failed = 0, False, None
         self.cond = threading.Condition()
-        self.future = None
+        # the call reading this stream, set by the sender right after it starts the call
+        self.future: grpc.Future[pb.PushAck]
 
     def put(self, item, size: int) -> None:
         with self.cond:
@@ -101,7 +102,8 @@ class PushStream:
                 self.cond.wait()
             if not self.queue:
                 raise StopIteration
-            items, size = [], 0
+            items: list[object] = []
+            size = 0
             while self.queue and (not items or size + self.queue[0][1] <= self.chunk):
                 item, n = self.queue.popleft()
                 items.append(item)
@@ -119,15 +121,16 @@ class GrpcOutgoing(Outgoing):
     opened: set[str] = field(default_factory=set)  # streams whose first message went
 
 
-class GrpcSender(KVSender):
+class GrpcSender(KVSender[GrpcOutgoing]):
     """Prefill side over gRPC streams."""
 
     backend = "grpc"
     device_type = None  # any: device memory goes through host bytes
     outgoing = GrpcOutgoing
 
-    def __init__(self, layout: KVLayout, *, chunk_bytes=1 << 20, max_queued_bytes=256 << 20,
-                 **kwargs):  # fmt: skip
+    def __init__(
+        self, layout: KVLayout, *, chunk_bytes=1 << 20, max_queued_bytes=256 << 20, **kwargs
+    ):
         super().__init__(layout, **kwargs)
         if chunk_bytes > MAX_MESSAGE - (1 << 16):
             raise ValueError(f"chunk_bytes={chunk_bytes} exceeds the message limit")
@@ -143,6 +146,7 @@ class GrpcSender(KVSender):
                     self._channels[address] = grpc.insecure_channel(
                         address, options=CHANNEL_OPTIONS
                     )
+                call: grpc.StreamUnaryMultiCallable[bytes, pb.PushAck]
                 call = self._channels[address].stream_unary(
                     METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString
                 )
@@ -152,7 +156,7 @@ class GrpcSender(KVSender):
                 lambda items: self._encode(t, address, items),
             )
             stream.future = call.future(stream)
-            stream.future.add_done_callback(lambda f, s=stream: s.fail(_rpc_error(f)))
+            stream.future.add_done_callback(lambda f: stream.fail(_rpc_error(f)))
         return stream
 
     def _part_limit(self, t, address, route) -> int:
@@ -176,8 +180,9 @@ class GrpcSender(KVSender):
             head.transfer_id, head.sender, head.nonce = t.dst.token, self.name, auth.new_nonce()
             self.layout.to_proto(head.src_layout)
             layout = head.src_layout.SerializeToString(deterministic=True)
-            head.proof = auth.push_proof(self.secret, head.transfer_id, self.name, layout,
-                                         head.nonce)  # fmt: skip
+            head.proof = auth.push_proof(
+                self.secret, head.transfer_id, self.name, layout, head.nonce
+            )
         metas, parts, offset = [], [], 0
         for source, item in items:
             if source is None:  # the END
@@ -189,12 +194,19 @@ class GrpcSender(KVSender):
                 # partial heads, device memory, or blocks whose checksum words would not
                 # add up across pieces: gather first, then copy into bytes
                 device = source.layers[seg.layer][0].device
-                pieces = [torch.empty(source.shape(seg), dtype=self.layout.torch_dtype,
-                                      device=device) for _ in range(self.layout.parts)]  # fmt: skip
+                pieces = [
+                    torch.empty(source.shape(seg), dtype=self.layout.torch_dtype, device=device)
+                    for _ in range(self.layout.parts)
+                ]
                 source.gather(seg, pieces)
                 pieces = [p.cpu() for p in pieces]
-            meta = pb.KVChunkMeta(layer=seg.layer, block_offset=seg.start, num_blocks=seg.count,
-                                  head_start=seg.heads[0], head_end=seg.heads[1])  # fmt: skip
+            meta = pb.KVChunkMeta(
+                layer=seg.layer,
+                block_offset=seg.start,
+                num_blocks=seg.count,
+                head_start=seg.heads[0],
+                head_end=seg.heads[1],
+            )
             meta.offset = offset
             if self.checksum:
                 meta.has_checksum = True
@@ -212,11 +224,14 @@ class GrpcSender(KVSender):
                 reply = stream.future.result(timeout=timeout)
             except grpc.FutureTimeoutError as e:
                 stream.future.cancel()
-                raise KVTransferTimeout(f"KV transfer {t.transfer_id!r} to {address}: no "
-                                        f"acknowledgement within {timeout}s") from e  # fmt: skip
+                raise KVTransferTimeout(
+                    f"KV transfer {t.transfer_id!r} to {address}: no "
+                    f"acknowledgement within {timeout}s"
+                ) from e
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
-                raise KVPeerError(f"KV transfer {t.transfer_id!r} to {address} failed: "
-                                  f"{_rpc_text(e)}") from e  # fmt: skip
+                raise KVPeerError(
+                    f"KV transfer {t.transfer_id!r} to {address} failed: {_rpc_text(e)}"
+                ) from e
             acks.append(Ack(address, Status(reply.status), reply.message))
         return acks
 

@@ -98,17 +98,23 @@ class KVLayout:
         latent = self.kind == "latent"
         rope = self.rope_dim
         if not isinstance(rope, int) or isinstance(rope, bool) or (rope < 1 if latent else rope):
-            raise KVLayoutError(f"KVLayout.rope_dim={rope!r}: allowed "
-                                f"{'a positive integer' if latent else '0'} for kind "
-                                f"{self.kind!r}")  # fmt: skip
+            raise KVLayoutError(
+                f"KVLayout.rope_dim={rope!r}: allowed "
+                f"{'a positive integer' if latent else '0'} for kind "
+                f"{self.kind!r}"
+            )
         if not isinstance(self.replicated, bool) or (self.replicated and not latent):
-            raise KVLayoutError(f"KVLayout.replicated={self.replicated!r}: allowed True or "
-                                "False for kind 'latent', False for 'kv'")  # fmt: skip
+            raise KVLayoutError(
+                f"KVLayout.replicated={self.replicated!r}: allowed True or "
+                "False for kind 'latent', False for 'kv'"
+            )
         if self.num_kv_heads % self.tp_size and not self.replicated:
             what = "latent heads (or set replicated)" if latent else "KV heads"
-            raise KVLayoutError(f"num_kv_heads={self.num_kv_heads} is not divisible by "
-                                f"tensor_parallel={self.tp_size}: every rank must hold the "
-                                f"same number of {what}")  # fmt: skip
+            raise KVLayoutError(
+                f"num_kv_heads={self.num_kv_heads} is not divisible by "
+                f"tensor_parallel={self.tp_size}: every rank must hold the "
+                f"same number of {what}"
+            )
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise KVLayoutError(f"KVLayout.tp_rank={self.tp_rank!r}: allowed [0, {self.tp_size})")
 
@@ -200,9 +206,11 @@ class KVLayout:
         dims = len(self.cache_shape(1))
         want = self.cache_shape(cache.shape[blocks]) if cache.dim() == dims else None
         if tuple(cache.shape) != want or cache.dtype != self.torch_dtype:
-            names = ("[layers, 2, blocks, block_size, local kv heads, head_dim]"
-                     if self.kind == "kv" else "[layers, blocks, block_size, local latent "
-                     "heads * head_dim + rope_dim]")  # fmt: skip
+            names = (
+                "[layers, 2, blocks, block_size, local kv heads, head_dim]"
+                if self.kind == "kv"
+                else "[layers, blocks, block_size, local latent heads * head_dim + rope_dim]"
+            )
             raise KVLayoutError(
                 f"the cache is {tuple(cache.shape)} {cache.dtype}; this rank's layout "
                 f"({self.describe()}) needs {names} = {want or f'{dims} dims'} of {self.dtype}"
@@ -215,25 +223,39 @@ class KVLayout:
     def check_compatible(self, other: KVLayout) -> None:
         """Raise unless KV computed under ``self`` can be written into a cache laid out as
         ``other`` (the other pool; tensor-parallel degrees may differ)."""
-        for name in ("kind", "num_layers", "block_size", "num_kv_heads", "head_dim",
-                     "rope_dim", "replicated", "dtype"):  # fmt: skip
+        for name in (
+            "kind",
+            "num_layers",
+            "block_size",
+            "num_kv_heads",
+            "head_dim",
+            "rope_dim",
+            "replicated",
+            "dtype",
+        ):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 what = "both pools must serve the same model with the same KV dtype"
                 if name == "block_size":
                     what = "the pools must use the same block size (set decode.block_size to match)"
-                raise KVLayoutError(f"KV layouts differ in {name}: this pool has {name}={a!r}, "
-                                    f"the other has {name}={b!r}; {what}")  # fmt: skip
+                raise KVLayoutError(
+                    f"KV layouts differ in {name}: this pool has {name}={a!r}, "
+                    f"the other has {name}={b!r}; {what}"
+                )
 
     def describe(self) -> str:
         where = f"rank {self.tp_rank}/{self.tp_size} holding heads {list(self.head_range)}"
         if self.kind == "kv":
-            return (f"{self.num_layers} layers, block_size {self.block_size}, {self.num_kv_heads}"
-                    f" kv heads x {self.head_dim} ({self.dtype}), {where}")  # fmt: skip
+            return (
+                f"{self.num_layers} layers, block_size {self.block_size}, {self.num_kv_heads}"
+                f" kv heads x {self.head_dim} ({self.dtype}), {where}"
+            )
         share = "replicated" if self.replicated else "sharded"
-        return (f"{self.num_layers} layers, block_size {self.block_size}, {self.num_kv_heads} "
-                f"latent heads x {self.head_dim} + rope {self.rope_dim} ({self.dtype}, {share}),"
-                f" {where}")  # fmt: skip
+        return (
+            f"{self.num_layers} layers, block_size {self.block_size}, {self.num_kv_heads} "
+            f"latent heads x {self.head_dim} + rope {self.rope_dim} ({self.dtype}, {share}),"
+            f" {where}"
+        )
 
     def to_proto(self, msg=None):
         """The layout as ``kv_transfer.proto``'s ``KVLayout`` (its only serialized form)."""
@@ -259,9 +281,18 @@ def cache_layout(engine) -> KVLayout:
     m, cfg, size = engine.model, engine.model.cfg, engine.runner.blocks.block_size
     dtype, mla = dtype_name(m.dtype), cfg.mla
     if mla is not None:
-        return KVLayout(cfg.num_layers, size, mla.latent_heads, mla.kv_lora_rank, dtype,
-                        m.tp.size, m.tp.rank, "latent", mla.qk_rope_head_dim,
-                        replicated=mla.replicated)  # fmt: skip
+        return KVLayout(
+            cfg.num_layers,
+            size,
+            mla.latent_heads,
+            mla.kv_lora_rank,
+            dtype,
+            m.tp.size,
+            m.tp.rank,
+            "latent",
+            mla.qk_rope_head_dim,
+            replicated=mla.replicated,
+        )
     return KVLayout(
         cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim, dtype, m.tp.size, m.tp.rank
     )

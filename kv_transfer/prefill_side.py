@@ -31,11 +31,17 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.messages import Attempt, Update
-from engine.prefilled import Prefilled
+from engine.prefilled import LastChunkHook, Prefilled
 from kv_transfer import Handoff, KVDestination, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
+
+if TYPE_CHECKING:  # the mixin's host, for the checker: its attributes and ``super()``
+    from engine.worker import EngineWorker as _Host
+else:
+    _Host = object
 
 
 def ack_timeout_s(lease_s: float) -> float:
@@ -65,9 +71,13 @@ class PrefillSide:
         self.name, self.engine, self.layout = name, engine, layout
         self.ranks, self.post = ranks, post
         self.sender = get_transport(kv_config["backend"]).sender(
-            layout, secret=kv_config["secret"], bind=kv_config["bind"],
-            advertise=kv_config["advertise"], checksum=kv_config["checksum"], name=name,
-        )  # fmt: skip
+            layout,
+            secret=kv_config["secret"],
+            bind=kv_config["bind"],
+            advertise=kv_config["advertise"],
+            checksum=kv_config["checksum"],
+            name=name,
+        )
         self.layerwise = kv_config["layerwise"]
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self.jobs: dict[str, Job] = {}
@@ -77,9 +87,14 @@ class PrefillSide:
         """Queue ``attempt``'s prompt as a hand-off request bound for
         ``attempt.destination``; ValueError (nothing kept) when either is refused."""
         dst = KVDestination.from_bytes(attempt.destination)
-        self.engine.add_request(attempt.id, list(attempt.prompt_ids), attempt.params,
-                                attempt.delivered, attempt.delivered_chars,
-                                hand_off=True)  # fmt: skip
+        self.engine.add_request(
+            attempt.id,
+            list(attempt.prompt_ids),
+            attempt.params,
+            attempt.delivered,
+            attempt.delivered_chars,
+            hand_off=True,
+        )
         self.jobs[attempt.id] = Job(attempt, dst)
 
     def owns(self, request_id: str) -> bool:
@@ -153,12 +168,20 @@ class PrefillSide:
             return [Update(tid, error=p.error, retryable=True)]
         if not self.layerwise:
             kv, dst = self.engine.runner.kv_cache, job.destination
-            self._send(job, lambda: self.sender.send_all(tid, kv, dst.source_blocks(p.block_ids),
-                                                         dst))  # fmt: skip
+            self._send(
+                job, lambda: self.sender.send_all(tid, kv, dst.source_blocks(p.block_ids), dst)
+            )
         times = {**p.times, "transfer_start": job.transfer_start or time.time()}
         lp = p.logprobs  # the first token's, when the request asked
-        first = () if lp is None else (lp.logprob, lp.top_ids, lp.top_logprobs)
-        handoff = Handoff(p.first_token, times, self.name, *first, cached_tokens=p.cached_tokens)
+        handoff = Handoff(
+            p.first_token,
+            times,
+            self.name,
+            first_logprob=None if lp is None else lp.logprob,
+            top_ids=() if lp is None else lp.top_ids,
+            top_logprobs=() if lp is None else lp.top_logprobs,
+            cached_tokens=p.cached_tokens,
+        )
         self._acks.submit(self._finish, job, handoff)
         return []
 
@@ -202,17 +225,19 @@ class PrefillSide:
         self.sender.close()
 
 
-class PrefillsForOthers:
+class PrefillsForOthers(_Host):
     """Mixed into an ``EngineWorker`` subclass (before it) whose ``_setup`` makes
     ``self.side``, a ``PrefillSide``: the ``prefill`` call, its ops on the step loop
     (``prefill``, ``acked``), the step's hand-offs and failures. A role with more
     requests of its own chains ``_owns`` and ``_abort`` to these."""
 
+    side: PrefillSide
+
     # the router sends ``prefill`` up the feed too
     feed_commands = {"add": "add", "prefill": "prefill", "abort": "abort"}
 
     @property
-    def _last_chunk(self):
+    def _last_chunk(self) -> LastChunkHook | None:
         """The step's hook while jobs are here; None otherwise, so that a decode
         instance's steps without one do no hand-off work (engine/prefilled.py)."""
         return self.side.on_last_chunk if self.side.jobs else None

@@ -66,11 +66,11 @@ def endpoint(bind: str | None = None, advertise: str | None = None) -> tuple[str
     ``bind`` None: this node's Ray address in a Ray worker, else loopback (the cluster
     passes 127.0.0.1 for an embedded Ray, cluster/supervisor.py). ``advertise`` None:
     ``bind``, or the node's Ray address when ``bind`` is a wildcard (0.0.0.0, ::)."""
-    node = None
-    if bind is None or (advertise is None and bind in WILDCARDS):
-        import ray
+    if bind is not None and (advertise is not None or bind not in WILDCARDS):
+        return bind, advertise or bind  # no node address needed
+    import ray
 
-        node = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    node: str = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
     bind = bind or node
     return bind, advertise or (node if bind in WILDCARDS else bind)
 
@@ -85,12 +85,15 @@ def check_layer_skip(layer_skip: tuple[int, ...], num_layers: int, num_blocks: i
     """Raise unless ``layer_skip`` is empty or one entry per layer in ``[0, num_blocks)``
     (``KVDestination.layer_skip``: each layer receives at least one of the blocks)."""
     if layer_skip and len(layer_skip) != num_layers:
-        raise KVLayoutError(f"layer_skip has {len(layer_skip)} entries for {num_layers} "
-                            "layers: allowed one per layer, or none")  # fmt: skip
+        raise KVLayoutError(
+            f"layer_skip has {len(layer_skip)} entries for {num_layers} "
+            "layers: allowed one per layer, or none"
+        )
     if bad := [(i, s) for i, s in enumerate(layer_skip) if not 0 <= s < num_blocks]:
         (i, s), why = bad[0], "a layer receives at least one"
-        raise KVLayoutError(f"layer_skip[{i}]={s}: allowed [0, {num_blocks}) for "
-                            f"{num_blocks} blocks sent ({why})")  # fmt: skip
+        raise KVLayoutError(
+            f"layer_skip[{i}]={s}: allowed [0, {num_blocks}) for {num_blocks} blocks sent ({why})"
+        )
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,16 @@ class KVDestination:
     @classmethod
     def from_proto(cls, msg: pb.KVDestination) -> KVDestination:
         layout = KVLayout.from_proto(msg.layout)
-        return cls(tuple(msg.addresses), tuple(msg.block_ids), layout, msg.backend, msg.token,
-                   msg.cached_blocks, msg.outside_blocks, tuple(msg.layer_skip))  # fmt: skip
+        return cls(
+            tuple(msg.addresses),
+            tuple(msg.block_ids),
+            layout,
+            msg.backend,
+            msg.token,
+            msg.cached_blocks,
+            msg.outside_blocks,
+            tuple(msg.layer_skip),
+        )
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString()

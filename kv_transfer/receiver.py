@@ -107,7 +107,8 @@ class Transfer:
 
     def __post_init__(self):
         self.rows = {key: i for i, key in enumerate(sorted(self.routes))}
-        self.sources = {src: [] for src, _ in sorted(self.routes)}  # source rank -> its rows
+        # source rank -> its rows
+        self.sources: dict[int, list[int]] = {src: [] for src, _ in sorted(self.routes)}
         for (src, _), row in self.rows.items():
             self.sources[src].append(row)
 
@@ -155,9 +156,16 @@ class Claim:
 class KVReceiver:
     backend = ""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, secret: bytes,
-                 bind: str | None = None, advertise: str | None = None,
-                 stuck_s: float = 5.0):  # fmt: skip
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_cache: torch.Tensor,
+        *,
+        secret: bytes,
+        bind: str | None = None,
+        advertise: str | None = None,
+        stuck_s: float = 5.0,
+    ):
         """``secret``: the cluster's (``kv_transfer/auth.py``); ``bind``: the interface the
         backend listens on, ``advertise``: the address in ``address`` (``endpoint``)."""
         layout.check_cache(kv_cache)
@@ -189,8 +197,17 @@ class KVReceiver:
         return f"[{self.advertise}]:{port}" if ":" in self.advertise else f"{self.advertise}:{port}"
 
     # -- the owner (the decode instance) ------------------------------------------------
-    def expect(self, transfer_id, dst_block_ids, src_layout: KVLayout, lease_s=None, ranks=1,
-               token: str | None = None, sender: str = "", layer_skip=()) -> str:  # fmt: skip
+    def expect(
+        self,
+        transfer_id,
+        dst_block_ids,
+        src_layout: KVLayout,
+        lease_s=None,
+        ranks=1,
+        token: str | None = None,
+        sender: str = "",
+        layer_skip=(),
+    ) -> str:
         """Reserve: the i-th source block lands in ``dst_block_ids[i]``, for layer ``l``
         from ``layer_skip[l]`` on (``KVDestination.layer_skip``); ``ranks`` parts
         (this rank's and ``ranks - 1`` reports through ``rank_event``) make it land.
@@ -202,8 +219,10 @@ class KVReceiver:
         src_layout.check_compatible(self.layout)
         ids = tuple(int(b) for b in dst_block_ids)
         if bad := [b for b in ids if not 0 <= b < self.num_blocks]:
-            raise KVLayoutError(f"transfer {transfer_id!r}: destination blocks {bad[:5]} are "
-                                f"outside the cache's {self.num_blocks} blocks")  # fmt: skip
+            raise KVLayoutError(
+                f"transfer {transfer_id!r}: destination blocks {bad[:5]} are "
+                f"outside the cache's {self.num_blocks} blocks"
+            )
         if len(set(ids)) != len(ids):
             raise KVLayoutError(f"transfer {transfer_id!r}: destination blocks repeat: {ids}")
         skip = tuple(int(s) for s in layer_skip)
@@ -212,8 +231,18 @@ class KVReceiver:
         have = np.zeros((len(routes), self.layout.num_layers, len(ids)), dtype=bool)
         for layer, n in enumerate(skip):  # nothing comes for them
             have[:, layer, :n] = True
-        t = Transfer(transfer_id, transfer_key(token), ids, src_layout.tp_size, routes,
-                     have, lease_s, ranks - 1, sender, skip)  # fmt: skip
+        t = Transfer(
+            transfer_id,
+            transfer_key(token),
+            ids,
+            src_layout.tp_size,
+            routes,
+            have,
+            lease_s,
+            ranks - 1,
+            sender,
+            skip,
+        )
         with self._cond:
             if transfer_id in self._by_id or t.key in self._by_key:
                 raise KVTransferError(f"transfer {transfer_id!r} is already expected")
@@ -247,8 +276,10 @@ class KVReceiver:
         with self._cond:
             t = self._by_id.get(transfer_id)
             if t is None:
-                raise KVTransferError(f"transfer {transfer_id!r} is not expected here (never "
-                                      "expected, already released or waited for)")  # fmt: skip
+                raise KVTransferError(
+                    f"transfer {transfer_id!r} is not expected here (never "
+                    "expected, already released or waited for)"
+                )
             while t.live and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
             if t.live:
@@ -273,8 +304,9 @@ class KVReceiver:
             self._clock.notify()
 
     # -- the transport ----------------------------------------------------------------
-    def claim(self, key, src_rank, src_layout: KVLayout, segs: Sequence[Segment], link=None,
-              on_stuck=None) -> tuple[list[Claim] | None, Status, str]:  # fmt: skip
+    def claim(
+        self, key, src_rank, src_layout: KVLayout, segs: Sequence[Segment], link=None, on_stuck=None
+    ) -> tuple[list[Claim] | None, Status, str]:
         """The right to write ``segs`` (all or none) from one source rank: refused, with
         the status to acknowledge, unless the transfer expects bytes now and they fit it.
         Until ``commit``, a release waits for the write; if it hangs (a stalled sender),
@@ -286,8 +318,11 @@ class KVReceiver:
             if problem := self._stranger(t, link):
                 return None, Status.REJECTED, problem
             if problem := self._misfit(t, src_rank, src_layout, segs):
-                self._finish(t, State.FAILED, KVTransferError(
-                    f"transfer {t.transfer_id!r} rejected: {problem}"))  # fmt: skip
+                self._finish(
+                    t,
+                    State.FAILED,
+                    KVTransferError(f"transfer {t.transfer_id!r} rejected: {problem}"),
+                )
                 return None, Status.REJECTED, problem
             claims = [Claim(t, src_rank, s, on_stuck) for s in segs]
             t.inflight.update(claims)
@@ -313,8 +348,7 @@ class KVReceiver:
         """``data`` ``[layers, parts, count, block_size, units, dim]``: the claims are
         consecutive layers at one block position."""
         c = claims[0]
-        scatter(self.units[c.seg.layer : c.seg.layer + len(claims)], c.dst_ids,
-                c.dst_heads, data)  # fmt: skip
+        scatter(self.units[c.seg.layer : c.seg.layer + len(claims)], c.dst_ids, c.dst_heads, data)
 
     def verify(self, c: Claim, expected: int, *parts: torch.Tensor) -> bool:
         """Whether a claimed segment's bytes sum to what its sender sent; fails the
@@ -322,10 +356,14 @@ class KVReceiver:
         got = checksum(*parts)
         if got != expected:
             s, t = c.seg, c.transfer
-            self.fail(t.key, KVChecksumError(
-                f"KV transfer {t.transfer_id!r}: checksum mismatch in layer {s.layer}, blocks "
-                f"[{s.start}, {s.start + s.count}) from source rank {c.src_rank}: sent "
-                f"{expected:#018x}, received {got:#018x}"))  # fmt: skip
+            self.fail(
+                t.key,
+                KVChecksumError(
+                    f"KV transfer {t.transfer_id!r}: checksum mismatch in layer {s.layer}, blocks "
+                    f"[{s.start}, {s.start + s.count}) from source rank {c.src_rank}: sent "
+                    f"{expected:#018x}, received {got:#018x}"
+                ),
+            )
         return got == expected
 
     def commit(self, claims: Sequence[Claim], ok: bool) -> None:
@@ -360,9 +398,14 @@ class KVReceiver:
                 if handoff and src_rank == 0:
                     t.handoff = Handoff.from_bytes(handoff)
                 if not t.share_landed(src_rank):
-                    self._finish(t, State.FAILED, KVTransferError(
-                        f"KV transfer {t.transfer_id!r}: source rank {src_rank} ended with "
-                        f"{t.describe_missing()} missing"))  # fmt: skip
+                    self._finish(
+                        t,
+                        State.FAILED,
+                        KVTransferError(
+                            f"KV transfer {t.transfer_id!r}: source rank {src_rank} ended with "
+                            f"{t.describe_missing()} missing"
+                        ),
+                    )
                 else:
                     self._progress(t)
             return self._status(t, key, src_rank)
@@ -379,8 +422,11 @@ class KVReceiver:
         with self._cond:
             for t in list(self._by_id.values()):
                 if t.live and link in t.links and src_rank not in t.ended:
-                    self._finish(t, State.FAILED, KVPeerError(
-                        f"KV transfer {t.transfer_id!r}: connection lost ({why})"))  # fmt: skip
+                    self._finish(
+                        t,
+                        State.FAILED,
+                        KVPeerError(f"KV transfer {t.transfer_id!r}: connection lost ({why})"),
+                    )
 
     # -- internals (lock held) ------------------------------------------------------------
     def _stranger(self, t: Transfer, link) -> str:
@@ -388,8 +434,12 @@ class KVReceiver:
         name. Refused without failing ``t``: the expected sender may still come."""
         sender = getattr(link, "sender", "")
         if t.sender and sender != t.sender:
-            log.warning("KV transfer %r: bytes from %r refused, it expects %r", t.transfer_id,
-                        sender[:64], t.sender)  # fmt: skip
+            log.warning(
+                "KV transfer %r: bytes from %r refused, it expects %r",
+                t.transfer_id,
+                sender[:64],
+                t.sender,
+            )
             return f"this transfer is expected from {t.sender!r}, not {sender[:64]!r}"
         return ""
 
@@ -400,8 +450,10 @@ class KVReceiver:
         except KVLayoutError as e:
             return str(e)
         if src_layout.tp_size != t.src_tp:
-            return (f"sender has tensor_parallel={src_layout.tp_size}, the transfer was "
-                    f"expected from tensor_parallel={t.src_tp}")  # fmt: skip
+            return (
+                f"sender has tensor_parallel={src_layout.tp_size}, the transfer was "
+                f"expected from tensor_parallel={t.src_tp}"
+            )
         if src_rank not in t.sources:
             return f"source rank {src_rank} holds no heads of this decode rank"
         for s in segs:
@@ -411,12 +463,16 @@ class KVReceiver:
             if not 0 <= s.layer < self.layout.num_layers:
                 return f"layer {s.layer} is outside the cache"
             if s.start < 0 or s.count < 1 or s.start + s.count > len(t.dst_block_ids):
-                return (f"blocks [{s.start}, {s.start + s.count}) are outside the transfer's "
-                        f"{len(t.dst_block_ids)} blocks")  # fmt: skip
+                return (
+                    f"blocks [{s.start}, {s.start + s.count}) are outside the transfer's "
+                    f"{len(t.dst_block_ids)} blocks"
+                )
             if t.skip and s.start < t.skip[s.layer]:
-                return (f"blocks [{s.start}, {s.start + s.count}) of layer {s.layer}: that "
-                        f"layer receives blocks [{t.skip[s.layer]}, {len(t.dst_block_ids)}) "
-                        "only (layer_skip: the rest lie before its window)")  # fmt: skip
+                return (
+                    f"blocks [{s.start}, {s.start + s.count}) of layer {s.layer}: that "
+                    f"layer receives blocks [{t.skip[s.layer]}, {len(t.dst_block_ids)}) "
+                    "only (layer_skip: the rest lie before its window)"
+                )
         return ""
 
     def _progress(self, t: Transfer) -> None:
@@ -490,13 +546,16 @@ class KVReceiver:
             with self._cond:
                 while not self._events and not self._closed:
                     now = time.monotonic()
-                    due = [t for t in self._by_id.values()
-                           if t.state == State.RECEIVING and t.deadline is not None]  # fmt: skip
-                    for t in [t for t in due if t.deadline <= now]:
+                    due = [
+                        (t.deadline, t)
+                        for t in self._by_id.values()
+                        if t.state == State.RECEIVING and t.deadline is not None
+                    ]
+                    for t in [t for at, t in due if at <= now]:
                         self._finish(t, State.EXPIRED, self._timeout(t, f"for {t.lease_s:g}s"))
                     if self._events:
                         break
-                    self._clock.wait(min((t.deadline - now for t in due), default=None))
+                    self._clock.wait(min((at - now for at, _ in due), default=None))
                 if self._closed:
                     return
                 events, self._events = list(self._events), deque()

@@ -87,9 +87,14 @@ def plan_positions(ids: Sequence[int], max_blocks: int, min_run: int = 4) -> lis
     return out
 
 
-def plan_segments(ids: Sequence[int], offset: int, skips: dict[int, int],
-                  heads: tuple[int, int], max_blocks: int, min_run: int = 4
-                  ) -> list[Segment]:  # fmt: skip
+def plan_segments(
+    ids: Sequence[int],
+    offset: int,
+    skips: dict[int, int],
+    heads: tuple[int, int],
+    max_blocks: int,
+    min_run: int = 4,
+) -> list[Segment]:
     """The segments of one send call: source blocks ``ids`` at positions ``offset ..`` of
     the request's list, for each layer of ``skips`` (layer -> the leading positions of
     the list it does not receive, ``KVDestination.skip``). The positions are cut where

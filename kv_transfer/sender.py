@@ -18,6 +18,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -69,14 +70,26 @@ class Outgoing:
     buffers: list[torch.Tensor] = field(default_factory=list)  # pooled, returned at the end
 
 
-class KVSender(ABC):
+OutgoingT = TypeVar("OutgoingT", bound=Outgoing)
+
+
+class KVSender(ABC, Generic[OutgoingT]):
     backend = ""
     device_type: str | None = "cpu"  # the caches it sends from (None: any device)
-    outgoing = Outgoing
+    outgoing: type[OutgoingT]  # a backend's transfer state
 
-    def __init__(self, layout: KVLayout, *, secret: bytes, bind: str | None = None,
-                 advertise: str | None = None, checksum=False, name: str | None = None,
-                 part_bytes=4 << 20, min_run=4):  # fmt: skip
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        secret: bytes,
+        bind: str | None = None,
+        advertise: str | None = None,
+        checksum=False,
+        name: str | None = None,
+        part_bytes=4 << 20,
+        min_run=4,
+    ):
         """``secret``: the cluster's (``kv_transfer/auth.py``); ``bind``/``advertise``:
         this worker's interface and address (``protocol.endpoint``), for a backend whose
         sending side listens too (gloo's pair device, on ``advertise``)."""
@@ -88,7 +101,7 @@ class KVSender(ABC):
         self.min_run = min_run
         self.pool = BufferPool(self.device_type or "cpu")
         self._lock = threading.Lock()
-        self._transfers: dict[str, Outgoing] = {}
+        self._transfers: dict[str, OutgoingT] = {}
 
     # -- public ------------------------------------------------------------------------
     def send_layer(self, transfer_id, layer, k_cache, v_cache, src_block_ids, dst, block_offset=0):
@@ -98,8 +111,9 @@ class KVSender(ABC):
         layers = [(layer, k_cache, v_cache)]
         return self.send_layers(transfer_id, layers, src_block_ids, dst, block_offset)
 
-    def send_latent_layer(self, transfer_id, layer, latent_cache, src_block_ids, dst,
-                          block_offset=0):  # fmt: skip
+    def send_latent_layer(
+        self, transfer_id, layer, latent_cache, src_block_ids, dst, block_offset=0
+    ):
         """A latent layout's ``send_layer``: ``latent_cache`` is the layer's ``[blocks,
         block_size, local latent heads * head_dim + rope_dim]`` view of the rank's cache."""
         layers = [(layer, latent_cache)]
@@ -123,9 +137,11 @@ class KVSender(ABC):
             self._check_cache(kv_cache)
         want = 1 + self.layout.parts
         if bad := [len(entry) for entry in layers if len(entry) != want]:
-            raise KVLayoutError(f"a layer to send has {bad[0] - 1} cache tensors; a "
-                                f"{self.layout.kind!r} layout sends {want - 1} per layer "
-                                "(send_layer for kv, send_latent_layer for latent)")  # fmt: skip
+            raise KVLayoutError(
+                f"a layer to send has {bad[0] - 1} cache tensors; a "
+                f"{self.layout.kind!r} layout sends {want - 1} per layer "
+                "(send_layer for kv, send_latent_layer for latent)"
+            )
         units = [(n, *(self._unit_part(c) for c in caches)) for n, *caches in layers]
         cache = None if kv_cache is None else self.layout.unit_view(kv_cache)
         return self._send_units(transfer_id, units, src_block_ids, dst, block_offset, cache)
@@ -147,8 +163,9 @@ class KVSender(ABC):
             # each position for every layer receiving it in turn (a sliding layer may
             # skip the leading blocks, KVDestination.layer_skip): backends copy such runs
             skips = {layer: dst.skip(layer) for layer in parts}
-            segments = plan_segments(ids, block_offset, skips, route.heads, max_blocks,
-                                     self.min_run)  # fmt: skip
+            segments = plan_segments(
+                ids, block_offset, skips, route.heads, max_blocks, self.min_run
+            )
             self._post(t, route, address, source, segments)
             t.segments[address] = t.segments.get(address, 0) + len(segments)
             sent += self.layout.parts * per_block * sum(s.count for s in segments)
@@ -195,16 +212,16 @@ class KVSender(ABC):
 
     # -- backends ----------------------------------------------------------------------
     @abstractmethod
-    def _post(self, t: Outgoing, route: HeadRoute, address: str, source: Source, segments):
+    def _post(self, t: OutgoingT, route: HeadRoute, address: str, source: Source, segments):
         """Hand segments for one destination rank to the transport. Their bytes stay
         readable until the transfer ends (views of the cache, or pooled buffers)."""
 
     @abstractmethod
-    def _end(self, t: Outgoing, address: str, handoff: bytes) -> None:
+    def _end(self, t: OutgoingT, address: str, handoff: bytes) -> None:
         """Post the transfer's END to one destination rank, after everything posted."""
 
     @abstractmethod
-    def _acks(self, t: Outgoing, timeout: float) -> list[Ack]:
+    def _acks(self, t: OutgoingT, timeout: float) -> list[Ack]:
         """Wait for every END's answer; raise ``KVPeerError`` / ``KVTransferTimeout``."""
 
     @abstractmethod
@@ -214,34 +231,37 @@ class KVSender(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def _abort(self, t: Outgoing) -> None:  # noqa: B027 - optional
+    def _abort(self, t: OutgoingT) -> None:  # noqa: B027 - optional
         """Default: nothing to cancel; buffers are dropped (not pooled: still in use)."""
 
-    def _part_limit(self, t: Outgoing, address: str, route: HeadRoute) -> int:
+    def _part_limit(self, t: OutgoingT, address: str, route: HeadRoute) -> int:
         """Most bytes of K (or V) in one segment to this destination."""
         return self.part_bytes
 
-    def _sum(self, t: Outgoing, seg: Segment, *parts: torch.Tensor) -> int:
+    def _sum(self, t: OutgoingT, seg: Segment, *parts: torch.Tensor) -> int:
         """The segment's checksum, taken on the bytes that go out (K's, then V's)."""
         return checksum(*parts)
 
     # -- checks ------------------------------------------------------------------------
-    def _outgoing(self, transfer_id: str, dst: KVDestination) -> Outgoing:
+    def _outgoing(self, transfer_id: str, dst: KVDestination) -> OutgoingT:
         with self._lock:
             t = self._transfers.get(transfer_id)
             if t is None:
                 self.layout.check_compatible(dst.layout)
                 if not dst.token:
-                    raise KVLayoutError(f"transfer {transfer_id!r}: the destination has no "
-                                        "token (KVReceiver.expect mints it)")  # fmt: skip
+                    raise KVLayoutError(
+                        f"transfer {transfer_id!r}: the destination has no "
+                        "token (KVReceiver.expect mints it)"
+                    )
                 t = self.outgoing(transfer_id, transfer_key(dst.token), dst)
                 self._transfers[transfer_id] = t
             elif t.dst != dst:
-                raise KVTransferError(f"transfer {transfer_id!r} already goes to "
-                                      f"{t.dst.addresses}: use another id")  # fmt: skip
+                raise KVTransferError(
+                    f"transfer {transfer_id!r} already goes to {t.dst.addresses}: use another id"
+                )
             return t
 
-    def _check_blocks(self, t: Outgoing, ids: list[int], offset: int, layers) -> None:
+    def _check_blocks(self, t: OutgoingT, ids: list[int], offset: int, layers) -> None:
         if not ids:
             raise KVTransferError(f"transfer {t.transfer_id!r}: no source blocks")
         if offset < 0 or offset + len(ids) > len(t.dst.block_ids):
@@ -253,7 +273,7 @@ class KVSender(ABC):
         if bad := [b for b in ids if not 0 <= b < num_blocks]:
             raise KVLayoutError(f"source blocks {bad[:5]} outside the cache's {num_blocks}")
 
-    def _check_layers(self, t: Outgoing, layers: Sequence, offset: int, cache):
+    def _check_layers(self, t: OutgoingT, layers: Sequence, offset: int, cache):
         """Check each layer sent (its parts in the unit view); returns ``cache`` when the
         layers are views of it (then checked once), else None."""
         if cache is not None:
@@ -277,8 +297,10 @@ class KVSender(ABC):
         want = lay.cache_shape(1)[3:] if lay.kind == "kv" else lay.cache_shape(1)[2:]
         what = "k_cache / v_cache" if lay.kind == "kv" else "latent_cache"
         if c.dim() != 1 + len(want) or tuple(c.shape[1:]) != want or c.dtype != lay.torch_dtype:
-            raise KVLayoutError(f"{what} is {tuple(c.shape)} {c.dtype}; this rank's layer "
-                                f"cache is {['blocks', *want]} {lay.dtype}")  # fmt: skip
+            raise KVLayoutError(
+                f"{what} is {tuple(c.shape)} {c.dtype}; this rank's layer "
+                f"cache is {['blocks', *want]} {lay.dtype}"
+            )
         self._check_memory(what, c)
         return c if lay.kind == "kv" else c.unsqueeze(-1)
 
@@ -291,5 +313,7 @@ class KVSender(ABC):
         if not c.is_contiguous():
             raise KVLayoutError(f"{name} must be contiguous (the cache or a layer view of it)")
         if self.device_type is not None and c.device.type != self.device_type:
-            raise KVLayoutError(f"{name} is on {c.device}; the {self.backend} backend sends "
-                                f"{self.device_type} tensors")  # fmt: skip
+            raise KVLayoutError(
+                f"{name} is on {c.device}; the {self.backend} backend sends "
+                f"{self.device_type} tensors"
+            )

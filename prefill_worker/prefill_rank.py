@@ -20,18 +20,23 @@ class PrefillRank(RankActor):
         self.layout = cache_layout(self.engine)
         transport = get_transport(kv_config["backend"])
         self.sender = transport.sender(
-            self.layout, secret=kv_config["secret"], bind=kv_config["bind"],
-            advertise=kv_config["advertise"], checksum=kv_config["checksum"],
+            self.layout,
+            secret=kv_config["secret"],
+            bind=kv_config["bind"],
+            advertise=kv_config["advertise"],
+            checksum=kv_config["checksum"],
             name=self.name.rsplit("-rank", 1)[0],  # the instance: what decode expects
-        )  # fmt: skip
+        )
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self._acks = ThreadPoolExecutor(4, thread_name_prefix=f"{self.name}-acks")
 
     def _around(self, plan):
         """The step's KV sends (StepPlan.extra): a per-layer callback and an after-pass."""
         msg = kv_pb.SendList.FromString(plan.extra)
-        jobs = [(s.transfer_id, list(s.src_block_ids), KVDestination.from_proto(s.destination))
-                for s in msg.sends]  # fmt: skip
+        jobs = [
+            (s.transfer_id, list(s.src_block_ids), KVDestination.from_proto(s.destination))
+            for s in msg.sends
+        ]
         caches = self.engine.runner.kv_caches
         errors: dict[str, str] = {}
 

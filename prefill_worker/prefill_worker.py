@@ -28,8 +28,9 @@ class PrefillWorker(PrefillsForOthers, EngineWorker):
 
     def _setup(self, kv_config: dict) -> None:
         self.layout = cache_layout(self.engine)
-        self.side = PrefillSide(self.name, self.engine, self.layout, kv_config,
-                                len(self.ranks), self._post)  # fmt: skip
+        self.side = PrefillSide(
+            self.name, self.engine, self.layout, kv_config, len(self.ranks), self._post
+        )
         self._ops.update(prefill=self._op_prefill, acked=self._op_acked)
         self._totals["kv_bytes_total"] = 0
 

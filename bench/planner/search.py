@@ -144,8 +144,9 @@ def candidates(phase: dict, cfg: SearchConfig, tps: list[int]) -> list[Candidate
                     )
                     for mode in [m for m in ("disaggregated", "hybrid") if m in cfg.modes]:
                         # hybrid: the same pools; the estimate is the disaggregated one's
-                        cluster = ClusterSpec(mode, *pools, layerwise=cfg.layerwise,
-                                              tpot_ms=cfg.slo.tpot_ms)  # fmt: skip
+                        cluster = ClusterSpec(
+                            mode, *pools, layerwise=cfg.layerwise, tpot_ms=cfg.slo.tpot_ms
+                        )
                         out.append(Candidate(cluster, est))
     if "colocated" in cfg.modes:
         for tp in tps:

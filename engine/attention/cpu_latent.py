@@ -55,13 +55,14 @@ class LatentDecodeKernel:
         q_c, q_r, seq_lens = q_c.contiguous(), q_r.contiguous(), seq_lens.contiguous()
         if block_tables.stride(1) != 1:
             block_tables = block_tables.contiguous()
-        rc = self.fn(
-            q_c.data_ptr(), q_r.data_ptr(),
-            c_cache.data_ptr(), *c_cache.stride()[:3],
-            r_cache.data_ptr(), *r_cache.stride()[:2],
-            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-            out.data_ptr(), b, h, hc, dk, dc, dr, block_size, scale, torch.get_num_threads(),
-        )  # fmt: skip
+        # paged_latent_decode_f32's arguments in its order, grouped by what they describe
+        queries = (q_c.data_ptr(), q_r.data_ptr())
+        latent = (c_cache.data_ptr(), *c_cache.stride()[:3])
+        rope = (r_cache.data_ptr(), *r_cache.stride()[:2])
+        tables = (block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr())
+        shape = (b, h, hc, dk, dc, dr, block_size)
+        threads = torch.get_num_threads()
+        rc = self.fn(*queries, *latent, *rope, *tables, out.data_ptr(), *shape, scale, threads)
         if rc != 0:
             raise MemoryError("paged_latent_decode_f32: could not allocate its buffers")
         return out

@@ -31,9 +31,17 @@ class PrefillKernel:
         return float32_cpu_caches(q, k_cache, v_cache)
 
     def __call__(
-        self, q, k_cache, v_cache, block_table, context: int, scale: float, out,
-        window=None, softcap=None,
-    ):  # fmt: skip
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        context: int,
+        scale: float,
+        out,
+        window=None,
+        softcap=None,
+    ):
         """q [T, Hq, D] (heads packed in a row) at positions context - T .. context - 1;
         block_table [>= ceil(context / block_size)] int32. Writes out [T, Hq, D]. With a
         ``window`` W the token at position p reads positions max(0, p - W + 1) .. p only;
@@ -59,12 +67,13 @@ class PrefillKernel:
         if out.shape != q.shape:
             raise ValueError(f"prefill: out {tuple(out.shape)} must match q {tuple(q.shape)}")
         table = block_table.contiguous()
-        rc = self.fn(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            table.data_ptr(), t, context, out.data_ptr(), out.stride(0),
-            hq, hkv, d, block_size, scale, window or 0, softcap or 0.0,
-            torch.get_num_threads(),
-        )  # fmt: skip
+        # paged_prefill_f32's arguments in its order, grouped by what they describe
+        query = (q.data_ptr(), q.stride(0))
+        cache = (k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr())
+        output = (out.data_ptr(), out.stride(0))
+        shape = (hq, hkv, d, block_size)
+        knobs = (scale, window or 0, softcap or 0.0, torch.get_num_threads())
+        rc = self.fn(*query, *cache, t, context, *output, *shape, *knobs)
         if rc != 0:
             raise MemoryError("paged_prefill_f32: could not allocate its scratch")
         return out

@@ -60,9 +60,17 @@ class TorchAttentionBackend(AttentionBackend):
         self.use_kernel = use_kernel
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-        window: int | None = None, softcap: float | None = None,
-    ):  # fmt: skip
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ):
         check_window(window, softcap)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_prefills == 0:
