@@ -66,6 +66,9 @@ def pytest_collection_modifyitems(config, items):
         path = item.path.relative_to(root).as_posix()
         if path.startswith("tests/cluster/") or path in _HEAVY_FILES:
             item.add_marker(pytest.mark.heavy)
+    # the long files first (xdist hands out whole files in this order): the short ones
+    # fill the workers' gaps at the end instead of a cluster file starting last
+    items.sort(key=lambda item: "heavy" not in item.keywords)
     if os.environ.get("PDSERVE_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: set PDSERVE_SLOW=1 to run")
