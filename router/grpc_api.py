@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import time
-from urllib.parse import unquote
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,7 +36,7 @@ from router import pdserve_pb2_grpc as pb_grpc
 from router import tls as router_tls
 from router.auth import ApiKeys
 from router.core import RouterCore
-from router.grpc_gate import SERVICE_NAME, GrpcAuth, Unparsable, add_router
+from router.grpc_gate import SERVICE_NAME, GrpcAuth, Unparsable, add_router, peer_address
 from router.incidents import internal_error, one_line
 from router.request import (
     OPTIONAL_SAMPLING,
@@ -165,18 +164,6 @@ def _no_tracebacks(handler):
             await context.abort(grpc.StatusCode.INTERNAL, internal_error(handler.__name__))
 
     return wrapped
-
-
-def peer_address(peer: str) -> str:
-    """The client's address in a gRPC peer string, without its port:
-    ``ipv4:10.0.0.7:5123`` -> ``10.0.0.7``, ``ipv6:%5B::1%5D:5123`` -> ``::1``; any
-    other kind (``unix:...``) whole."""
-    kind, _, rest = unquote(peer).partition(":")
-    if kind == "ipv4":
-        return rest.rpartition(":")[0]
-    if kind == "ipv6":
-        return rest.rpartition(":")[0].strip("[]")
-    return peer
 
 
 class RouterService(pb_grpc.RouterServicer):

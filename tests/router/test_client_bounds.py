@@ -20,7 +20,8 @@ from engine.sampling_params import SamplingParams
 from router.admission import CallLimit
 from router.auth import ApiKeys
 from router.client import RouterClient
-from router.grpc_api import GrpcApi, peer_address
+from router.grpc_api import GrpcApi
+from router.grpc_gate import peer_address
 from router.http_api import HttpApi
 from router.http_gate import HttpTimeouts
 from router.metrics import RouterMetrics
