@@ -6,8 +6,8 @@ limits"), on a cluster of its own at the router's default bounds (the tiny chat 
   ``router.max_concurrent_requests_per_address`` generate places, the rest refused at
   once (429); meanwhile a well-behaved client on 127.0.0.1 streams a greedy completion
   within twice its unloaded time, gRPC serves and /health is 200.
-- Four 4 MiB prompts are refused from their length, before tokenization, and delay a
-  tiny request behind them by less than 0.5 s.
+- Four 4 MiB prompts (one of them a chat message) are refused from their length,
+  before tokenization, and delay a tiny request behind them by less than 0.5 s.
 - A ``request_id`` past ``router.max_request_id_chars`` is refused naming the field,
   its length and the bound.
 """
@@ -105,6 +105,7 @@ def test_slow_body_connections_leave_other_clients_served(cluster):
         slow.stdin.close()
         slow.wait(timeout=60)
         client.close()
+    print(f"greedy stream: {unloaded:.3f} s unloaded, {loaded:.3f} s beside them")
     assert refused == over  # the others hold a place each, waiting for their bodies
     assert loaded_texts == texts  # greedy: the same completion, attack or not
     assert loaded < 2 * unloaded, (loaded, unloaded)
@@ -127,7 +128,11 @@ def test_huge_prompts_are_refused_before_tokenization_and_delay_nobody(cluster):
             await client.acomplete(**tiny)  # warm
             alone = min([await timed(client.acomplete(**tiny)) for _ in range(3)])
             huge = "a" * HUGE
-            bodies = [http.post("/v1/completions", json={"prompt": huge}) for _ in range(2)]
+            chat = {"messages": [{"role": "user", "content": huge}]}
+            bodies = [
+                http.post("/v1/completions", json={"prompt": huge}),
+                http.post("/v1/chat/completions", json=chat),
+            ]
             calls = [client.acomplete(huge, max_tokens=1) for _ in range(2)]
             refusals = [asyncio.ensure_future(c) for c in (*bodies, *calls)]
             await asyncio.sleep(0.05)  # the huge ones arrive first
@@ -139,8 +144,12 @@ def test_huge_prompts_are_refused_before_tokenization_and_delay_nobody(cluster):
         return alone, behind, answers
 
     alone, behind, answers = asyncio.run(run())
+    print(f"tiny request: {alone:.3f} s alone, {behind:.3f} s behind four 4 MiB prompts")
     words = (f"prompt: {HUGE} characters, more than ", "refused before tokenization")
-    for r in answers[:2]:
+    chat = answers[1]
+    assert chat.status_code == 400, chat.text
+    assert "characters, more than 1023 tokens" in chat.json()["error"]["message"], chat.text
+    for r in answers[:1]:
         assert r.status_code == 400, r.text
         assert all(w in r.json()["error"]["message"] for w in words), r.text
     for err in answers[2:]:
