@@ -46,7 +46,6 @@ from router import tls as router_tls
 from router.auth import ApiKeys
 from router.core import RouterCore
 from router.http_gate import (
-    KEEPALIVE_OPTION,
     BodyTimeout,
     Events,
     HeaderDeadlines,
@@ -125,7 +124,7 @@ class HttpApi:
             app,
             access_log=None,
             handler_cancellation=True,
-            **{KEEPALIVE_OPTION: self.timeouts.header_s},
+            keepalive_timeout=self.timeouts.header_s,  # a kept-alive connection's next headers
         )
 
     async def start(self, host: str, port: int) -> int:
@@ -199,7 +198,7 @@ class HttpApi:
         except BodyTimeout as e:
             refused("body_timeout")
             resp = error_response(408, str(e))
-            resp.force_close()  # the rest of the body is not waited for
+            resp.force_close()  # no next request on this connection: its body was never read
             return resp
         except web.HTTPRequestEntityTooLarge:
             refused("body_too_large")

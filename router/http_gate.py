@@ -5,12 +5,14 @@ the router's resources (docs/serving.md, "Authentication, TLS and limits"):
 - ``HeaderDeadlines``: a connection whose first request's headers are not in within
   ``router.header_timeout_s`` of its opening is closed; a kept-alive connection's next
   request has as long from the previous response's end (aiohttp's keep-alive timeout,
-  ``KEEPALIVE_OPTION`` set to the same), so no connection sits idle or half-sent longer.
+  which router/http_api.py sets to the same), so no connection sits idle or half-sent
+  longer.
 - ``read_body``: a generate call's body must be in within ``router.body_timeout_s`` of
   its headers, else ``BodyTimeout`` (the front end answers 408 and closes).
-- ``write`` (``Events``): one write of a streamed response that the client takes nothing of for
-  ``router.write_timeout_s`` ends the connection (``ConnectionResetError``, as a client
-  that went away).
+- ``write`` (``Events``): one write of a streamed response that the client takes
+  nothing of for ``router.write_timeout_s`` ends the connection
+  (``ConnectionResetError``, as a client that went away). A whole (unstreamed) response
+  is handed to aiohttp once the call's place is given back, and is not bounded here.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from router.auth import ApiKeys, refusal
 from router.openai_shapes import error_response
 
 OPEN_PATHS = ("/health",)  # probes: answered without a key
-KEEPALIVE_OPTION = "keepalive_timeout"  # aiohttp's: an idle kept-alive connection's life
 SWEEPS_PER_TIMEOUT = 4  # how often HeaderDeadlines looks, per header timeout (at most 1 s)
 
 
