@@ -220,6 +220,26 @@ class RouterConfig:
     max_concurrent_requests_per_key: int | None = spec(
         None, at_least(1), "generate calls one API key may have in progress (null: no bound)"
     )
+    max_concurrent_requests_per_address: int | None = spec(
+        1024,
+        at_least(1),
+        "without API keys: generate calls one client address may have in progress (null: no bound)",
+    )
+    header_timeout_s: float = spec(
+        60.0,
+        seconds,
+        "HTTP: a request's headers must be in this long after its connection opened or its "
+        "previous response ended (an idle kept-alive connection is closed after it)",
+    )
+    body_timeout_s: float = spec(
+        60.0, seconds, "HTTP: a generate request's body must be in this long after its headers"
+    )
+    write_timeout_s: float = spec(
+        60.0,
+        seconds,
+        "HTTP: a streamed response whose client takes nothing of it this long is ended",
+    )
+    max_request_id_chars: int = spec(256, at_least(1), "characters in a client's request_id")
     max_body_bytes: int = spec(8 * 2**20, at_least(1024), "largest HTTP request body")
     max_message_bytes: int = spec(8 * 2**20, at_least(1024), "largest gRPC message, each way")
     max_prompt_tokens: int | None = spec(

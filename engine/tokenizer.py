@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -33,6 +34,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, added tokens included, in characters: a token
+        stands for at most this many characters of a text (a byte-level entry spells
+        its bytes, one character each; a byte-fallback entry ``<0x41>`` is longer than
+        its byte), so a text of C characters is at least C / max_token_chars tokens."""
+        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids

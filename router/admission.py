@@ -103,41 +103,48 @@ class FirstTokens:
 
 class CallLimit:
     """At most ``max_calls`` generate calls at once (``router.max_concurrent_requests``),
-    and at most ``per_owner`` of them by one API key
-    (``router.max_concurrent_requests_per_key``; None: no bound per key).
+    at most ``per_owner`` of them by one API key
+    (``router.max_concurrent_requests_per_key``; None: no bound per key), and at most
+    ``per_address`` from one client address where the call gives one (the front ends
+    give it when no API keys are set: ``router.max_concurrent_requests_per_address``;
+    None: no bound per address).
 
     Invariant: ``active`` is the number of ``call()`` blocks entered and not yet left,
-    and never exceeds ``max_calls``; ``by_owner`` holds each owner's (only owners with
-    one at least), each at most ``per_owner``; a call past a bound is refused at once,
-    before it reads its body or reaches the core."""
+    and never exceeds ``max_calls``; ``by_owner`` and ``by_address`` hold each owner's
+    and each address's (only those with one at least), each at most its bound; a call
+    past a bound is refused at once, before it reads its body or reaches the core."""
 
     def __init__(
         self,
         max_calls: int,
         per_owner: int | None = None,
         describe: Callable[[str], str] | None = None,
+        per_address: int | None = None,
     ):
         """``describe``: a bound's config key (``max_concurrent_requests``,
-        ``max_concurrent_requests_per_key``) as a refusal names it (default
-        ``router.<key>=<bound>``; a router replica names its share, router/replicas.py)."""
-        if max_calls < 1:
-            raise ValueError(f"router.max_concurrent_requests={max_calls!r}: must be >= 1")
-        if per_owner is not None and per_owner < 1:
-            raise ValueError(
-                f"router.max_concurrent_requests_per_key={per_owner!r}: must be >= 1 or null"
-            )
-        self.max_calls, self.per_owner = max_calls, per_owner
+        ``max_concurrent_requests_per_key``, ``max_concurrent_requests_per_address``)
+        as a refusal names it (default ``router.<key>=<bound>``; a router replica names
+        its share, router/replicas.py)."""
         bounds = {
             "max_concurrent_requests": max_calls,
             "max_concurrent_requests_per_key": per_owner,
+            "max_concurrent_requests_per_address": per_address,
         }
+        for key, bound in bounds.items():
+            if bound is not None and bound < 1:
+                null = "" if key == "max_concurrent_requests" else " or null"
+                raise ValueError(f"router.{key}={bound!r}: must be >= 1{null}")
+        self.max_calls, self.per_owner, self.per_address = max_calls, per_owner, per_address
         self.describe = describe or (lambda key: f"router.{key}={bounds[key]}")
         self.active = 0
         self.by_owner: dict[str, int] = {}
+        self.by_address: dict[str, int] = {}
 
     @contextmanager
-    def call(self, owner: str = "") -> Iterator[None]:
-        """Hold a place for the block; raises ``Refused`` (BUSY) when none is left."""
+    def call(self, owner: str = "", address: str | None = None) -> Iterator[None]:
+        """Hold a place for the block; raises ``Refused`` (BUSY) when none is left.
+        ``address``: the client's address, counted against ``per_address`` (None: not
+        counted)."""
         if self.active >= self.max_calls:
             raise Refused(
                 Refusal.BUSY,
@@ -153,14 +160,32 @@ class CallLimit:
                 f"({self.describe('max_concurrent_requests_per_key')}); retry later",
                 reason="concurrency_per_key",
             )
+        here = 0 if address is None else self.by_address.get(address, 0)
+        if address is not None and self.per_address is not None and here >= self.per_address:
+            raise Refused(
+                Refusal.BUSY,
+                f"{here} requests in progress from address {address}, the most one address "
+                f"may have ({self.describe('max_concurrent_requests_per_address')}); "
+                "retry later",
+                reason="concurrency_per_address",
+            )
         self.active += 1
         self.by_owner[owner] = mine + 1
+        if address is not None:
+            self.by_address[address] = here + 1
         try:
             yield
         finally:
             self.active -= 1
-            left = self.by_owner[owner] - 1
-            if left:
-                self.by_owner[owner] = left
-            else:
-                del self.by_owner[owner]
+            _release(self.by_owner, owner)
+            if address is not None:
+                _release(self.by_address, address)
+
+
+def _release(counts: dict[str, int], key: str) -> None:
+    """One call of ``key`` ended: its count less one, the key gone at zero."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]

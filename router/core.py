@@ -96,6 +96,7 @@ class RouterCore:
             share(router_config["max_concurrent_requests"]),
             share(router_config["max_concurrent_requests_per_key"]),
             lambda key: replica.describe(key, router_config[key]),
+            share(router_config["max_concurrent_requests_per_address"]),
         )
         self._queue_bound = replica.describe("max_queue", router_config["max_queue"])
         self.intake = Intake(router_config)

@@ -14,12 +14,13 @@ port speaks TLS only; a message past ``router.max_message_bytes`` either way is 
 by gRPC (RESOURCE_EXHAUSTED). ``Abort`` ends only a request of the caller's own key.
 
 Invariants of a Generate call: it holds a place in ``core.calls`` until it returns
-(past the bound: RESOURCE_EXHAUSTED at once; Abort, Stats and Health are never
-bounded, so a client can always cancel and probe); the call's deadline is the
-request's (passed: DEADLINE_EXCEEDED); whatever ends it (finished, refused, failed,
-its deadline, the client cancelling) ``core.finish`` takes its request out of the
-router and the instances. An unexpected exception reaches the client as INTERNAL with
-an incident id only (router/incidents.py), never grpc's "Unexpected <exception>".
+(past the bound, its key's, or without keys its peer address's: RESOURCE_EXHAUSTED at
+once; Abort, Stats and Health are never bounded, so a client can always cancel and
+probe); the call's deadline is the request's (passed: DEADLINE_EXCEEDED); whatever
+ends it (finished, refused, failed, its deadline, the client cancelling)
+``core.finish`` takes its request out of the router and the instances. An unexpected
+exception reaches the client as INTERNAL with an incident id only (router/incidents.py),
+never grpc's "Unexpected <exception>".
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from router import pdserve_pb2_grpc as pb_grpc
 from router import tls as router_tls
 from router.auth import ApiKeys
 from router.core import RouterCore
-from router.grpc_gate import SERVICE_NAME, GrpcAuth, Unparsable, add_router
+from router.grpc_gate import SERVICE_NAME, GrpcAuth, Unparsable, add_router, peer_address
 from router.incidents import internal_error, one_line
 from router.request import (
     OPTIONAL_SAMPLING,
@@ -177,8 +178,9 @@ class RouterService(pb_grpc.RouterServicer):
             self.core.metrics.refused("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         owner = _owner(self.keys, context)  # not None: GrpcAuth let the call in
+        address = None if self.keys.enabled else peer_address(context.peer())
         try:
-            with self.core.calls.call(owner):
+            with self.core.calls.call(owner, address):
                 left = context.time_remaining()  # None: the call has no deadline
                 deadline = None if left is None else time.monotonic() + left
                 stream = await self.core.open_stream(
@@ -232,8 +234,9 @@ class RouterService(pb_grpc.RouterServicer):
 def generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
     """A protobuf ``GenerateRequest`` in the core's terms: the input the ``oneof`` holds
     (an empty one included), the sampling fields that are set. Raises ``Refused``
-    (INVALID) for a ``request_id`` that cannot go back as gRPC metadata."""
-    if not all(" " <= c <= "~" for c in msg.request_id):
+    (INVALID) for a ``request_id`` that cannot go back as gRPC metadata (its length is
+    the core's to bound, router/intake.py)."""
+    if not (msg.request_id.isascii() and msg.request_id.isprintable()):
         raise Refused(
             Refusal.INVALID,
             f"request_id={msg.request_id[:40]!r}: must be printable ASCII "

@@ -3,12 +3,14 @@
 protobuf cannot parse reach the handler as ``Unparsable`` (answered INVALID_ARGUMENT,
 where grpc would answer UNKNOWN with the parser's text), and ``GrpcAuth``, the
 interceptor that refuses a call without a known API key (UNAUTHENTICATED) before its
-handler runs; other services (``grpc.health.v1``) pass (docs/serving.md,
+handler runs, other services (``grpc.health.v1``) passing; ``peer_address``, the
+client address a call is counted under when there are no keys (docs/serving.md,
 "Authentication, TLS and limits")."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -89,3 +91,15 @@ class GrpcAuth(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(
             refuse, handler.request_deserializer, handler.response_serializer
         )
+
+
+def peer_address(peer: str) -> str:
+    """The client's address in a gRPC peer string, without its port:
+    ``ipv4:10.0.0.7:5123`` -> ``10.0.0.7``, ``ipv6:%5B::1%5D:5123`` -> ``::1``; any
+    other kind (``unix:...``) whole."""
+    kind, _, rest = unquote(peer).partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    return peer

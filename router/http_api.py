@@ -15,38 +15,46 @@ docs/openapi.yaml describes this API as served. A request body becomes the core'
 fields pdserve reads, accepts or refuses (router/openai_fields.py) and for values by
 the core; the core's refusals map to HTTP statuses in OpenAI's error shape
 (router/openai_shapes.py). A body's ``model``, when given, must name the served model
-(``model_names``), else 404. Extra body fields beyond OpenAI's: ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (as vLLM accepts them), and
+(router/openai_fields.py ``model_names``), else 404. Extra body fields beyond OpenAI's:
+``top_k``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` (as vLLM accepts them), and
 ``timeout`` (seconds; past it the request ends with 408). Logprobs
 (router/openai_logprobs.py) come in each choice when the body asks for them.
 
 Closed as configured (docs/serving.md, "Authentication, TLS and limits"): with API keys
 every path but /health needs ``Authorization: Bearer <key>`` (401 otherwise, before the
 handler runs); with ``router.tls`` the port speaks TLS only; a body past
-``router.max_body_bytes`` is 413.
+``router.max_body_bytes`` is 413; a client's time is bounded (router/http_gate.py):
+its headers, its body (408) and each write of a stream.
 
 Invariants of a generate call: it holds a place in ``core.calls`` from arrival to its
-last byte (past the bound, or its key's: 429 before the body is read); whatever ends it (finished,
-refused, timed out, failed, or its client closing the connection, which cancels the
-handler) ``core.finish`` takes its request out of the router and the instances; the
-status line waits for the request's first output, so a refusal or a timeout before any
-output is a plain error response, and one after it an error event ending the stream.
+last byte (past the bound, its key's, or without keys its address's: 429 before the
+body is read); whatever ends it (finished, refused, timed out, failed, or its client
+closing the connection, which cancels the handler) ``core.finish`` takes its request
+out of the router and the instances; the status line waits for the request's first
+output, so a refusal or a timeout before any output is a plain error response, and one
+after it an error event ending the stream.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 from aiohttp import web
 
 from router import tls as router_tls
-from router.auth import ApiKeys, refusal
+from router.auth import ApiKeys
 from router.core import RouterCore
+from router.http_gate import (
+    BodyTimeout,
+    Events,
+    HeaderDeadlines,
+    HttpTimeouts,
+    authenticate,
+    read_body,
+)
 from router.incidents import internal_error, one_line
+from router.openai_fields import model_names
 from router.openai_logprobs import LogprobsShape
 from router.openai_request import (
     BadRequest,
@@ -69,25 +77,7 @@ from router.request import Refused
 from router.stream import Delta, RequestStream
 
 MAX_BODY_BYTES = 8 * 2**20  # router.max_body_bytes's default
-OPEN_PATHS = ("/health",)  # probes: answered without a key
-
-
-def model_names(model: str) -> frozenset[str]:
-    """The names a request may give the served ``model`` (the config's ``model``): that
-    string (the id ``/v1/models`` lists), and the other names of the same checkpoint
-    the config accepts: an alias of its file, its file or folder as an absolute path.
-    Worked out once, from the config; a request's name is only looked up."""
-    from engine.checkpoint import ALIASES, alias_path
-
-    def where(name: str) -> Path | None:
-        try:
-            return (alias_path(name) if name in ALIASES else Path(name).expanduser()).resolve()
-        except (OSError, ValueError):
-            return None
-
-    served = where(model)
-    names = {model} | ({str(served)} if served is not None else set())
-    return frozenset(names | {a for a in ALIASES if served is not None and where(a) == served})
+BACKLOG = 2048  # connections the kernel queues before they are accepted (uvicorn's)
 
 
 class HttpApi:
@@ -101,21 +91,24 @@ class HttpApi:
         tls: dict | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         reuse_port: bool = False,
+        timeouts: HttpTimeouts | None = None,
     ):
         """``keys``: None, anyone may call; ``tls``: the ``router.tls`` section (None or
         no ``cert_file``: plain HTTP); ``max_body_bytes``: past it, 413; ``reuse_port``:
         bind with SO_REUSEPORT, the port shared by the router's replicas
-        (router/replicas.py)."""
+        (router/replicas.py); ``timeouts``: how long a client may take over its headers,
+        its body and each write of a stream (router/http_gate.py)."""
         self.core, self.model = core, model
         self.names = model_names(model)
         self.created = int(time.time())
         self.max_body_bytes, self.reuse_port = max_body_bytes, reuse_port
         self._tls = tls if tls and router_tls.enabled(tls) else None
         keys = keys or ApiKeys([])
-        app = web.Application(
-            middlewares=[internal_errors, authenticate(keys, core.metrics.refused)],
-            client_max_size=max_body_bytes,
-        )
+        self.by_address = not keys.enabled  # the per-address bound: only without keys
+        self.timeouts = timeouts or HttpTimeouts()
+        self._headers = HeaderDeadlines(self.timeouts.header_s)
+        gates = [self._headers.middleware, authenticate(keys, core.metrics.refused)]
+        app = web.Application(middlewares=[internal_errors, *gates], client_max_size=max_body_bytes)
         app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -127,14 +120,24 @@ class HttpApi:
             ]
         )
         # handler_cancellation: a client closing its connection cancels its handler
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=self.timeouts.header_s,  # a kept-alive connection's next headers
+        )
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port); the bound port."""
         await self._runner.setup()
         ssl_context = None if self._tls is None else router_tls.ssl_context(self._tls)
         site = web.TCPSite(
-            self._runner, host, port, ssl_context=ssl_context, reuse_port=self.reuse_port
+            self._runner,
+            host,
+            port,
+            ssl_context=ssl_context,
+            reuse_port=self.reuse_port,
+            backlog=BACKLOG,
         )
         try:
             await site.start()
@@ -142,9 +145,11 @@ class HttpApi:
             raise RuntimeError(
                 f"router.http_port={port}: cannot bind {host}:{port} ({e}); is it in use?"
             ) from e
+        self._headers.start(self._runner)
         return self._runner.addresses[0][1]
 
     async def stop(self) -> None:
+        await self._headers.stop()
         await self._runner.cleanup()
 
     # ---- handlers ----
@@ -187,8 +192,14 @@ class HttpApi:
         arrival = time.monotonic()
         refused = self.core.metrics.refused
         try:
-            with self.core.calls.call(request.get("owner", "")):
+            address = request.remote if self.by_address else None
+            with self.core.calls.call(request.get("owner", ""), address):
                 return await self._serve(request, chat, arrival)
+        except BodyTimeout as e:
+            refused("body_timeout")
+            resp = error_response(408, str(e))
+            resp.force_close()  # no next request on this connection: its body was never read
+            return resp
         except web.HTTPRequestEntityTooLarge:
             refused("body_too_large")
             length = request.content_length  # None: chunked, cut where it passed the bound
@@ -203,7 +214,7 @@ class HttpApi:
             return refusal_response(e)
 
     async def _serve(self, request: web.Request, chat: bool, arrival: float):
-        body = parse_body(await request.read())
+        body = parse_body(await read_body(request, self.timeouts.body_s))
         model = requested_model(body)
         if model is not None and model not in self.names:
             self.core.metrics.refused("model")
@@ -250,65 +261,39 @@ class HttpApi:
         self, request, stream: RequestStream, reply, read: OpenAIRequest, prefix: str, delta
     ):
         """Server-sent events from the request's first output on (the echoed prompt
-        first, when there is one)."""
+        first, when there is one); each write bounded by ``router.write_timeout_s``."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        events = Events(request, resp, self.timeouts.write_s)
         try:
             if chat_role := reply.role_chunk():
-                await _send(resp, chat_role)
+                await events.send(chat_role)
             if prefix:
-                await _send(resp, reply.chunk(prefix, None))
-            while not await self._event(resp, stream, reply, read, delta):
+                await events.send(reply.chunk(prefix, None))
+            while not await self._event(events, stream, reply, read, delta):
                 try:
                     delta = await stream.read()
                 except Refused as e:
                     self.core.metrics.refused(e.reason)
-                    await _send(resp, refusal_event(e))
+                    await events.send(refusal_event(e))
                     break
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await events.end()
         except ConnectionResetError:  # the client went away; _serve's finally cancels
             pass
         except Exception:  # the status line is sent: the incident ends the stream instead
             message = internal_error(f"stream of request {stream.request_id}")
             with contextlib.suppress(ConnectionResetError):
-                await _send(resp, error_body(500, message))
-                await resp.write_eof()
+                await events.send(error_body(500, message), last=True)
         return resp
 
-    async def _event(self, resp, stream: RequestStream, reply, read, delta: Delta) -> bool:
+    async def _event(self, events, stream: RequestStream, reply, read, delta: Delta) -> bool:
         """Send one delta; True when it was the last."""
         if delta.error is not None:
-            await _send(resp, error_body(500, one_line(delta.error)))
+            await events.send(error_body(500, one_line(delta.error)))
             return True
-        await _send(resp, reply.chunk(delta.text, delta.finish_reason, delta.logprobs))
+        await events.send(reply.chunk(delta.text, delta.finish_reason, delta.logprobs))
         if delta.finish_reason is None:
             return False
         if read.include_usage:
-            await _send(resp, reply.usage_chunk(usage_object(stream.usage())))
+            await events.send(reply.usage_chunk(usage_object(stream.usage())))
         return True
-
-
-def authenticate(keys: ApiKeys, refused: Callable[[str], None]):
-    """A middleware: the caller's owner in ``request["owner"]`` (router/auth.py), or 401
-    in OpenAI's shape (counted with ``refused("unauthenticated")``); every path but
-    ``OPEN_PATHS`` needs a known key."""
-
-    @web.middleware
-    async def middleware(request: web.Request, handler):
-        if request.path in OPEN_PATHS:
-            return await handler(request)
-        owner = keys.owner(request.headers.get("Authorization"))
-        if owner is None:
-            refused("unauthenticated")
-            resp = error_response(401, refusal("the Authorization header"))
-            resp.headers["WWW-Authenticate"] = 'Bearer realm="pdserve"'
-            return resp
-        request["owner"] = owner
-        return await handler(request)
-
-    return middleware
-
-
-async def _send(resp: web.StreamResponse, payload: dict) -> None:
-    await resp.write(f"data: {json.dumps(payload)}\n\n".encode())

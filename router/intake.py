@@ -16,8 +16,10 @@ Invariants:
   overtakes a long one that arrived first. A caller cancelled while it waits passes its
   turn on only when the one before it has passed its own.
 - The limits are refused with INVALID naming the key, the value and the bound:
-  ``router.max_stop_strings`` and ``router.max_stop_string_chars`` first, on the loop
-  (cheap), ``router.max_prompt_tokens`` once the prompt is tokenized.
+  ``router.max_request_id_chars``, ``router.max_stop_strings`` and
+  ``router.max_stop_string_chars`` first, on the loop (cheap), a text too long for any
+  tokenization to fit before it is tokenized (router/validation.py),
+  ``router.max_prompt_tokens`` once the prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Intake:
         self.max_prompt_tokens: int | None = router_config["max_prompt_tokens"]
         self.max_stop_strings: int = router_config["max_stop_strings"]
         self.max_stop_string_chars: int = router_config["max_stop_string_chars"]
+        self.max_request_id_chars: int = router_config["max_request_id_chars"]
         self._pool = ThreadPoolExecutor(
             router_config["tokenizer_threads"], thread_name_prefix="router-tokenize"
         )
@@ -70,6 +73,13 @@ class Intake:
             _pass_on(before, mine)
 
     def check_limits(self, request: GenerateRequest) -> None:
+        chars = len(request.request_id)
+        if chars > self.max_request_id_chars:
+            raise Refused(
+                Refusal.INVALID,
+                f"request_id: {chars} characters, past router.max_request_id_chars="
+                f"{self.max_request_id_chars}",
+            )
         stop = request.sampling.stop
         if len(stop) > self.max_stop_strings:
             raise Refused(

@@ -67,6 +67,8 @@ REFUSAL_REASONS = (
     "expected_ttft",  # router.max_expected_ttft_s
     "concurrency",  # router.max_concurrent_requests
     "concurrency_per_key",  # router.max_concurrent_requests_per_key
+    "concurrency_per_address",  # router.max_concurrent_requests_per_address
+    "body_timeout",  # the body not in within router.body_timeout_s
     "unavailable",  # loading, draining, or every instance has failed
     "deadline",  # the request's own deadline passed
 )

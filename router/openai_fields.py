@@ -17,6 +17,7 @@ The same holds for the keys of one chat message (``MESSAGE_*``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -116,3 +117,21 @@ def same(value, accepted) -> bool:
     if isinstance(accepted, int | float):
         return isinstance(value, int | float) and value == accepted
     return type(value) is type(accepted) and value == accepted
+
+
+def model_names(model: str) -> frozenset[str]:
+    """The names a request may give the served ``model`` (the config's ``model``): that
+    string (the id ``/v1/models`` lists), and the other names of the same checkpoint
+    the config accepts: an alias of its file, its file or folder as an absolute path.
+    Worked out once, from the config; a request's name is only looked up."""
+    from engine.checkpoint import ALIASES, alias_path
+
+    def where(name: str) -> Path | None:
+        try:
+            return (alias_path(name) if name in ALIASES else Path(name).expanduser()).resolve()
+        except (OSError, ValueError):
+            return None
+
+    served = where(model)
+    names = {model} | ({str(served)} if served is not None else set())
+    return frozenset(names | {a for a in ALIASES if served is not None and where(a) == served})

@@ -5,7 +5,8 @@ validation, drain) and serves it through two front ends on the actor's event loo
 gRPC (router/grpc_api.py, with the ``grpc.health.v1`` service) on
 ``router.host:router.port`` and the OpenAI-compatible HTTP API (router/http_api.py)
 on ``router.http_port``; both with the same API keys (router/auth.py), TLS
-(router/tls.py) and limits (docs/serving.md, "Authentication, TLS and limits").
+(router/tls.py) and limits (docs/serving.md, "Authentication, TLS and limits"); its
+soft limit on open files raised to the hard one, one file a client connection.
 cluster/launcher.py calls its methods through the actor
 handle: ``start``, ``get_http_address``, ``set_peers``, ``wait_ready``, ``drain``,
 ``stop``, ``stats``, ``pid``. With ``router.replicas`` above 1 each replica is one such
@@ -23,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 
 from router import request_log
 from router.auth import ApiKeys
 from router.core import RouterCore
 from router.grpc_api import GrpcApi
 from router.http_api import HttpApi
+from router.http_gate import HttpTimeouts
 from router.replicas import Replica
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,7 @@ class RouterServer:
         """Bind and serve (not serving until every instance is ready); the gRPC host:port."""
         host, port = self.config["host"], self.config["port"]
         tls = self.config["tls"]
+        raise_fd_limit()
         shared = self.core.replica.count > 1  # the ports are every replica's
         self._grpc = GrpcApi(self.core, self.keys, tls, self.config["max_message_bytes"], shared)
         bound = await self._grpc.start(host, port)
@@ -85,7 +89,13 @@ class RouterServer:
             shown = ray.util.get_node_ip_address()
         self.address = f"{shown}:{bound}"
         self._http = HttpApi(
-            self.core, self.model, self.keys, tls, self.config["max_body_bytes"], shared
+            self.core,
+            self.model,
+            self.keys,
+            tls,
+            self.config["max_body_bytes"],
+            shared,
+            HttpTimeouts.from_config(self.config),
         )
         http_port = await self._http.start(host, self.config["http_port"])
         self.http_address = f"{shown}:{http_port}"
@@ -146,3 +156,15 @@ class RouterServer:
         infos = await self.core.bring_up()
         log.info("router %s: %d instances ready", self.address, len(infos))
         return infos
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (every client
+    connection is a file: the soft default, often 1024, is fewer than
+    ``router.max_concurrent_requests``); the soft limit now. An unlimited hard limit
+    is not one the kernel takes as a soft limit: the soft one is left as it is then."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft

@@ -3,6 +3,9 @@ settings, or refuse it.
 
 Runs at the router, before admission, so that a request that can never run is
 refused at once (``Refusal.INVALID`` with the reason) instead of failing on an instance.
+A text longer than the prompt's room in tokens times the longest token's characters
+(``Tokenizer.max_token_chars``) cannot fit however it tokenizes: it is refused from its
+length, before the tokenizer reads it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def _integer(v) -> bool:
 class RequestValidator:
     def __init__(self, tokenizer: Tokenizer | None, limits: ModelLimits):
         self.tokenizer, self.limits = tokenizer, limits
+        # the most prompt tokens a request may have: one generated token must fit after
+        self.max_prompt_tokens = min(limits.max_context, limits.kv_tokens) - 1
+        self.max_token_chars = 0 if tokenizer is None else tokenizer.max_token_chars
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         given = request.inputs_given()
@@ -97,8 +103,18 @@ class RequestValidator:
             raise InvalidRequest(f"sampling.{e}") from e
 
     def _encode(self, text: str, field: str) -> list[int]:
+        """``text``'s token ids; a text so long that no tokenization of it fits the
+        prompt's room (``max_prompt_tokens``) is refused first, from its length alone."""
         if self.tokenizer is None:
             raise InvalidRequest(f"{field}: this model has no tokenizer; send prompt_token_ids")
+        room, per_token = self.max_prompt_tokens, self.max_token_chars
+        if len(text) > room * per_token:
+            raise InvalidRequest(
+                f"{field}: {len(text)} characters, more than {room} tokens of at most "
+                f"{per_token} characters each can hold (the context holds "
+                f"{self.limits.max_context} tokens, an instance's KV cache "
+                f"{self.limits.kv_tokens}); refused before tokenization"
+            )
         return self.tokenizer.encode(text)
 
     def _render(self, messages: list[ChatMessage]) -> str:

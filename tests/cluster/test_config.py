@@ -135,6 +135,16 @@ def test_messages_name_value_and_what_is_allowed(chat_model):
     assert message({"router": {"max_concurrent_requests": 0}}) == (
         "router.max_concurrent_requests: 0 is not allowed; must be >= 1"
     )
+    assert message({"router": {"max_concurrent_requests_per_address": 0}}) == (
+        "router.max_concurrent_requests_per_address: 0 is not allowed; must be >= 1"
+    )
+    for key in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
+        assert message({"router": {key: 0}}) == (
+            f"router.{key}: 0.0 is not allowed; must be a positive finite number of seconds"
+        )
+    assert message({"router": {"max_request_id_chars": 0}}) == (
+        "router.max_request_id_chars: 0 is not allowed; must be >= 1"
+    )
 
 
 def test_placement_keys_are_checked_naming_the_key(chat_model):

@@ -16,7 +16,13 @@ from router.intake import INLINE_IDS, Intake
 from router.request import GenerateRequest, Refused
 from router.validation import ModelLimits, RequestValidator
 
-CONFIG = dict(max_prompt_tokens=8, max_stop_strings=2, max_stop_string_chars=4, tokenizer_threads=2)
+CONFIG = dict(
+    max_prompt_tokens=8,
+    max_stop_strings=2,
+    max_stop_string_chars=4,
+    max_request_id_chars=16,
+    tokenizer_threads=2,
+)
 
 
 class TimedValidator(RequestValidator):
