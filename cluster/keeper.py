@@ -4,7 +4,7 @@ up``, or any driver of ``cluster.launch``) that keeps the supervisor alive.
 The supervisor actor is started with ``max_restarts=-1``: when its process dies
 (SIGKILL, OOM, a crash) Ray starts it again at once, with the same handle (the router's
 and the launcher's stay valid), and the new incarnation adopts the running instances
-(cluster/supervised.py). A hung one (SIGSTOP, a lost GIL) Ray never notices: the keeper
+(cluster/supervised.py). A hung one (SIGSTOP, a deadlock) Ray never notices: the keeper
 pings it each ``supervisor.heartbeat_s``, and a ping unanswered within
 ``supervisor.unresponsive_s`` kills its process (SIGKILL, by a task on its node), so
 that Ray restarts it. The same two limits as the supervisor's probes of the instances.

@@ -210,3 +210,34 @@ def test_an_instance_killed_while_there_is_no_supervisor_is_restarted(chat_model
         assert supervisor_pid(cluster, 30) != old
         others = {n: p for n, p in instance_pids(cluster).items() if n != victim}
         assert others == {n: p for n, p in pids.items() if n != victim}
+
+
+class Leftover:
+    """Stands for an instance that a crashed ``pdserve up`` left on a Ray it did not
+    own (detached, so it outlived its job)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.mark.timeout(300)
+def test_a_launch_removes_the_instances_a_crashed_one_left(chat_model):
+    from cluster import launch
+    from cluster.config import RayConfig
+    from cluster.ray_env import RaySession
+
+    session = RaySession(RayConfig())  # a Ray that outlives the launches on it
+    session.start()
+    try:
+        left = (
+            ray.remote(Leftover)
+            .options(name="colocated-0", namespace="pdserve", lifetime="detached", num_cpus=0)
+            .remote()
+        )
+        pid = ray.get(left.pid.remote(), timeout=60)
+        with launch(layout_config(chat_model, "colocated")) as cluster:
+            assert pid not in instance_pids(cluster).values()
+            assert wait_until(lambda: gone(pid), 30), f"the leftover (pid {pid}) still runs"
+        assert wait_until(lambda: not ray.util.list_named_actors(), 30)
+    finally:
+        session.stop()
