@@ -12,18 +12,31 @@ rank 0 serves on a port picked on the group's node, on the pool's interface
 ``PDSERVE_CPU_ISA`` (engine/native.py), when the process that starts an instance has it,
 reaches every rank through the actors' ``runtime_env``: forcing the kernels' ISA where
 ``pdserve up`` runs forces it in the instances, on every node.
+
+Every actor and placement group of an instance is detached (``lifetime="detached"``):
+it outlives the supervisor that started it, so a supervisor that dies or hangs is
+replaced while the instances keep serving, and the new one finds them by name
+(``find_instance``). Detached actors outlive their job too, so every stop removes them
+by name (``remove_instance``); on an embedded Ray they also end with its head, which
+the ``pdserve up`` process owns (docs/serving.md, "Supervision and migration").
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 from cluster.config import PoolConfig
 from cluster.instance_metrics import metered
 from cluster.placement_groups import create
 from cluster.ray_env import NAMESPACE
+
+log = logging.getLogger(__name__)
+
+NAME_RELEASE_S = 60.0  # Ray frees a dead actor's name once its death is recorded
 
 
 def forwarded_env() -> dict:
@@ -117,6 +130,7 @@ def start_instance(
         resources=dict(pool.resources.custom),
         max_restarts=0,
         max_concurrency=8,
+        lifetime="detached",
         **forwarded_env(),
     )
     setup = () if role == "colocated" else (kv,)  # kv["bind"], ["advertise"]: every role
@@ -152,3 +166,79 @@ def start_instance(
         name, model, engine, threads, *setup, parallel={**parallel, "ranks": ranks}, **extra
     )
     return InstanceHandles(name, role, handle, ranks, group)
+
+
+def rank_names(name: str, size: int) -> list[str]:
+    """The actor names of instance ``name``'s ranks, rank 0 first."""
+    return [name, *(f"{name}-rank{r}" for r in range(1, size))]
+
+
+def find_instance(name: str, role: str, size: int) -> InstanceHandles | None:
+    """The live actors and the placement group of instance ``name`` (``size`` ranks) by
+    their names; None when any of them is missing (a part died, or was never started)."""
+    import ray
+    from ray.util import get_placement_group
+
+    try:
+        actors = [ray.get_actor(n, namespace=NAMESPACE) for n in rank_names(name, size)]
+        group = get_placement_group(f"pdserve-{name}")
+    except ValueError:  # no such name
+        return None
+    return InstanceHandles(name, role, actors[0], actors[1:], group)
+
+
+def kill(handles: InstanceHandles) -> None:
+    """Kill every process of the instance and remove its placement group."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in [handles.worker, *handles.ranks]:
+        if actor is None:  # a part never started
+            continue
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as e:  # already gone
+            log.debug("kill %s: %s", handles.name, e)
+    if handles.group is not None:
+        try:
+            remove_placement_group(handles.group)
+        except Exception as e:  # already removed
+            log.debug("remove group of %s: %s", handles.name, e)
+
+
+def remove_instance(name: str, size: int) -> bool:
+    """Kill whatever actors hold instance ``name``'s names and remove its placement group
+    (each part that exists); True when anything was there."""
+    import ray
+    from ray.util import get_placement_group
+
+    found = False
+    for actor_name in rank_names(name, size):
+        try:
+            actor = ray.get_actor(actor_name, namespace=NAMESPACE)
+        except ValueError:
+            continue
+        found = True
+        kill(InstanceHandles(name, "", actor))
+    try:
+        group = get_placement_group(f"pdserve-{name}")
+    except ValueError:
+        return found
+    kill(InstanceHandles(name, "", None, group=group))
+    return True
+
+
+def wait_names_free(names: list[str]) -> None:
+    """Until no live actor holds these names (a new incarnation takes them)."""
+    import ray
+
+    deadline = time.monotonic() + NAME_RELEASE_S
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actor name {name!r} still taken after {NAME_RELEASE_S:g} s")
+            time.sleep(0.1)

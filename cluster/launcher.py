@@ -4,14 +4,16 @@ that stops them.
 Each engine instance is a Ray actor named ``<role>-<index>`` (``colocated-0``) in
 the namespace ``pdserve``, holding its pool's resources; it loads the model once
 and limits torch to its CPU share. The supervisor (cluster/supervisor.py) starts
-them, watches them and restarts one that fails; the router is an async actor
+them, watches them and restarts one that fails; Ray restarts the supervisor when it
+dies and this process's keeper (cluster/keeper.py) when it hangs, the instances serving
+on meanwhile (they are detached: cluster/actors.py); the router is an async actor
 (``router``) serving gRPC and HTTP, or with ``router.replicas`` N, N of them on the
 same ports (``router``, ``router-1``, ...; router/replicas.py). All run on the
 driver's node with no CPU reserved: on an existing Ray, the head when ``pdserve up``
 runs on the head's host (a driver joins the head of its host; docs/serving.md,
 "Running across nodes").
 Everything is checked before Ray starts; a failure while starting stops whatever had
-started.
+started, detached instances included (removed by name once the supervisor stopped).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Cluster:
     config: ClusterConfig
     session: RaySession
     supervisor: object = None  # actor handle: starts, watches and restarts the instances
+    keeper: object = None  # cluster.keeper.Keeper: restarts a hung supervisor
     routers: list = field(default_factory=list)  # actor handles, replica 0 first
     address: str = ""  # host:port of the router's gRPC server (every replica's)
     http_address: str = ""  # host:port of its OpenAI-compatible HTTP API
@@ -125,6 +128,8 @@ class Cluster:
         except Exception as e:  # stopping anyway
             log.warning("router did not drain cleanly: %s", e)
         finally:
+            if self.keeper is not None:
+                self.keeper.stop()
             if ray.is_initialized():
                 for router in self.routers:
                     ray.kill(router, no_restart=True)
@@ -134,8 +139,19 @@ class Cluster:
                     except Exception as e:  # its instances go with the session anyway
                         log.warning("supervisor did not stop cleanly: %s", e)
                     ray.kill(self.supervisor, no_restart=True)
-            self.routers, self.supervisor = [], None
+                    self._remove_instances()
+            self.routers, self.supervisor, self.keeper = [], None, None
             self.session.stop()
+
+    def _remove_instances(self) -> None:
+        """Whatever the supervisor did not stop (it was dead or hung), by name: the
+        instances are detached, so on a Ray that outlives this process they would run
+        on (the parts already stopped are gone or going: killing them again is a no-op)."""
+        from cluster.actors import remove_instance
+        from cluster.supervised import planned
+
+        for role, index, pool, _ in planned(self.config):
+            remove_instance(f"{role}-{index}", pool.tensor_parallel)
 
     def __enter__(self):
         return self
@@ -190,6 +206,7 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
     from cluster.actors import forwarded_env
+    from cluster.keeper import Keeper
     from cluster.placement_groups import PlacementError
     from cluster.supervisor import Supervisor
     from router.replicas import replica_name
@@ -204,9 +221,10 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
 
         node = ray.get_runtime_context().get_node_id()
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    # restarted by Ray when its process dies (the instances outlive it: it adopts them)
     cluster.supervisor = (
         ray.remote(Supervisor)
-        .options(name="supervisor", max_concurrency=16, **options)
+        .options(name="supervisor", max_concurrency=16, max_restarts=-1, **options)
         .remote(config.to_dict(), kv_secret(config.kv_transfer.secret_file))
     )
     try:
@@ -249,3 +267,5 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     ready = [r.wait_ready.remote() for r in cluster.routers]
     cluster.instances = ray.get(ready, timeout=ready_timeout_s)[0]
     ray.get(cluster.supervisor.watch.remote(cluster.routers))
+    cluster.keeper = Keeper(cluster.supervisor, config.supervisor)
+    cluster.keeper.start()

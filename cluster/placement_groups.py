@@ -7,8 +7,9 @@ resources a node offers, ``ray start --resources '{"pool_prefill": 1}'``), and t
 group's ``bundle_label_selector`` asks for ``node_labels`` on that node (``ray start
 --labels pool=prefill``). docs/serving.md, "Running across nodes".
 
-The group exists before any of the instance's actors (``create``) and is removed with
-them (``cluster.supervisor``); a group that no node can hold within
+The group exists before any of the instance's actors (``create``), is detached like
+them (it outlives the supervisor that made it: cluster/actors.py) and is removed with
+them (``cluster.actors.kill``); a group that no node can hold within
 ``supervisor.placement_timeout_s`` is removed and the start fails with
 ``PlacementError`` naming the pool, what it asks for and the nodes there are.
 """
@@ -111,6 +112,7 @@ def create(name: str, role: str, pool: PoolConfig, timeout_s: float):
         strategy="STRICT_PACK",
         name=f"pdserve-{name}",
         bundle_label_selector=selector,
+        lifetime="detached",
     )
     try:
         ray.get(group.ready(), timeout=timeout_s)

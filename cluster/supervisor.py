@@ -22,47 +22,39 @@ Either way, per instance and generation, once, to every router replica (docs/ser
 A start that fails is retried with backoff; an instance that failed
 ``supervisor.max_restarts`` times stays out. The supervisor never touches requests: the
 router migrates them (router/placement.py).
+
+The supervisor's own death costs no instance: they are detached (cluster/actors.py).
+Ray restarts the actor (``max_restarts=-1``; the launcher's keeper, cluster/keeper.py,
+kills one that hangs); the new incarnation adopts the running instances by name
+(``_adopt``) with the generations the router replicas hold, restarts only those found
+incomplete or mid-restart, and watches again. Invariant: per instance name at most one
+incarnation is alive, and the supervisor's generation of it is the router's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
-from dataclasses import dataclass
 
-from cluster.actors import InstanceHandles, start_instance
+from cluster.actors import (
+    InstanceHandles,
+    kill,
+    rank_names,
+    remove_instance,
+    start_instance,
+    wait_names_free,
+)
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_env import NAMESPACE
+from cluster.supervised import Supervised, adopt, planned, router_views
 from router.incidents import first_line
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 900.0  # a restarted instance loading its model
-NAME_RELEASE_S = 60.0  # Ray frees a dead actor's name once its death is recorded
-
-
-@dataclass
-class Supervised:
-    """One instance as the supervisor keeps it; ``state``: serving, failed, restarting."""
-
-    role: str
-    index: int
-    pool: PoolConfig
-    engine: dict
-    handles: InstanceHandles
-    generation: int = 0
-    state: str = "serving"
-    restarts: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.handles.name
-
-    @property
-    def actors(self) -> list:
-        return [self.handles.worker, *self.handles.ranks]
 
 
 class Supervisor:
@@ -80,27 +72,30 @@ class Supervisor:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._restarts: list[threading.Thread] = []
+        self._adopter: threading.Thread | None = None
+        if _reconstructed():
+            self._adopter = threading.Thread(target=self._adopt, name="adopt", daemon=True)
+            self._adopter.start()
 
     # ---- called by the launcher ----
 
     def start(self) -> list[tuple[str, str, object]]:
         """Start every instance (not waiting for their models); (name, role, handle) each."""
-        config = self.config
-        for role, pool in config.pools().items():
-            device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
-            engine = pool.engine_config(config.dtype, config.attention_backend, device)
-            for index in range(pool.instances):
-                handles = start_instance(
-                    role,
-                    index,
-                    pool,
-                    config.model,
-                    engine,
-                    self._kv(pool),
-                    self.limits.placement_timeout_s,
-                    self._metrics(pool),
-                )
-                self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
+        for role, index, pool, engine in planned(self.config):
+            name = f"{role}-{index}"
+            if remove_instance(name, pool.tensor_parallel):
+                log.warning("instance %s: removed what a stopped cluster left of it", name)
+            handles = start_instance(
+                role,
+                index,
+                pool,
+                self.config.model,
+                engine,
+                self._kv(pool),
+                self.limits.placement_timeout_s,
+                self._metrics(pool),
+            )
+            self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
         return [(s.name, s.role, s.handles.worker) for s in self.instances.values()]
 
     def _kv(self, pool: PoolConfig) -> dict:
@@ -131,16 +126,33 @@ class Supervisor:
     def watch(self, routers: list) -> None:
         """Every instance is ready: start pinging them; failures go to ``routers`` (every
         router replica)."""
-        self.routers = list(routers)
-        self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
-        self._watcher.start()
+        self._start_watching(routers)
+
+    def _start_watching(self, routers: list) -> None:
+        """Ping the instances from now on (once: a restarted supervisor may have started
+        already when the launcher's ``watch`` reaches it)."""
+        with self._lock:
+            self.routers = list(routers)
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="supervisor",
+                                                 daemon=True)  # fmt: skip
+                self._watcher.start()
+
+    def ping(self) -> dict:
+        """Liveness for the keeper (cluster/keeper.py): this process's ``pid`` and
+        ``node`` (its Ray node id); answering at all means a thread of it runs."""
+        import ray
+
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     def workers(self) -> dict[str, object]:
         """Rank 0's actor handle of every instance, by name (the current incarnation)."""
+        self._adopted()
         with self._lock:
             return {name: s.handles.worker for name, s in self.instances.items()}
 
     def handles(self, name: str) -> InstanceHandles:
+        self._adopted()
         with self._lock:
             return self.instances[name].handles
 
@@ -148,11 +160,39 @@ class Supervisor:
         """Stop watching and restarting (a restart under way kills what it started);
         kill every instance's processes and remove their groups."""
         self._stopping.set()
-        for thread in [self._watcher, *self._restarts]:
+        for thread in [self._adopter, self._watcher, *self._restarts]:
             if thread is not None:
                 thread.join(timeout=self.limits.unresponsive_s + 5)
-        for s in self.instances.values():
-            _kill(s.handles)
+        with self._lock:
+            instances = list(self.instances.values())
+        for s in instances:
+            kill(s.handles)
+
+    # ---- a restarted supervisor ----
+
+    def _adopt(self) -> None:
+        """A restarted supervisor takes over the instances (cluster/supervised.py,
+        ``adopt``): those found whole serve on; those found broken are failed and
+        restarted. Watching starts when every instance had been ready (the routers hold
+        none ``starting``); before that, the launcher's ``watch`` starts it."""
+        views = router_views(self._routers())
+        log.warning("supervisor restarted: adopting the instances")
+        for found in adopt(self.config, views):
+            if self._stopping.is_set():
+                return
+            s = found.supervised
+            with self._lock:
+                self.instances[s.name] = s
+            if found.problem is not None:
+                self._failed(s.name, s.generation, found.problem)
+        if views and all(v["state"] != "starting" for v in views.values()):
+            self._start_watching(self._routers())
+
+    def _adopted(self) -> None:
+        """Until a restarted supervisor holds every instance again (bounded by the
+        routers' answers: ``ROUTER_VIEW_TIMEOUT_S`` each, cluster/supervised.py)."""
+        if self._adopter is not None:
+            self._adopter.join()
 
     # ---- failures ----
 
@@ -199,7 +239,7 @@ class Supervisor:
         log.error("%s; %s", why, "restarting it" if will_restart else "left out")
         for router in self._routers():
             router.eject.remote(name, generation, why, will_restart)
-        _kill(s.handles)
+        kill(s.handles)
         if will_restart:
             restart = threading.Thread(target=self._restart, args=(s,), name=f"restart-{name}")
             self._restarts.append(restart)
@@ -213,7 +253,8 @@ class Supervisor:
             s.restarts += 1
             handles = None
             try:
-                _wait_names_free([s.name, *(f"{s.name}-rank{r}" for r in range(1, _size(s)))])
+                remove_instance(s.name, s.pool.tensor_parallel)  # a part left alive
+                wait_names_free(rank_names(s.name, s.pool.tensor_parallel))
                 handles = start_instance(
                     s.role,
                     s.index,
@@ -229,7 +270,7 @@ class Supervisor:
                 why = f"instance {s.name}: restart {s.restarts} failed: {first_line(e)}"
                 log.error(why)
                 if handles is not None:
-                    _kill(handles)
+                    kill(handles)
                 if s.restarts >= self.limits.max_restarts:
                     with self._lock:
                         s.state = "failed"
@@ -240,7 +281,7 @@ class Supervisor:
                 backoff = min(backoff * 2, 30.0)
                 continue
             if info is None:  # the supervisor is stopping
-                _kill(handles)
+                kill(handles)
                 return
             with self._lock:
                 s.handles, s.generation, s.state = handles, s.generation + 1, "serving"
@@ -281,37 +322,12 @@ class Supervisor:
         return None
 
 
-def _size(s: Supervised) -> int:
-    return s.pool.tensor_parallel
+def _reconstructed() -> bool:
+    """Whether Ray restarted this actor (its process died before)."""
+    import warnings
 
-
-def _kill(handles: InstanceHandles) -> None:
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for actor in [handles.worker, *handles.ranks]:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception as e:  # already gone
-            log.debug("kill %s: %s", handles.name, e)
-    if handles.group is not None:
-        try:
-            remove_placement_group(handles.group)
-        except Exception as e:  # already removed
-            log.debug("remove group of %s: %s", handles.name, e)
-
-
-def _wait_names_free(names: list[str]) -> None:
-    """Until no live actor holds these names (a new incarnation takes them)."""
     import ray
 
-    deadline = time.monotonic() + NAME_RELEASE_S
-    for name in names:
-        while True:
-            try:
-                ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"actor name {name!r} still taken after {NAME_RELEASE_S:g} s")
-            time.sleep(0.1)
+    with warnings.catch_warnings():  # Ray's own property reads its deprecated actor_id
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.get_runtime_context().was_current_actor_reconstructed

@@ -1,6 +1,7 @@
 """``pdserve up`` as a user runs it: serves, answers ``pdserve generate``, and on SIGTERM
 drains in-flight requests and stops every process it started; when its router dies,
-it exits non-zero instead of serving nothing."""
+it exits non-zero instead of serving nothing; when it is killed itself, the embedded
+Ray's head ends with it, and every actor with that (the detached instances too)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from router.client import RouterClient
 from tests.cluster.helpers import ray_temp_dirs, small_cluster_config, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
+ACTORS = ("EngineWorker", "Supervisor", "RouterServer")
 
 
 def _health(client: RouterClient) -> str:
@@ -38,6 +40,25 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _actors(session: int) -> dict[int, str]:
+    """pdserve's actor processes in session ``session`` (Ray gives each worker a process
+    group of its own, in the session of the process that started Ray): pid -> class,
+    from the title Ray gives them (``ray::EngineWorker``, ``ray::Supervisor.ping``)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            title = (entry / "cmdline").read_text().split("\0")[0].strip()
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+        actor = title.removeprefix("ray::").split(".")[0]
+        if int(fields[3]) == session and fields[0] not in ("Z", "X") and actor in ACTORS:
+            found[int(entry.name)] = actor
+    return found
 
 
 @pytest.fixture
@@ -65,9 +86,9 @@ def up(tmp_path, chat_model):
         found = re.search(r"router listening on (\S+) \(pid (\d+),", line)
     assert found, "".join(lines)
     yield proc, found.group(1), ray_base, int(found.group(2))
-    if proc.poll() is None:
+    if _group_alive(proc.pid):  # `up`, or what outlives a killed one (Ray's agents)
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    proc.wait()
     shutil.rmtree(ray_base, ignore_errors=True)
 
 
@@ -116,3 +137,16 @@ def test_up_exits_non_zero_when_its_router_dies(up):
     assert "pdserve up: the router actor died" in out and "nothing serves" in out, out
     assert wait_until(lambda: not _group_alive(proc.pid), timeout_s=15)
     assert ray_temp_dirs(ray_base) == []
+
+
+def test_a_killed_up_takes_the_embedded_ray_and_every_actor_with_it(up):
+    proc, address, _, router_pid = up
+    with RouterClient(address) as client:
+        assert client.health() == "SERVING"
+    started = _actors(proc.pid)  # `up` leads its own session
+    assert sorted(started.values()) == ["EngineWorker", "EngineWorker", "RouterServer",
+                                        "Supervisor"], started  # fmt: skip
+    assert started[router_pid] == "RouterServer"
+    proc.kill()  # `up` alone, by a real SIGKILL: no shutdown runs
+    proc.wait(timeout=30)
+    assert wait_until(lambda: not _actors(proc.pid), timeout_s=60), _actors(proc.pid)
