@@ -25,6 +25,7 @@ from kv_transfer import auth
 from kv_transfer import grpc_gate as gate
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.grpc_sender import CHANNEL_OPTIONS
+from kv_transfer.grpc_tls import TLSFiles
 from kv_transfer.layout import KVLayout, KVLayoutError
 from kv_transfer.protocol import KVPeerError, KVTransferError, Status, transfer_key
 from kv_transfer.receiver import KVReceiver
@@ -109,7 +110,8 @@ class GrpcReceiver(KVReceiver):
     thread while it waits, so idle streams cost memory only. A stream passes the gate
     (``grpc_gate.admit``) before a message of it is read, and must bring its first
     message within ``first_message_s`` or be answered INCOMPLETE; each message is then
-    checked and written on one of ``workers`` threads, held only while it is."""
+    checked and written on one of ``workers`` threads, held only while it is. With
+    ``tls`` it listens with mTLS only (``grpc_tls.py``)."""
 
     backend = "grpc"
 
@@ -121,10 +123,11 @@ class GrpcReceiver(KVReceiver):
         port: int = 0,
         workers: int = 32,
         first_message_s: float = 10.0,
+        tls: TLSFiles | None = None,
         **kwargs,
     ):
         super().__init__(layout, kv_cache, **kwargs)
-        self.first_message_s = first_message_s
+        self.first_message_s, self.tls = first_message_s, tls
         self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-grpc")
         self._seen, self._seen_streams = auth.Seen(), auth.Seen()
         self.refused = 0  # streams refused so far
@@ -155,7 +158,11 @@ class GrpcReceiver(KVReceiver):
             )
         )
         wrap = (lambda h: f"[{h}]") if ":" in self.bind else (lambda h: h)
-        bound = server.add_insecure_port(f"{wrap(self.bind)}:{port}")
+        where = f"{wrap(self.bind)}:{port}"
+        if self.tls is None:
+            bound = server.add_insecure_port(where)
+        else:
+            bound = server.add_secure_port(where, self.tls.server())
         if not bound:
             raise KVPeerError(f"KV receiver cannot listen on {self.bind}:{port}")
         await server.start()

@@ -25,6 +25,7 @@ import torch
 from kv_transfer import auth
 from kv_transfer import grpc_gate as gate
 from kv_transfer import kv_transfer_pb2 as pb
+from kv_transfer.grpc_tls import TLSFiles
 from kv_transfer.layout import KVLayout
 from kv_transfer.protocol import KVPeerError, KVTransferTimeout, Status
 from kv_transfer.segment import Source
@@ -150,9 +151,17 @@ class GrpcSender(KVSender[GrpcOutgoing]):
     outgoing = GrpcOutgoing
 
     def __init__(
-        self, layout: KVLayout, *, chunk_bytes=1 << 20, max_queued_bytes=256 << 20, **kwargs
+        self,
+        layout: KVLayout,
+        *,
+        chunk_bytes=1 << 20,
+        max_queued_bytes=256 << 20,
+        tls: TLSFiles | None = None,
+        **kwargs,
     ):
+        """``tls``: dial receivers with mTLS (``grpc_tls.py``), else in plain text."""
         super().__init__(layout, **kwargs)
+        self._credentials = None if tls is None else tls.channel()
         if chunk_bytes > MAX_MESSAGE - (1 << 16):
             raise ValueError(f"chunk_bytes={chunk_bytes} exceeds the message limit")
         self.chunk_bytes, self.max_queued_bytes = chunk_bytes, max_queued_bytes
@@ -164,8 +173,10 @@ class GrpcSender(KVSender[GrpcOutgoing]):
         if stream is None:
             with self._lock_channels:
                 if address not in self._channels:
-                    self._channels[address] = grpc.insecure_channel(
-                        address, options=CHANNEL_OPTIONS
+                    self._channels[address] = (
+                        grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                        if self._credentials is None
+                        else grpc.secure_channel(address, self._credentials, CHANNEL_OPTIONS)
                     )
                 call: grpc.StreamUnaryMultiCallable[bytes, pb.PushAck]
                 call = self._channels[address].stream_unary(
