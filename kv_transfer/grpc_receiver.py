@@ -131,6 +131,7 @@ class GrpcReceiver(KVReceiver):
         self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-grpc")
         self._seen, self._seen_streams = auth.Seen(), auth.Seen()
         self.refused = 0  # streams refused so far
+        self._lock_refused = threading.Lock()  # refusals come from the loop and the workers
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kv-grpc-loop", daemon=True
@@ -173,12 +174,14 @@ class GrpcReceiver(KVReceiver):
         return self._address
 
     def _refuse(self, peer: str, problem: str) -> pb.PushAck:
-        self.refused += 1
+        with self._lock_refused:
+            self.refused += 1
+            refused = self.refused
         log.warning(
             "KV receiver %s: push from %s refused (%d so far): %s",
             self._address,
             peer,
-            self.refused,
+            refused,
             problem,
         )
         return pb.PushAck(status=Status.REJECTED.name, message=problem)
