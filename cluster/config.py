@@ -285,6 +285,20 @@ class SupervisorConfig:
 
 
 @dataclass
+class KVTransferTLSConfig:
+    """mTLS on the grpc KV backend (kv_transfer/grpc_tls.py): every prefill and decode
+    worker presents cert_file and requires its peer's certificate to chain to ca_file."""
+
+    cert_file: str | None = spec(
+        None,
+        readable_file,
+        "PEM certificate chain, naming every pool's advertise address (null: no TLS)",
+    )
+    key_file: str | None = spec(None, readable_file, "PEM private key of cert_file")
+    ca_file: str | None = spec(None, readable_file, "PEM CAs a peer's certificate must chain to")
+
+
+@dataclass
 class KVTransferConfig:
     backend: str = spec("gloo", kv_backend, "KV transport between pools")
     layerwise: bool = spec(True, None, "send KV layer by layer as the last chunk runs")
@@ -296,6 +310,7 @@ class KVTransferConfig:
         "file holding the secret that KV peers prove (at least 16 bytes); null: a new one "
         "per launch. Set it when pools of separate launches send KV to each other",
     )
+    tls: KVTransferTLSConfig = spec(factory=KVTransferTLSConfig)
 
 
 @dataclass

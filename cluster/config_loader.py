@@ -18,7 +18,7 @@ import yaml
 
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.placement_groups import check_placement
-from cluster.security_checks import check_ray, check_router
+from cluster.security_checks import check_kv, check_ray, check_router
 
 
 class ConfigError(ValueError):
@@ -158,7 +158,9 @@ def check_config(config: ClusterConfig) -> None:
             )
     if config.mode in ("disaggregated", "hybrid"):
         check_kv_transfer(config)
-    for key, problem in check_router(config) + check_ray(config.ray) + check_placement(config):
+    for key, problem in (
+        check_router(config) + check_kv(config) + check_ray(config.ray) + check_placement(config)
+    ):
         raise ConfigError(key, problem)
     folder = model_folder_if_cheap(config.model)
     if folder is not None:

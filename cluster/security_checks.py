@@ -80,6 +80,34 @@ def check_router(config: ClusterConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def check_kv(config: ClusterConfig) -> list[tuple[str, str]]:
+    """Problems of ``kv_transfer.tls`` as (dotted key, message): all three files or none,
+    and only with a backend that speaks TLS (grpc, or a transport named by module)."""
+    kv = config.kv_transfer
+    files = {"cert_file": kv.tls.cert_file, "key_file": kv.tls.key_file}
+    files["ca_file"] = kv.tls.ca_file
+    given = [k for k, v in files.items() if v is not None]
+    if not given:
+        return []
+    if len(given) < len(files):
+        missing = next(k for k in files if k not in given)
+        return [
+            (
+                f"kv_transfer.tls.{missing}",
+                "missing; the KV plane's mTLS needs cert_file, key_file and ca_file",
+            )
+        ]
+    if kv.backend in ("gloo", "nccl"):
+        return [
+            (
+                "kv_transfer.tls.cert_file",
+                f"set with kv_transfer.backend={kv.backend!r}, which has no TLS; allowed: "
+                "backend grpc, or no kv_transfer.tls",
+            )
+        ]
+    return []
+
+
 def check_ray(ray: RayConfig, environ=os.environ) -> list[tuple[str, str]]:
     """Problems of ``ray.tls`` and ``ray.insecure`` as (dotted key, message)."""
     files = {"cert_file": ray.tls.cert_file, "key_file": ray.tls.key_file}

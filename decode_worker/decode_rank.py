@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.tp_rank import RankActor
-from kv_transfer import Outcome, get_transport
+from kv_transfer import Outcome, backend_options, get_transport
 from kv_transfer.layout import cache_layout
 
 
@@ -23,6 +23,7 @@ class DecodeRank(RankActor):
             secret=kv_config["secret"],
             bind=kv_config["bind"],
             advertise=kv_config["advertise"],
+            **backend_options(kv_config),
         )
         self.receiver.on_event = self._report
 

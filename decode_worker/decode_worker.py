@@ -51,7 +51,7 @@ from engine.block_manager import window_start
 from engine.messages import Attempt, Reserved, Update
 from engine.outputs import Logprobs
 from engine.worker import EngineWorker
-from kv_transfer import KVDestination, Outcome, State, get_transport
+from kv_transfer import KVDestination, Outcome, State, backend_options, get_transport
 from kv_transfer.layout import cache_layout
 from kv_transfer.prefill_side import PrefillsForOthers, PrefillSide
 
@@ -101,6 +101,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             secret=kv_config["secret"],
             bind=kv_config["bind"],
             advertise=kv_config["advertise"],
+            **backend_options(kv_config),
         )
         self.receiver.on_event = lambda outcome: self._post(("landed", outcome))
         self.lease_s = kv_config["lease_s"]

@@ -86,6 +86,16 @@ def get_transport(name: str) -> Transport:
     return transport
 
 
+def backend_options(kv_config: dict) -> dict:
+    """What a worker's ``kv`` argument gives its backend's sender and receiver beyond the
+    options every backend takes: ``tls`` (``kv_transfer.tls``, the grpc backend's mTLS),
+    when configured; the config refuses it with another built-in backend."""
+    from kv_transfer.grpc_tls import from_config
+
+    tls = from_config(kv_config)
+    return {} if tls is None else {"tls": tls}
+
+
 __all__ = [
     "BACKENDS",
     "Ack",
@@ -106,6 +116,7 @@ __all__ = [
     "TransferAck",
     "Transport",
     "all_routes",
+    "backend_options",
     "get_transport",
     "routes_from",
     "routes_into",

@@ -12,6 +12,12 @@ opened). Invariants:
   the proof, so a captured one is good only for what it was made for;
 - a receiver takes each proof once (``Seen``): a replay of a captured join (same
   generation) or push (same nonce) is refused;
+- a grpc stream is admitted before the receiver reads a message of it: the call's
+  metadata carries a ``stream_proof`` over (sender, the receiver's address, a fresh
+  challenge, the time), taken once and only within ``STREAM_WINDOW_S`` of the
+  receiver's clock (so ``Seen`` need remember a proof no longer than that); the receiver
+  answers with an ``answer_proof`` over the challenge, which the sender checks before it
+  sends any KV: each side proves the secret to the other;
 - proofs are compared in constant time (``hmac.compare_digest``);
 - the secret is never logged, printed, or put in stats or messages.
 """
@@ -27,6 +33,7 @@ from collections import OrderedDict
 
 MIN_SECRET_BYTES = 16
 NONCE_BYTES = 16
+STREAM_WINDOW_S = 60.0  # a stream proof's time may differ from the receiver's this much
 
 
 def new_secret() -> bytes:
@@ -73,6 +80,17 @@ def join_proof(
 def push_proof(secret: bytes, token: str, sender: str, layout: bytes, nonce: bytes) -> bytes:
     """A grpc Push stream's proof, for transfer ``token`` from instance ``sender``."""
     return _mac(secret, "pdserve-kv-push", token, sender, layout, nonce)
+
+
+def stream_proof(secret: bytes, sender: str, address: str, challenge: bytes, ms: int) -> bytes:
+    """A grpc stream's admission: instance ``sender`` opens a stream to the receiver at
+    ``address`` at ``ms`` (Unix time, milliseconds), with a fresh ``challenge``."""
+    return _mac(secret, "pdserve-kv-stream", sender, address, challenge, ms)
+
+
+def answer_proof(secret: bytes, address: str, challenge: bytes) -> bytes:
+    """The receiver at ``address``'s answer to a stream's ``challenge``."""
+    return _mac(secret, "pdserve-kv-answer", address, challenge)
 
 
 def valid(expected: bytes, given: bytes) -> bool:

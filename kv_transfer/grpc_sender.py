@@ -8,7 +8,8 @@ data last (``encode_chunk``), so the receiver reads the data in place; the END i
 stream's last message, and the stream's close brings the receiver's ``PushAck``. The
 first message names the transfer by its destination's token and this instance, and
 proves the cluster's secret over (token, name, source layout, a fresh nonce)
-(``kv_transfer/auth.py``).
+(``kv_transfer/auth.py``). Before it, the call opens with the gate's metadata and the
+receiver's answer is checked (``kv_transfer/grpc_gate.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 import torch
 
 from kv_transfer import auth
+from kv_transfer import grpc_gate as gate
 from kv_transfer import kv_transfer_pb2 as pb
+from kv_transfer.grpc_tls import TLSFiles
 from kv_transfer.layout import KVLayout
 from kv_transfer.protocol import KVPeerError, KVTransferTimeout, Status
 from kv_transfer.segment import Source
@@ -60,10 +64,16 @@ class PushStream:
     """The request side of one Push call: a bounded queue of items that gRPC's sending
     thread drains, encoding the items queued by then (up to ``chunk`` bytes) into each
     message as it goes. A ``put`` that finds the queue full for ``stall_s`` (the
-    receiver stopped reading) fails the stream rather than hold the forward pass."""
+    receiver stopped reading) fails the stream rather than hold the forward pass.
 
-    def __init__(self, limit: int, chunk: int, encode, stall_s: float = 30.0):
+    Before its first message the stream waits for the receiver's answer (the call's
+    initial metadata) and asks ``trusted`` whether it proves the secret; if not, the
+    stream fails and the call is cancelled: no KV byte goes to a receiver that cannot
+    sign. ``failed`` keeps the first reason the stream failed."""
+
+    def __init__(self, limit: int, chunk: int, encode, trusted, stall_s: float = 30.0):
         self.limit, self.chunk, self.encode, self.stall_s = limit, chunk, encode, stall_s
+        self.trusted, self.verified = trusted, False
         self.queue: collections.deque = collections.deque()
         self.queued, self.closed, self.failed = 0, False, None
         self.cond = threading.Condition()
@@ -88,7 +98,9 @@ class PushStream:
 
     def fail(self, error) -> None:
         with self.cond:
-            self.failed, self.closed = error, True
+            if self.failed is None:
+                self.failed = error
+            self.closed = True
             self.queue.clear()
             self.queued = 0
             self.cond.notify_all()
@@ -100,6 +112,16 @@ class PushStream:
         with self.cond:
             while not self.queue and not self.closed:
                 self.cond.wait()
+            if not self.queue:
+                raise StopIteration
+        if not self.verified:  # the queue has items: ``future`` is set
+            call = cast(grpc.Call, self.future)  # a call's future is also its Call
+            if not self.trusted(call.initial_metadata()):
+                self.fail("the receiver did not prove the cluster's secret")
+                self.future.cancel()
+                raise StopIteration
+            self.verified = True
+        with self.cond:
             if not self.queue:
                 raise StopIteration
             items: list[object] = []
@@ -129,9 +151,17 @@ class GrpcSender(KVSender[GrpcOutgoing]):
     outgoing = GrpcOutgoing
 
     def __init__(
-        self, layout: KVLayout, *, chunk_bytes=1 << 20, max_queued_bytes=256 << 20, **kwargs
+        self,
+        layout: KVLayout,
+        *,
+        chunk_bytes=1 << 20,
+        max_queued_bytes=256 << 20,
+        tls: TLSFiles | None = None,
+        **kwargs,
     ):
+        """``tls``: dial receivers with mTLS (``grpc_tls.py``), else in plain text."""
         super().__init__(layout, **kwargs)
+        self._credentials = None if tls is None else tls.channel()
         if chunk_bytes > MAX_MESSAGE - (1 << 16):
             raise ValueError(f"chunk_bytes={chunk_bytes} exceeds the message limit")
         self.chunk_bytes, self.max_queued_bytes = chunk_bytes, max_queued_bytes
@@ -143,19 +173,23 @@ class GrpcSender(KVSender[GrpcOutgoing]):
         if stream is None:
             with self._lock_channels:
                 if address not in self._channels:
-                    self._channels[address] = grpc.insecure_channel(
-                        address, options=CHANNEL_OPTIONS
+                    self._channels[address] = (
+                        grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                        if self._credentials is None
+                        else grpc.secure_channel(address, self._credentials, CHANNEL_OPTIONS)
                     )
                 call: grpc.StreamUnaryMultiCallable[bytes, pb.PushAck]
                 call = self._channels[address].stream_unary(
                     METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString
                 )
+            opened = gate.opening(self.secret, self.name, address)
             stream = t.streams[address] = PushStream(
                 self.max_queued_bytes,
                 self.chunk_bytes,
                 lambda items: self._encode(t, address, items),
+                lambda answer: gate.answered(self.secret, address, opened, answer),
             )
-            stream.future = call.future(stream)
+            stream.future = call.future(stream, metadata=opened)
             stream.future.add_done_callback(lambda f: stream.fail(_rpc_error(f)))
         return stream
 
@@ -229,8 +263,9 @@ class GrpcSender(KVSender[GrpcOutgoing]):
                     f"acknowledgement within {timeout}s"
                 ) from e
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                why = stream.failed if isinstance(stream.failed, str) else _rpc_text(e)
                 raise KVPeerError(
-                    f"KV transfer {t.transfer_id!r} to {address} failed: {_rpc_text(e)}"
+                    f"KV transfer {t.transfer_id!r} to {address} failed: {why}"
                 ) from e
             acks.append(Ack(address, Status(reply.status), reply.message))
         return acks

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from engine.messages import Attempt, Update
 from engine.prefilled import LastChunkHook, Prefilled
-from kv_transfer import Handoff, KVDestination, get_transport
+from kv_transfer import Handoff, KVDestination, backend_options, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
 
 if TYPE_CHECKING:  # the mixin's host, for the checker: its attributes and ``super()``
@@ -75,6 +75,7 @@ class PrefillSide:
             secret=kv_config["secret"],
             bind=kv_config["bind"],
             advertise=kv_config["advertise"],
+            **backend_options(kv_config),
             checksum=kv_config["checksum"],
             name=name,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.tp_rank import RankActor
-from kv_transfer import KVDestination, get_transport
+from kv_transfer import KVDestination, backend_options, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
 from kv_transfer.layout import cache_layout
 from kv_transfer.prefill_side import ack_timeout_s
@@ -24,6 +24,7 @@ class PrefillRank(RankActor):
             secret=kv_config["secret"],
             bind=kv_config["bind"],
             advertise=kv_config["advertise"],
+            **backend_options(kv_config),
             checksum=kv_config["checksum"],
             name=self.name.rsplit("-rank", 1)[0],  # the instance: what decode expects
         )

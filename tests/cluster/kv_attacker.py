@@ -1,9 +1,12 @@
-"""An outsider on the KV plane, run as its own OS process by test_closed_by_default.py:
-it knows a decode receiver's address, a real prefill instance's name and a live
-transfer token, but not the cluster's secret. Once started it prints ``ready``, waits
-for a line on its stdin, attacks, and prints one JSON line: what each attack got.
+"""An outsider on the KV plane, run as its own OS process by test_closed_by_default.py
+and test_grpc_kv_gate.py: it knows a decode receiver's address, a real prefill
+instance's name and a live transfer token, but not the cluster's secret (nor, under
+mTLS, a certificate of the cluster's CA). Once started it prints ``ready``, waits for a
+line on its stdin, attacks, and prints one JSON line: what each attack got. ``idle``
+prints ``opened`` once its streams are open, and holds them open after its JSON line
+until a second line.
 
-    python -m tests.cluster.kv_attacker gloo|grpc ADDRESS PREFILL_NAME TOKEN
+    python -m tests.cluster.kv_attacker gloo|grpc|idle ADDRESS PREFILL_NAME TOKEN
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import datetime
 import json
 import secrets
 import sys
+import time
 
 HUGE = 1 << 40  # a header's block count
 
@@ -81,6 +85,65 @@ def grpc_(address: str, token: str) -> dict:
     return answers
 
 
+IDLE = {"bare": 60, "forged": 20, "replayed": 20}  # idle streams, by their opening
+
+
+def idle(address: str, name: str) -> dict:
+    """100 streams that send no message: opened with no proof, a forged one, or one
+    forged opening used 20 times; what each got (its answer or its error code), whether
+    any was answered with the receiver's proof, and the bytes of every answer."""
+    import threading
+
+    import grpc
+
+    from kv_transfer import grpc_gate as gate
+    from kv_transfer import kv_transfer_pb2 as pb
+    from kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
+
+    hold = threading.Event()
+
+    class Idle:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            hold.wait(600)
+            raise StopIteration
+
+    def forged() -> tuple:
+        ms = str(int(time.time() * 1000))
+        proof = secrets.token_bytes(32)
+        return ((gate.SENDER, name), (gate.TIME, ms),
+                (gate.CHALLENGE, secrets.token_bytes(16)), (gate.PROOF, proof))  # fmt: skip
+
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    call = channel.stream_unary(METHOD, request_serializer=pb.KVChunk.SerializeToString,
+                                response_deserializer=None)  # fmt: skip
+    replayed = forged()
+    openings = [None] * IDLE["bare"] + [forged() for _ in range(IDLE["forged"])]
+    openings += [replayed] * IDLE["replayed"]
+    calls = [call.future(Idle(), metadata=md) for md in openings]
+    print("opened", flush=True)
+    got: dict[str, list[str]] = {kind: [] for kind in IDLE}
+    kinds = [k for k, n in IDLE.items() for _ in range(n)]
+    answered, nbytes = False, 0
+    for kind, f in zip(kinds, calls, strict=True):
+        try:
+            raw = f.result(timeout=60)
+            nbytes += len(raw)
+            got[kind].append(pb.PushAck.Status.Name(pb.PushAck.FromString(raw).status))
+        except grpc.RpcError as e:
+            got[kind].append(e.code().name)
+        answered = answered or gate.ANSWER in dict(f.initial_metadata() or ())
+    out = {k: sorted(set(v)) for k, v in got.items()}
+    out.update(answered=answered, answer_bytes=nbytes)
+    print(json.dumps(out), flush=True)
+    sys.stdin.readline()  # the streams stay open until told
+    hold.set()
+    channel.close()
+    return {"closed": True}
+
+
 if __name__ == "__main__":
     backend, address, name, token = sys.argv[1:5]
     import grpc  # noqa: F401 - imported before "ready", so that the attack starts at once
@@ -88,5 +151,8 @@ if __name__ == "__main__":
 
     print("ready", flush=True)
     sys.stdin.readline()
-    out = gloo(address, name) if backend == "gloo" else grpc_(address, token)
+    if backend == "idle":
+        out = idle(address, name)
+    else:
+        out = gloo(address, name) if backend == "gloo" else grpc_(address, token)
     print(json.dumps(out), flush=True)

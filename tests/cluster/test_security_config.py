@@ -101,6 +101,21 @@ def test_router_tls_and_key_file(chat_model, pem, tmp_path):
         load_config(_config(chat_model, router={"max_body_bytes": 10}))
 
 
+def test_kv_transfer_tls_is_whole_and_only_for_grpc(chat_model, pem):
+    kv = {"backend": "grpc", "tls": {"cert_file": pem, "key_file": pem}}
+    base = {**_config(chat_model), "mode": "disaggregated", "kv_transfer": kv}
+    with pytest.raises(ConfigError, match="kv_transfer.tls.ca_file: missing; the KV plane"):
+        load_config(base)
+    kv["tls"]["ca_file"] = pem
+    load_config(base)  # whole, with grpc
+    kv["backend"] = "gloo"
+    with pytest.raises(ConfigError, match=r"kv_transfer.tls.cert_file: set with kv_transfer.ba"):
+        load_config(base)
+    kv["tls"]["ca_file"] = "/no/ca.pem"
+    with pytest.raises(ConfigError, match="kv_transfer.tls.ca_file: '/no/ca.pem' is not allowed"):
+        load_config(base)
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "router.example"])
 def test_a_router_off_loopback_authenticates_its_clients_unless_insecure(
     chat_model, pem, tmp_path, host

@@ -17,6 +17,7 @@ import torch
 
 from kv_transfer import KVPeerError, KVTransferError, State, auth, get_transport
 from kv_transfer import gloo_wire as wire
+from kv_transfer import grpc_gate as gate
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.gloo_wire import Kind
 from kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
@@ -141,11 +142,15 @@ def test_header_bounds_before_any_allocation():
         side.close()
 
 
-def _push(address: str, *messages: pb.KVChunk) -> pb.PushAck:
+def _push(address: str, *messages: pb.KVChunk, metadata=None) -> pb.PushAck:
+    """``messages`` pushed on one stream, opened with ``metadata`` (default: the gate's,
+    proved with the cluster's secret for sender "")."""
+    if metadata is None:
+        metadata = gate.opening(SECRET, "", address)
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         call = channel.stream_unary(METHOD, request_serializer=pb.KVChunk.SerializeToString,
                                     response_deserializer=pb.PushAck.FromString)  # fmt: skip
-        return call(iter(messages), timeout=10)
+        return call(iter(messages), timeout=10, metadata=metadata)
 
 
 def test_grpc_push_needs_the_secret_once_per_stream():
