@@ -155,7 +155,7 @@ def start_instance(
         .remote(kv["bind"], kv["advertise"])
     )
     extra["feed"] = {"bind": bind, "advertise": host}
-    parallel = {"size": size, "address": f"{host}:{port}", "bind": bind}
+    parallel = {"size": size, "address": f"{host}:{port}", "bind": bind, "secret": kv["secret"]}
     ranks = [
         ray.remote(rank_classes[role])
         .options(name=f"{name}-rank{r}", scheduling_strategy=in_bundle(r), **options)

@@ -1,21 +1,27 @@
 """The tensor-parallel group of a model shard; every collective the engine uses lives here.
 
 A tensor-parallel engine is its own torch.distributed world of ``size`` processes (gloo
-on CPU, NCCL on GPU), made from a ``TCPStore`` that rank 0 serves: no process-wide
-default group, so a process may also hold KV transfer groups (kv_transfer/) or belong
-to another world. Rank 0 schedules and broadcasts each step (engine/step_plan.py);
-every rank runs the forward pass on its shard.
+on CPU, NCCL on GPU), made from an authenticated rendezvous that rank 0 serves
+(``engine/rendezvous.py``: every rank proves the cluster's secret, and rank 0 proves it
+back, before the world's store is read or written): no process-wide default group, so
+a process may also hold KV transfer groups (kv_transfer/) or belong to another world.
+Rank 0 schedules and broadcasts each step (engine/step_plan.py); every rank runs the
+forward pass on its shard.
 """
 
 from __future__ import annotations
 
 import datetime
-import socket
+import time
 from dataclasses import dataclass
 
 import torch
 
+from engine.rendezvous import RendezvousServer
+from engine.rendezvous_client import RendezvousStore
+
 TIMEOUT = datetime.timedelta(minutes=30)  # an idle rank waits this long for the next step
+POLL_S = 0.1  # how often a rank tries to reach a rendezvous that does not listen yet
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,24 @@ class TensorParallel:
         return x
 
     @classmethod
-    def join(cls, address: str, rank: int, size: int, device: str = "cpu") -> TensorParallel:
-        """Rank ``rank`` of the world whose store (``serve_store``) is at ``address``."""
+    def join(
+        cls, address: str, rank: int, size: int, secret: bytes, device: str = "cpu"
+    ) -> TensorParallel:
+        """Rank ``rank`` of the world whose store (``serve_store``, with the same
+        ``secret``) is at ``address``; rank 0 may start serving it after the others
+        started joining (within ``TIMEOUT``)."""
         if size == 1:
             return SINGLE
         host, port = address.rsplit(":", 1)
-        store = torch.distributed.TCPStore(host, int(port), size, False, TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        while True:
+            try:
+                store = RendezvousStore(host.strip("[]"), int(port), secret, TIMEOUT)
+                break
+            except ConnectionRefusedError:  # rank 0 does not listen yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(POLL_S)
         store.set(f"up/{rank}", "1")  # rank 0 waits for these, watching the processes
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
@@ -85,27 +103,13 @@ def check_degree(cfg, size: int, where: str = "tensor_parallel") -> None:
 
 
 def serve_store(
-    bind: str = "127.0.0.1", port: int = 0, advertise: str | None = None
-) -> tuple[torch.distributed.TCPStore, str]:
-    """A store for a new world (kept alive by the caller), listening on ``bind`` only,
-    and its ``advertise:port`` (``advertise`` None: ``bind``). torch's stores listen on
-    every interface whatever host they are given, so the socket is bound here and handed
-    over (``master_listen_fd``; the store closes it)."""
-    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own stores
-        sock.bind((bind, port))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-        store = torch.distributed.TCPStore(
-            bind, port, None, True, TIMEOUT, wait_for_workers=False, master_listen_fd=sock.fileno()
-        )
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store's now
-    return store, f"{advertise or bind}:{port}"
+    secret: bytes, bind: str = "127.0.0.1", port: int = 0, advertise: str | None = None
+) -> tuple[RendezvousServer, str]:
+    """The rendezvous of a new world (kept alive by the caller; its ``store`` holds
+    the world's keys), listening on ``bind`` only for peers that prove ``secret``, and
+    its ``advertise:port`` (``advertise`` None: ``bind``)."""
+    server = RendezvousServer(bind, port, secret)
+    return server, f"{advertise or bind}:{server.port}"
 
 
 def _group(store, rank: int, size: int, host: str, device: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -65,7 +66,11 @@ class RankActor:
         self.name = name
         config = EngineConfig(**engine_config)
         tp = TensorParallel.join(
-            parallel["address"], parallel["rank"], parallel["size"], config.device
+            parallel["address"],
+            parallel["rank"],
+            parallel["size"],
+            parallel["secret"],
+            config.device,
         )
         self.engine = RankEngine(model, config, tp)
         self.engine.model.pack_panels()
@@ -97,12 +102,14 @@ class RankActor:
         return self._leader
 
 
-def _rank_main(model: str, config: dict, rank: int, size: int, address: str, threads: int):
+def _rank_main(
+    model: str, config: dict, rank: int, size: int, address: str, secret: bytes, threads: int
+):
     torch.set_num_threads(threads)
     config = EngineConfig(**config)
     if config.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    tp = TensorParallel.join(address, rank, size, config.device)
+    tp = TensorParallel.join(address, rank, size, secret, config.device)
     RankEngine(model, config, tp).serve()
 
 
@@ -110,12 +117,13 @@ class LocalRanks:
     """Ranks 1..size-1 as local processes (spawned), and rank 0's ``TensorParallel``."""
 
     def __init__(self, model: str, config: EngineConfig, size: int, threads: int):
-        self.store, address = serve_store()
+        secret = secrets.token_bytes(32)  # this world's own: its ranks get it as arguments
+        self.rendezvous, address = serve_store(secret)
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(model, asdict(config), rank, size, address, threads),
+                args=(model, asdict(config), rank, size, address, secret, threads),
                 name=f"pdserve-tp-rank-{rank}",
                 daemon=True,
             )
@@ -124,13 +132,13 @@ class LocalRanks:
         for p in self.procs:
             p.start()
         self._wait_started(size)
-        self.tp = TensorParallel.join(address, 0, size, config.device)
+        self.tp = TensorParallel.join(address, 0, size, secret, config.device)
 
     def _wait_started(self, size: int) -> None:
         """Until every rank reached the store; a rank that died first is an error here,
         not a hang in the group's formation."""
         keys = [f"up/{r}" for r in range(1, size)]
-        while not self.store.check(keys):
+        while not self.rendezvous.store.check(keys):
             dead = [p for p in self.procs if p.exitcode is not None]
             if dead:
                 self.join(timeout_s=0)
@@ -146,6 +154,7 @@ class LocalRanks:
             p.join(timeout_s)
             if p.is_alive():
                 p.kill()
+        self.rendezvous.close()
 
 
 def threads_per_rank(size: int) -> int:

@@ -72,9 +72,10 @@ class EngineWorker:
         """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts).
         ``feed``: ``{"bind": interface, "advertise": address}`` of the update feed's
         listener (engine/feed.py; None: 127.0.0.1, for instances made outside a cluster).
-        ``parallel``: ``{"size": N, "address": host:port, "bind": interface, "ranks":
-        [handles]}`` makes this rank 0 of a tensor-parallel instance: it serves the
-        world's store on ``bind`` at that port, advertised as ``address``;
+        ``parallel``: ``{"size": N, "address": host:port, "bind": interface, "secret":
+        the cluster's, "ranks": [handles]}`` makes this rank 0 of a tensor-parallel
+        instance: it serves the world's rendezvous on ``bind`` at that port, advertised
+        as ``address``, to ranks that prove ``secret``;
         ranks 1..N-1 are the given actors (``engine.tp_rank.RankActor`` and the pools'
         subclasses)."""
         torch.set_num_threads(max(1, num_threads))
@@ -83,8 +84,9 @@ class EngineWorker:
         tp, self.ranks = SINGLE, []
         if parallel is not None and parallel["size"] > 1:
             host, port = parallel["address"].rsplit(":", 1)
-            self._store, address = serve_store(parallel["bind"], int(port), host)
-            tp = TensorParallel.join(address, 0, parallel["size"], config.device)
+            secret = parallel["secret"]
+            self._store, address = serve_store(secret, parallel["bind"], int(port), host)
+            tp = TensorParallel.join(address, 0, parallel["size"], secret, config.device)
             self.ranks = list(parallel["ranks"])
         self.engine = LLMEngine(model, config, tp)
         self.engine.model.pack_panels()

@@ -1,6 +1,8 @@
-"""Decode side of the ``gloo`` and ``nccl`` backends: a ``TCPStore`` server (on ``bind``
-only) that senders join through, one pair per sender rank (replaced when that sender
-joins again), each read by a pair thread and a completer thread.
+"""Decode side of the ``gloo`` and ``nccl`` backends: an authenticated rendezvous (on
+``bind`` only, ``engine/rendezvous.py``) that senders join through, one pair per sender
+rank (replaced when that sender joins again), each read by a pair thread and a
+completer thread. Only a peer that proved the cluster's secret, and was proved to, reads
+the card or a pair's addresses or pushes a join; this side uses the store in process.
 
 A join is taken only with a valid proof of the cluster's secret for this receiver's
 incarnation (``kv_transfer/auth.py``), seen for the first time; anything else is
@@ -29,6 +31,7 @@ import uuid
 import torch
 from torch.distributed import PrefixStore, QueueEmptyError
 
+from engine.rendezvous import RendezvousServer
 from kv_transfer import auth
 from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
@@ -88,16 +91,17 @@ class GlooReceiver(KVReceiver):
         self.slots, self.pack_bytes = slots, pack_bytes
         self.pool = BufferPool(kv_cache.device)
         self.connect_timeout = datetime.timedelta(seconds=connect_timeout)
-        self._store = wire.listening_store(self.bind, port, datetime.timedelta(seconds=60))
+        self._rendezvous = RendezvousServer(self.bind, port, self.secret)
+        self._store = self._rendezvous.store
         self.incarnation = uuid.uuid4().hex
         card = pb.ReceiverCard(
             backend=self.backend, incarnation=self.incarnation, pack_bytes=pack_bytes
         )
         layout.to_proto(card.layout)
         self._store.set("kv/receiver", card.SerializeToString())
-        self._address = self._address_of(self._store.port)
+        self._address = self._address_of(self._rendezvous.port)
         self._seen = auth.Seen()
-        self.refused = 0  # joins refused so far
+        self._bad_joins = 0  # joins refused so far
         self._pairs: dict[tuple[str, int], RecvPair] = {}
         self._pairs_lock = threading.Lock()
         self.generations: dict[tuple[str, int], int] = {}  # joins seen per sender rank
@@ -108,6 +112,11 @@ class GlooReceiver(KVReceiver):
     def address(self) -> str:
         return self._address
 
+    @property
+    def refused(self) -> int:
+        """Joins refused, and connections to the rendezvous that did not prove the secret."""
+        return self._bad_joins + self._rendezvous.refused
+
     def _thread(self, target, name: str, *args) -> threading.Thread:
         t = threading.Thread(
             target=target, args=args, name=f"kv-{self.backend}-{name}", daemon=True
@@ -116,10 +125,9 @@ class GlooReceiver(KVReceiver):
         return t
 
     def _accept_loop(self) -> None:
-        # Only this thread touches the store after __init__ (its own connection), for the
-        # join queue and for forming every pair: torch's store client sometimes needs
-        # seconds to connect (docs/kv_transfer.md), so no connection is made per pair. It
-        # polls the queue without blocking (a blocking pop that times out logs warnings).
+        # Only this thread touches the store after __init__, for the join queue and for
+        # forming every pair (in process: peers reach it through the rendezvous). It polls
+        # the queue without blocking (a blocking pop that times out logs warnings).
         store = self._store
         store.set_timeout(self.connect_timeout)
         while not self._closed:
@@ -135,9 +143,12 @@ class GlooReceiver(KVReceiver):
             try:
                 join = self._check_join(raw)
             except Exception as e:  # noqa: BLE001 - a bad join must not stop the loop
-                self.refused += 1
+                self._bad_joins += 1
                 log.warning(
-                    "KV receiver %s: join refused (%d so far): %s", self._address, self.refused, e
+                    "KV receiver %s: join refused (%d so far): %s",
+                    self._address,
+                    self._bad_joins,
+                    e,
                 )
                 continue
             try:
@@ -364,6 +375,7 @@ class GlooReceiver(KVReceiver):
         for pair in pairs:
             pair.replaced = True
             pair.break_()
+        self._rendezvous.close()
         self._accept.join(timeout=POLL_S + self.connect_timeout.total_seconds())
         for t in self._threads:
             t.join(timeout=5)

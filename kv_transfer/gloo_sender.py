@@ -9,8 +9,11 @@ names another incarnation). A restarted receiver on a recently used pair is foun
 transfer's first send failing: nothing of the transfer went there yet, so it joins the
 new receiver and sends again.
 
-A join carries a proof of the cluster's secret for the incarnation on the receiver's
-card (``kv_transfer/auth.py``) and a new generation each time; this side's pair device
+The receiver's store is reached through its authenticated rendezvous
+(``engine/rendezvous.py``): the receiver proves the cluster's secret before its card is
+read or a join is pushed, so nothing without it can pose as the receiver. A join
+carries a proof of the secret for the incarnation on the receiver's card
+(``kv_transfer/auth.py``) and a new generation each time; this side's pair device
 listens on ``bind`` only.
 """
 
@@ -19,15 +22,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore
 
+from engine.rendezvous_client import RendezvousStore
 from kv_transfer import auth
 from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
@@ -37,32 +40,7 @@ from kv_transfer.protocol import KVPeerError, KVTransferError, KVTransferTimeout
 from kv_transfer.segment import Source, typed
 from kv_transfer.sender import Ack, KVSender, Outgoing
 
-
-def _store_client(host: str, port: int, seconds: float) -> TCPStore:
-    """A ``TCPStore`` client within ``seconds``, or ``TimeoutError``. torch's client
-    makes up to three tries of ``timeout`` each, with a back-off between them that does
-    not count against it (a receiver killed just as we connected held a sender 13 s
-    for a 5 s timeout; a peer that accepts and never answers holds it without end), so
-    the client is made on a thread of its own and left behind when late. That thread
-    ends with torch's tries against a dead peer, or when a silent one closes; a store it
-    makes after all is dropped, which closes its connection."""
-    made: dict = {}
-    done = threading.Event()
-
-    def make() -> None:
-        try:
-            made["store"] = TCPStore(host, port, None, False, datetime.timedelta(seconds=seconds))
-        except Exception as e:  # noqa: BLE001 - handed to the caller
-            made["error"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=make, name="kv-store-client", daemon=True).start()
-    if not done.wait(seconds):
-        raise TimeoutError(f"no store at {host}:{port} within {seconds:g}s")
-    if "error" in made:
-        raise made["error"]
-    return made["store"]
+CONNECT_S = 5.0  # the most a connection to a receiver's rendezvous may take, handshake and all
 
 
 class SendPair:
@@ -176,23 +154,13 @@ class GlooSender(KVSender[GlooOutgoing]):
             raise KVPeerError(f"cannot form a group with KV receiver {address}: {e}") from e
         return SendPair(address, pg, card, store, self.pack_bytes)
 
-    def _store(self, address: str) -> TCPStore:
-        """A client of the receiver's store. A TCPStore client retries a refused
-        connection for its whole timeout (docs/kv_transfer.md, "Things learned"), so each
-        try is short and preceded by a plain connect, which a dead receiver refuses at once."""
+    def _store(self, address: str) -> RendezvousStore:
+        """A client of the receiver's rendezvous, both sides proved: a dead receiver
+        refuses the connection at once, a silent one or one without the secret fails
+        within ``CONNECT_S``."""
         host, port = wire.split_address(address)
-        deadline = time.monotonic() + self.connect_timeout.total_seconds()
-        while True:
-            left = deadline - time.monotonic()
-            socket.create_connection((host, port), timeout=max(0.1, left)).close()
-            try:
-                store = _store_client(host, port, min(5, left))
-            except Exception:  # noqa: BLE001 - slow, or gone between the two connects
-                if time.monotonic() > deadline - 0.1:
-                    raise
-                continue
-            store.set_timeout(self.connect_timeout)
-            return store
+        seconds = min(CONNECT_S, self.connect_timeout.total_seconds())
+        return RendezvousStore(host, port, self.secret, self.connect_timeout, seconds)
 
     def _transfer_pair(self, t: GlooOutgoing, address: str, dst_rank: int) -> SendPair:
         if address not in t.pairs:

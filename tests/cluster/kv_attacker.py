@@ -1,63 +1,98 @@
 """An outsider on the KV plane, run as its own OS process by test_closed_by_default.py
 and test_grpc_kv_gate.py: it knows a decode receiver's address, a real prefill
-instance's name and a live transfer token, but not the cluster's secret (nor, under
-mTLS, a certificate of the cluster's CA). Once started it prints ``ready``, waits for a
-line on its stdin, attacks, and prints one JSON line: what each attack got. ``idle``
-prints ``opened`` once its streams are open, and holds them open after its JSON line
-until a second line.
+instance's name, a live transfer token and (gloo) the decode instance's tensor-parallel
+rendezvous, but not the cluster's secret (nor, under mTLS, a certificate of the
+cluster's CA). Once started it prints ``ready``, waits for a line on its stdin,
+attacks, and prints one JSON line: what each attack got. ``idle`` prints ``opened``
+once its streams are open, and holds them open after its JSON line until a second line.
 
-    python -m tests.cluster.kv_attacker gloo|grpc|idle ADDRESS PREFILL_NAME TOKEN
+    python -m tests.cluster.kv_attacker gloo|grpc|idle ADDRESS PREFILL_NAME TOKEN [TP_ADDRESS]
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import secrets
+import socket
 import sys
+import threading
 import time
 
-HUGE = 1 << 40  # a header's block count
+FLOOD = 4 << 20  # bytes of each flooding value
 
 
-def gloo(address: str, name: str) -> dict:
-    from torch.distributed import PrefixStore, TCPStore
+def _store_attacks(address: str, name: str) -> dict:
+    """torch's own store client against a rendezvous, one connection per attack: read
+    the card (to pose as the receiver), pop the joins (to take a prefill instance's
+    pair), overwrite the card, push a spoofed join, and 64 values of 4 MiB. Each runs
+    on a thread of its own, bounded: torch's client retries with back-offs."""
+    from torch.distributed import TCPStore
 
     from kv_transfer import gloo_wire as wire
     from kv_transfer import kv_transfer_pb2 as pb
-    from kv_transfer.gloo_wire import GlooGroup, Kind
 
     host, port = wire.split_address(address)
-    store = TCPStore(host, port, None, False, datetime.timedelta(seconds=10))
-    card = pb.ReceiverCard.FromString(store.get("kv/receiver"))
+    spoof = pb.Join(name=name, rank=0, gen=secrets.token_hex(16), proof=secrets.token_bytes(32))
+    attacks = {
+        "read_card": lambda s: s.get("kv/receiver"),
+        "pop_join": lambda s: s.queue_pop("kv/joins", False),
+        "overwrite_card": lambda s: s.set("kv/receiver", b"forged card"),
+        "push_join": lambda s: s.queue_push("kv/joins", spoof.SerializeToString()),
+        "flood": lambda s: [s.set(f"flood/{i}", b"\0" * FLOOD) for i in range(64)],
+        "tp_keys": lambda s: s.get("tp/0"),
+    }
+    got: dict[str, str] = {}
 
-    def join(who: str) -> pb.Join:
-        j = pb.Join(name=who, rank=0, gen=secrets.token_hex(16), proof=secrets.token_bytes(32))
-        j.layout.CopyFrom(card.layout)
-        store.queue_push("kv/joins", j.SerializeToString())
-        return j
+    def attack(what: str, fn) -> None:
+        try:
+            store = TCPStore(host, port, None, False, datetime.timedelta(seconds=3))
+            fn(store)
+            got[what] = "done"
+        except Exception as e:  # noqa: BLE001 - refused, as it must be
+            got[what] = f"refused: {type(e).__name__}"
 
-    # a spoofed join under the real prefill instance's name, then the group it would form
-    spoof = join(name)
-    formed = False
-    try:
-        prefix = f"pair/{spoof.name}/{spoof.rank}/{spoof.gen}"
-        pg = GlooGroup.make_group(
-            PrefixStore(prefix, store), 0, host, datetime.timedelta(seconds=3)
-        )
-        formed = True
-        # a header announcing 2^40 blocks, sent only if a pair was (wrongly) formed
-        h = wire.header(Kind.DATA, 1, 0, 0)
-        h[wire.H_NSEGS] = 1
-        h[wire.HEAD + wire.S_COUNT] = HUGE
-        import torch
+    threads = [threading.Thread(target=attack, args=a, daemon=True) for a in attacks.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return {k: got.get(k, "refused: no answer") for k in attacks}
 
-        pg.send([torch.tensor(h, dtype=torch.int64)], 1, wire.TAG_HDR).wait()
-    except Exception:  # noqa: BLE001 - refused: no pair
-        pass
-    for i in range(100):  # bogus joins in a row
-        join(f"bogus-{i}")
-    return {"pair_formed": formed, "bogus_sent": 100}
+
+def _raw_attacks(address: str) -> dict:
+    """Sockets that speak the rendezvous without the secret: made-up proofs, each
+    followed by 4 MiB (64 of them), and 80 connections that never answer the challenge.
+    ``after_challenge``: bytes the rendezvous sent past its challenge (must be none)."""
+    from engine.rendezvous_wire import CHALLENGE, HELLO
+    from kv_transfer import gloo_wire as wire
+
+    host, port = wire.split_address(address)
+    hello, after = len(HELLO) + CHALLENGE, 0
+    for _ in range(64):
+        with socket.create_connection((host, port), timeout=10) as s:
+            with contextlib.suppress(OSError):  # closed on us while we write: refused
+                s.sendall(secrets.token_bytes(48) + b"\0" * FLOOD)
+            with contextlib.suppress(OSError):
+                data = b""
+                while chunk := s.recv(1 << 16):
+                    data += chunk
+                after += max(0, len(data) - hello)
+    stalled = [socket.create_connection((host, port), timeout=10) for _ in range(80)]
+    time.sleep(1)
+    for s in stalled:
+        s.close()
+    return {"after_challenge": after, "stalled": len(stalled)}
+
+
+def gloo(address: str, name: str, tp_address: str) -> dict:
+    """The KV receiver's rendezvous and the tensor-parallel world's: what each attack
+    got (every one refused, no byte past a challenge)."""
+    return {
+        "kv": {**_store_attacks(address, name), **_raw_attacks(address)},
+        "tp": {**_store_attacks(tp_address, name), **_raw_attacks(tp_address)},
+    }
 
 
 def grpc_(address: str, token: str) -> dict:
@@ -145,7 +180,7 @@ def idle(address: str, name: str) -> dict:
 
 
 if __name__ == "__main__":
-    backend, address, name, token = sys.argv[1:5]
+    backend, address, name, token, *tp = sys.argv[1:]
     import grpc  # noqa: F401 - imported before "ready", so that the attack starts at once
     import torch  # noqa: F401
 
@@ -154,5 +189,5 @@ if __name__ == "__main__":
     if backend == "idle":
         out = idle(address, name)
     else:
-        out = gloo(address, name) if backend == "gloo" else grpc_(address, token)
+        out = gloo(address, name, tp[0]) if backend == "gloo" else grpc_(address, token)
     print(json.dumps(out), flush=True)

@@ -198,7 +198,7 @@ def test_listening_store_binds_the_interface_given():
     assert _listening(store.port) == ["127.0.0.1"]
     from engine.parallel import serve_store
 
-    tp_store, address = serve_store("127.0.0.1", 0, "127.0.0.1")
+    tp_store, address = serve_store(SECRET, "127.0.0.1", 0, "127.0.0.1")
     assert _listening(tp_store.port) == ["127.0.0.1"] and address.endswith(f":{tp_store.port}")
 
 
