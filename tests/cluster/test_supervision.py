@@ -26,7 +26,7 @@ SAMPLING = [  # two greedy streams, two seeded ones; one of each with penalties 
     dict(temperature=0.8, top_p=0.9, seed=7),
     dict(temperature=0.8, top_p=0.9, seed=11, presence_penalty=0.5, logprobs=0),
 ]
-MAX_TOKENS = 160
+MAX_TOKENS = 400
 SUPERVISOR = {"heartbeat_s": 0.5, "unresponsive_s": 3.0}
 RESTART_BOUND_S = 90  # kill -> restarted, model loaded and serving again
 
@@ -81,15 +81,14 @@ class Streams:
         assert not any(t.is_alive() for t in self.threads), self.tokens
 
 
-def kill_busiest(cluster, role: str, sig=signal.SIGKILL, rank: int = 0) -> str:
-    """Signal the process of tensor-parallel rank ``rank`` of the instance of ``role``
-    holding the most streams."""
+def busiest(cluster, role: str, rank: int = 0) -> tuple[str, int]:
+    """The instance of ``role`` holding the most streams, and the pid of its tensor-parallel
+    rank ``rank``'s process."""
     instances = [i for i in cluster.stats()["instances"] if i["role"] == role]
     victim = max(instances, key=lambda i: i["outstanding"])["name"]
     handles = cluster.handles(victim)
     actor = handles.worker if rank == 0 else handles.ranks[rank - 1]
-    os.kill(ray.get(actor.ready.remote())["pid"], sig)
-    return victim
+    return victim, ray.get(actor.ready.remote())["pid"]
 
 
 def back_in_service(cluster, victim: str) -> dict:
@@ -110,8 +109,12 @@ def survive(cluster, role: str, sig=signal.SIGKILL, rank: int = 0) -> str:
     want = expected(cluster.config.model)
     with cluster.client() as client:
         streams = Streams(client)
+        assert wait_until(lambda: min(map(len, streams.tokens)) >= 1, 60), streams.tokens
+        victim, pid = busiest(cluster, role, rank)  # every stream placed
+        # the signal follows the 8th token at once: the look-up above takes a loaded host
+        # long enough for a tiny model to finish the streams
         assert wait_until(lambda: min(map(len, streams.tokens)) >= 8, 60), streams.tokens
-        victim = kill_busiest(cluster, role, sig, rank)
+        os.kill(pid, sig)
         killed_at = time.monotonic()
         streams.join(120)
         print(f"streams ended {time.monotonic() - killed_at:.1f} s after the signal")
