@@ -1,5 +1,7 @@
 """What a client can hold of the router (docs/serving.md, "Authentication, TLS and
-limits"), on a cluster of its own at the router's default bounds (the tiny chat model):
+limits"), on the folder's cluster (tests/router/conftest.py: the router's default
+bounds, the tiny chat model; a second cluster in this process would clash with its
+named actors):
 
 - 4,100 slow-body connections (tests/router/slow_clients.py, a process of its own,
   connecting from 127.0.0.2; fewer if its open files do not allow as many) take at most
@@ -26,21 +28,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import launch
 from cluster.config import RouterConfig
-from tests.cluster.helpers import small_cluster_config, wait_until
+from tests.cluster.helpers import wait_until
 
 DEFAULTS = RouterConfig()
 SLOW_CLIENTS = 4100
 ATTACKER = "127.0.0.2"  # loopback too: the per-address bound tells it from 127.0.0.1
 GREEDY = {"prompt": "hello there", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
 HUGE = 4 * 2**20
-
-
-@pytest.fixture(scope="module")
-def cluster(chat_model):
-    with launch(small_cluster_config(chat_model)) as c:
-        yield c
 
 
 def _refused(http: httpx.Client, reason: str) -> float:
