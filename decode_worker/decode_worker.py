@@ -252,8 +252,8 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             e.blocks.free(attempt.id)
             raise
         dst = KVDestination(
-            self.addresses,
-            block_ids,
+            tuple(self.addresses),
+            tuple(block_ids),
             self.layout,
             self.transport.name,
             token,
@@ -299,6 +299,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         The blocks some layer did not receive hold stale KV in that layer: they are
         never registered in the prefix cache (``add_prefilled``'s ``partial_blocks``)."""
         h, now = outcome.handoff, time.time()
+        assert h is not None  # _op_landed starts only a landed transfer, with its handoff
         times = {**h.phase_times, "transfer_end": now}
         first = None  # the first token's logprobs, sampled with it on the prefill instance
         if h.first_logprob is not None:

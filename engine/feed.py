@@ -53,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -91,7 +92,7 @@ class FeedTicket:
 COMMANDS = ("add", "prefill", "reserve", "abort")
 ATTEMPT_COMMANDS = ("add", "prefill", "reserve")  # their value: an ``Attempt``
 
-_UPDATE_DEFAULTS = {
+_UPDATE_DEFAULTS: dict[str, Any] = {
     "token_ids": [],
     "text": "",
     "finish_reason": None,
@@ -132,9 +133,11 @@ def decode(body: bytes) -> Polled:
 def encode_command(kind: str, value: Attempt | list[str]) -> bytes:
     """One consumer-to-instance frame: ``add``, ``prefill`` or ``reserve`` an ``Attempt``,
     or ``abort`` attempt ids."""
+    payload: Attempt | list[str] | dict = value
     if kind in ATTEMPT_COMMANDS:
-        value = {**value.__dict__, "params": value.params.__dict__}
-    body = msgpack.packb({kind: value}, use_bin_type=True)
+        assert isinstance(value, Attempt)  # these kinds' value (the docstring)
+        payload = {**value.__dict__, "params": value.params.__dict__}
+    body = msgpack.packb({kind: payload}, use_bin_type=True)
     return LENGTH.pack(len(body)) + body
 
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -80,8 +81,9 @@ class RankActor:
         )
         self._loop.start()
 
-    def _setup(self) -> None:
-        """A pool's own state (its KV endpoint), before the steps start."""
+    def _setup(self, *setup: Any) -> None:
+        """A pool's own state (its KV endpoint), before the steps start: ``setup`` is
+        the constructor's, whatever the pool takes (none here)."""
 
     def ready(self) -> dict:
         """Its name, and its process id (for the chaos tool's signals)."""

@@ -32,6 +32,7 @@ import uuid
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -109,7 +110,7 @@ class EngineWorker:
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
         # the inbox's op kinds and their handlers (a role's ``_setup`` adds its own)
-        self._ops = {
+        self._ops: dict[str, Callable[..., list[Update]]] = {
             "call": self._op_call,
             "abort": self._op_abort,
             "add": self._op_add,
@@ -272,8 +273,9 @@ class EngineWorker:
                 self._snapshot = snapshot = self._stats()
                 self._wake(self._waits if cache_events.stored or cache_events.removed else fed)
             self._busy_since = None
-            for observe in self.step_observers if step is not None else ():
-                observe(*step, snapshot)
+            if step is not None:
+                for observe in self.step_observers:
+                    observe(*step, snapshot)
 
     def _route(self, updates: list[Update]) -> set[str]:
         """Each update into its consumer's outbox (under ``_lock``); the consumers given
@@ -301,8 +303,9 @@ class EngineWorker:
             if wait is not None:
                 wait.notify_all()
 
-    def _setup(self) -> None:
-        """A role's own state (the KV transfer endpoints), before the step loop starts."""
+    def _setup(self, *setup: Any) -> None:
+        """A role's own state (the KV transfer endpoints), before the step loop starts:
+        ``setup`` is the constructor's, whatever the role takes (none here)."""
 
     def _apply(self, op: tuple) -> list[Update]:
         return self._ops[op[0]](*op[1:])

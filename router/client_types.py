@@ -6,6 +6,7 @@ its tokens' ``TokenLogprobs`` when the request asked, ``logprobs=N``), which
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router import pdserve_pb2 as pb
@@ -124,8 +125,8 @@ def make_request(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
-    stop: list[str] | str = (),
-    stop_token_ids: list[int] = (),
+    stop: Sequence[str] | str = (),
+    stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     request_id: str = "",
     logprobs: int | None = None,

@@ -17,6 +17,7 @@ import asyncio
 import math
 import time
 import uuid
+from collections.abc import Callable
 
 from engine.tokenizer import Tokenizer
 from router.admission import AdmissionQueue, CallLimit, FirstTokens
@@ -25,7 +26,7 @@ from router.hybrid import Hybrid
 from router.instances import Instance
 from router.intake import Intake
 from router.metrics import RouterMetrics
-from router.placement import Colocated
+from router.placement import Colocated, Placement
 from router.policies import make_policy
 from router.prefill_costs import CostModel
 from router.replicas import Peers, Replica, merge_stats
@@ -83,7 +84,8 @@ class RouterCore:
         self.by_name = {i.name: i for i in self.instances}
         self.migration_limit: int = router_config["migration_limit"]
         self.stalls = StallWatch(router_config["stall_timeout_s"], self._stalled)
-        self.on_health = lambda serving: None  # the owner's: called when ``serving`` flips
+        # the owner's: called when ``serving`` flips (what it returns is not used)
+        self.on_health: Callable[[bool], object] = lambda serving: None
         self._serving = False
         share = replica.share
         self.admission: AdmissionQueue[RequestStream] = AdmissionQueue(
@@ -101,6 +103,7 @@ class RouterCore:
         self._queue_bound = replica.describe("max_queue", router_config["max_queue"])
         self.intake = Intake(router_config)
         policy = make_policy(router_config["policy"])
+        self.placement: Placement
         if mode == "hybrid":
             costs = CostModel(router_config["prefill_ms_per_token"],
                               router_config["transfer_mb_per_s"])  # fmt: skip
@@ -304,6 +307,7 @@ class RouterCore:
         the admission queue, no token sent, ``router.queue_timeout_s`` after its
         arrival (BUSY)."""
         self._check_open()
+        assert self.validator is not None  # _check_open: ready, so bring_up set it
         prompt_ids, params = await self.intake.prepare(request, self.validator)
         self._check_open()  # no await from here to admission: arrival order holds
         request_id = request.request_id or uuid.uuid4().hex
@@ -457,7 +461,7 @@ class RouterCore:
                 self.streams.pop(stream.request_id, None)
                 stream.deliver(Delta([], "", "error", "the engine instances have failed"))
             return
-        while self.admission and self.placement.can_place(self.admission.peek()):
+        while (head := self.admission.peek()) is not None and self.placement.can_place(head):
             self.placement.place(self.admission.pop())
 
     def _on_updates(self, inst: Instance, updates: list) -> None:

@@ -61,7 +61,9 @@ class Disaggregated(Placement):
         return any(d.has_room() for d in self.decodes) and any(p.alive for p in self.prefills)
 
     def place(self, stream: RequestStream) -> None:
-        self._place_remote(stream, self._decode_for(stream), self._prefill_for(stream))
+        decode, prefill = self._decode_for(stream), self._prefill_for(stream)
+        assert prefill is not None  # can_place found a prefill instance alive, just before
+        self._place_remote(stream, decode, prefill)
 
     def _place_remote(self, stream: RequestStream, decode: Instance, prefill: Instance) -> None:
         """Reserve on ``decode``, then prefill on ``prefill`` (the module docstring)."""
@@ -154,9 +156,11 @@ class Disaggregated(Placement):
         return ended
 
     def on_dead(self, inst: Instance) -> list[RequestStream]:
+        why = inst.dead
+        assert why is not None  # the core calls on_dead after Instance.fail
         ended = []
         for attempt_id, stream in list(inst.streams.items()):
-            self._end_attempt(stream, attempt_id, inst.dead, retryable=True, reported_by=inst)
+            self._end_attempt(stream, attempt_id, why, retryable=True, reported_by=inst)
             if stream.finished:
                 ended.append(stream)
         return ended

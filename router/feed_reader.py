@@ -42,6 +42,8 @@ class FeedReader(asyncio.Protocol):
 
     def send(self, frame: bytes) -> None:
         """A command frame (``engine.feed.encode_command``) to the instance."""
+        # connection_made ran: create_connection hands out the protocol only after it
+        assert self._transport is not None
         self._transport.write(frame)
 
     def connection_lost(self, exc: Exception | None) -> None:

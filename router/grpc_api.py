@@ -136,15 +136,17 @@ class GrpcApi:
 
 async def _abort(context, refused: Refused) -> None:
     """End the call with the refusal's status (and ``retry-after`` when it has one)."""
-    trailing = ()
+    trailing: tuple[tuple[str, str], ...] = ()
     if refused.retry_after_s is not None:
         trailing = (("retry-after", str(refused.retry_after_s)),)
     await context.abort(GRPC_STATUS[refused.kind], refused.message, trailing_metadata=trailing)
 
 
-def _owner(keys: ApiKeys, context) -> str | None:
+def _owner(keys: ApiKeys, context) -> str:
     """The owner of a call: its ``authorization`` metadata's (router/auth.py)."""
-    return keys.owner(dict(context.invocation_metadata() or ()).get("authorization"))
+    owner = keys.owner(dict(context.invocation_metadata() or ()).get("authorization"))
+    assert owner is not None  # GrpcAuth let the call in: its key is ours, or keys are off
+    return owner
 
 
 def _no_tracebacks(handler):
@@ -177,7 +179,7 @@ class RouterService(pb_grpc.RouterServicer):
         if isinstance(request, Unparsable):
             self.core.metrics.refused("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        owner = _owner(self.keys, context)  # not None: GrpcAuth let the call in
+        owner = _owner(self.keys, context)
         address = None if self.keys.enabled else peer_address(context.peer())
         try:
             with self.core.calls.call(owner, address):

@@ -241,6 +241,7 @@ class HttpApi:
             if delta.error is not None:
                 return error_response(500, one_line(delta.error))
             usage = usage_object(stream.usage())
+            assert delta.finish_reason is not None  # the loop ends on a finish or an error
             return web.json_response(reply.whole(text, delta.finish_reason, usage, logprobs))
         finally:
             self.core.finish(stream)  # finished, failed, refused, or the client went away
@@ -255,6 +256,7 @@ class HttpApi:
             return req.prompt
         if self.core.tokenizer is None:
             raise BadRequest("echo: this model has no tokenizer to decode the prompt", "echo")
+        assert req.prompt_token_ids is not None  # echo is for completions: prompt or ids
         return self.core.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
 
     async def _stream(

@@ -89,7 +89,7 @@ class HeaderDeadlines:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.sweep_s = min(timeout_s / SWEEPS_PER_TIMEOUT, 1.0)
-        self._seen: dict[object, float] = {}  # connection -> when a sweep first saw it
+        self._seen: dict[web.RequestHandler, float] = {}  # connection -> when a sweep first saw it
         self._headed: set = set()  # connections a request's headers came in on
         self._task: asyncio.Task | None = None
 
@@ -111,6 +111,7 @@ class HeaderDeadlines:
         while True:
             await asyncio.sleep(self.sweep_s)
             now = time.monotonic()
+            assert runner.server is not None  # set up: HttpApi.start starts this after it
             held = runner.server.connections
             self._seen = {c: self._seen.get(c, now) for c in held}
             self._headed.intersection_update(self._seen)

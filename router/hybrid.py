@@ -86,6 +86,7 @@ class Hybrid(Disaggregated):
         if choice.where == LOCAL:
             self._place_local(stream, decode, inputs.prompt_tokens - inputs.local_hit_tokens)
         else:
+            assert prefill is not None  # choose_prefill goes remote only to a live one
             self._place_remote(stream, decode, prefill)
 
     def _peer_for(self, stream: RequestStream, decode: Instance) -> Instance | None:

@@ -154,7 +154,7 @@ class Instance:
     def start_feed(
         self,
         on_updates: Callable[[Instance, list], None],
-        on_dead: Callable[[Instance], None],
+        on_dead: Callable[[Instance, str], None],
     ) -> None:
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._follow(on_updates, on_dead))

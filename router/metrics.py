@@ -27,6 +27,8 @@ Where each observation happens (all on the router's event loop):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -194,6 +196,8 @@ class RouterMetrics:
         self.generation_tokens.labels(m).inc(stream.num_tokens)
         if outcome not in SERVED or stream.first_token_at is None:
             return
+        # a stream with a first token was placed (``sent_to``) and has a last one too
+        assert stream.dispatched_at is not None and stream.last_token_at is not None
         t = stream.timings()
         ttft, tpot = t.ttft_ms / 1000.0, t.tpot_ms / 1000.0
         self.ttft.labels(m).observe(ttft)
@@ -222,7 +226,7 @@ class RouterMetrics:
         }
 
     def exposition(
-        self, stats: dict, accept: str = "", peers: list[dict] = ()
+        self, stats: dict, accept: str = "", peers: Sequence[dict] = ()
     ) -> tuple[bytes, str]:
         """(the registry, its content type) in the format ``accept`` (the scraper's
         ``Accept`` header) asks for, with the gauges of ``stats``
@@ -243,7 +247,7 @@ class _Summed:
     ``names`` with each series' value summed with ``peers``' (``RouterMetrics.samples``);
     a series only a peer has comes after the registry's of its family."""
 
-    def __init__(self, registry: CollectorRegistry, names: set[str], peers: list[dict]):
+    def __init__(self, registry: CollectorRegistry, names: set[str], peers: Sequence[dict]):
         self.registry, self.names, self.peers = registry, names, peers
 
     def collect(self):

@@ -14,6 +14,7 @@ import json
 import math
 import reprlib
 from dataclasses import dataclass
+from typing import Literal, overload
 
 from engine.sampling_params import MAX_LOGPROBS
 from router.openai_fields import MESSAGE_FIXED, MESSAGE_READ, fields, same
@@ -272,6 +273,10 @@ def _flag(body: dict, key: str, name: str | None = None) -> bool:
     return value
 
 
+@overload
+def _number(body: dict, key: str, integer: Literal[True]) -> int | None: ...
+@overload
+def _number(body: dict, key: str, integer: Literal[False]) -> float | None: ...
 def _number(body: dict, key: str, integer: bool) -> int | float | None:
     """A JSON number for ``key`` as the core takes it (floats as float); None: unset."""
     value = body.get(key)

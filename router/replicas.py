@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import overload
 
 from router.incidents import first_line
 
@@ -59,6 +60,10 @@ class Replica:
         """The actor's name, and the consumer name on every instance's feed."""
         return replica_name(self.index)
 
+    @overload
+    def share(self, total: int) -> int: ...
+    @overload
+    def share(self, total: None) -> None: ...
     def share(self, total: int | None) -> int | None:
         """This replica's part of a cluster-wide bound: the parts sum to ``total`` (None:
         no bound), each at least 1 when ``total`` is."""

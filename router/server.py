@@ -78,10 +78,12 @@ class RouterServer:
         tls = self.config["tls"]
         raise_fd_limit()
         shared = self.core.replica.count > 1  # the ports are every replica's
-        self._grpc = GrpcApi(self.core, self.keys, tls, self.config["max_message_bytes"], shared)
-        bound = await self._grpc.start(host, port)
+        grpc_api = self._grpc = GrpcApi(
+            self.core, self.keys, tls, self.config["max_message_bytes"], shared
+        )
+        bound = await grpc_api.start(host, port)
         loop = asyncio.get_running_loop()
-        self.core.on_health = lambda serving: loop.create_task(self._grpc.set_serving(serving))
+        self.core.on_health = lambda serving: loop.create_task(grpc_api.set_serving(serving))
         shown = host
         if host in ("0.0.0.0", "::", "[::]"):
             import ray
@@ -121,6 +123,7 @@ class RouterServer:
 
     async def wait_ready(self) -> list[dict]:
         """Every instance's ``ready()`` facts, once all have loaded the model."""
+        assert self._ready is not None  # start() ran: the cluster waits for it first
         return await asyncio.shield(self._ready)
 
     async def drain(self, timeout_s: float) -> int:

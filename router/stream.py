@@ -199,6 +199,7 @@ class RequestStream:
         queue's timeout), after handing out the tokens delivered before that."""
         await self._delivered.wait()
         delta, self.waiting = self.waiting, None
+        assert delta is not None  # _delivered is set only with a delta waiting
         self._delivered.clear()
         if delta.refused is not None:
             if delta.token_ids:  # the tokens first; the refusal on the next read

@@ -53,16 +53,15 @@ class RequestValidator:
             raise InvalidRequest(
                 f"{', '.join(given)}: give exactly one of prompt, messages, prompt_token_ids"
             )
-        kind = given[0]
-        if kind == "prompt_token_ids":
+        if request.prompt_token_ids is not None:  # the one input given
             ids = list(request.prompt_token_ids)
             vocab = self.limits.vocab_size
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise InvalidRequest(f"prompt_token_ids: token ids must be in [0, {vocab})")
-        elif kind == "prompt":
-            ids = self._encode(request.prompt, "prompt") if request.prompt else []
-        else:
+        elif request.messages is not None:
             ids = self._encode(self._render(request.messages), "messages")
+        else:
+            ids = self._encode(request.prompt, "prompt") if request.prompt else []
         if not ids:
             raise InvalidRequest("prompt: empty; give at least one token")
         if len(ids) >= self.limits.max_context:
