@@ -53,10 +53,12 @@ class InstanceMetrics:
             m = kind(f"pdserve:engine_{metric}", text, list(labels), registry=self.registry, **kw)
             return m.labels(**labels)
 
-        self.step_seconds = make(Histogram, "step_seconds", "One turn of the step loop.",
-                                 buckets=STEP_SECONDS)  # fmt: skip
-        self.step_tokens = make(Histogram, "step_tokens", "Tokens one step computed.",
-                                buckets=STEP_TOKENS)  # fmt: skip
+        self.step_seconds = make(
+            Histogram, "step_seconds", "One turn of the step loop.", buckets=STEP_SECONDS
+        )
+        self.step_tokens = make(
+            Histogram, "step_tokens", "Tokens one step computed.", buckets=STEP_TOKENS
+        )
         self.running = make(Gauge, "requests_running", "Requests in the running batch.")
         self.waiting = make(Gauge, "requests_waiting", "Requests waiting in the instance.")
         self.free_blocks = make(Gauge, "free_kv_blocks", "Free KV cache blocks.")

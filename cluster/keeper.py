@@ -84,9 +84,12 @@ class Keeper:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        log.error("supervisor (pid %d) is hung: no answer to a ping in %g s "
-                  "(supervisor.unresponsive_s); killing it for Ray to restart it",
-                  seen["pid"], self.limits.unresponsive_s)  # fmt: skip
+        log.error(
+            "supervisor (pid %d) is hung: no answer to a ping in %g s "
+            "(supervisor.unresponsive_s); killing it for Ray to restart it",
+            seen["pid"],
+            self.limits.unresponsive_s,
+        )
         on_node = NodeAffinitySchedulingStrategy(seen["node"], soft=False)
         kill = ray.remote(_kill_process).options(num_cpus=0, scheduling_strategy=on_node)
         try:

@@ -194,11 +194,15 @@ def kv_secret(secret_file: str | None) -> bytes:
     try:
         secret = Path(secret_file).expanduser().read_bytes().strip()
     except OSError as e:
-        raise ValueError(f"kv_transfer.secret_file={secret_file!r} cannot be read: "
-                         f"{e.strerror}; allowed: a readable file") from e  # fmt: skip
+        raise ValueError(
+            f"kv_transfer.secret_file={secret_file!r} cannot be read: "
+            f"{e.strerror}; allowed: a readable file"
+        ) from e
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"kv_transfer.secret_file={secret_file!r} holds {len(secret)} bytes; "
-                         f"allowed: at least {MIN_SECRET_BYTES}")  # fmt: skip
+        raise ValueError(
+            f"kv_transfer.secret_file={secret_file!r} holds {len(secret)} bytes; "
+            f"allowed: at least {MIN_SECRET_BYTES}"
+        )
     return secret
 
 
@@ -262,8 +266,9 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     for k in range(1, config.router.replicas):
         cluster.routers.append(router(k, {**sections["router"], **ports}))
     ray.get([r.start.remote() for r in cluster.routers[1:]], timeout=ready_timeout_s)
-    ray.get([r.set_peers.remote([p for p in cluster.routers if p is not r])
-             for r in cluster.routers])  # fmt: skip
+    ray.get(
+        [r.set_peers.remote([p for p in cluster.routers if p is not r]) for r in cluster.routers]
+    )
     ready = [r.wait_ready.remote() for r in cluster.routers]
     cluster.instances = ray.get(ready, timeout=ready_timeout_s)[0]
     ray.get(cluster.supervisor.watch.remote(cluster.routers))

@@ -71,17 +71,27 @@ def check_placement(config: ClusterConfig) -> list[tuple[str, str]]:
     for role, pool in config.pools().items():
         r = pool.resources
         if r.num_cpus == 0 and r.num_gpus == 0 and not r.custom:
-            problems.append((f"{role}.resources.num_cpus", "0 is not allowed with num_gpus 0 "
-                             "and no resources.custom: each rank's placement-group bundle "
-                             "must reserve something; allowed: > 0"))  # fmt: skip
+            problems.append(
+                (
+                    f"{role}.resources.num_cpus",
+                    "0 is not allowed with num_gpus 0 "
+                    "and no resources.custom: each rank's placement-group bundle "
+                    "must reserve something; allowed: > 0",
+                )
+            )
         if config.ray.address is not None:
             continue
         for key, asked in (("resources.custom", r.custom), ("node_labels", pool.node_labels)):
             if asked:
-                problems.append((f"{role}.{key}", f"{asked} is not allowed with the embedded "
-                                 "local Ray (ray.address null): its one node has no custom "
-                                 "resources and no labels; allowed: {} here, or ray.address "
-                                 "naming a Ray cluster whose nodes offer them"))  # fmt: skip
+                problems.append(
+                    (
+                        f"{role}.{key}",
+                        f"{asked} is not allowed with the embedded "
+                        "local Ray (ray.address null): its one node has no custom "
+                        "resources and no labels; allowed: {} here, or ray.address "
+                        "naming a Ray cluster whose nodes offer them",
+                    )
+                )
     return problems
 
 
@@ -137,7 +147,8 @@ def _nodes() -> str:
             for k, v in sorted(node["Resources"].items())
             if not k.startswith("node:") and k not in ("memory", "object_store_memory")
         }
-        labels = {k: v for k, v in sorted(node.get("Labels", {}).items())
-                  if not k.startswith("ray.io/")}  # fmt: skip
+        labels = {
+            k: v for k, v in sorted(node.get("Labels", {}).items()) if not k.startswith("ray.io/")
+        }
         shown.append(f"{node['NodeManagerAddress']} {resources} labels {labels}")
     return "; ".join(shown) or "none"

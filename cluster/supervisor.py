@@ -134,8 +134,7 @@ class Supervisor:
         with self._lock:
             self.routers = list(routers)
             if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch, name="supervisor",
-                                                 daemon=True)  # fmt: skip
+                self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
                 self._watcher.start()
 
     def ping(self) -> dict:
@@ -220,14 +219,22 @@ class Supervisor:
                     self._failed(s.name, generation, f"instance {s.name} failed: {first_line(e)}")
                     continue
                 if busy_s > self.limits.step_timeout_s:
-                    self._failed(s.name, generation, f"instance {s.name} is stuck: one step "
-                                 f"has run {busy_s:.0f} s (supervisor.step_timeout_s="
-                                 f"{self.limits.step_timeout_s:g})")  # fmt: skip
+                    self._failed(
+                        s.name,
+                        generation,
+                        f"instance {s.name} is stuck: one step "
+                        f"has run {busy_s:.0f} s (supervisor.step_timeout_s="
+                        f"{self.limits.step_timeout_s:g})",
+                    )
             for ref in late:
                 s, generation = pings[ref]
-                self._failed(s.name, generation, f"instance {s.name} is hung: no answer to a "
-                             f"ping in {self.limits.unresponsive_s:g} s "
-                             "(supervisor.unresponsive_s)")  # fmt: skip
+                self._failed(
+                    s.name,
+                    generation,
+                    f"instance {s.name} is hung: no answer to a "
+                    f"ping in {self.limits.unresponsive_s:g} s "
+                    "(supervisor.unresponsive_s)",
+                )
 
     def _failed(self, name: str, generation: int, why: str) -> None:
         with self._lock:

@@ -105,8 +105,9 @@ class RouterCore:
         policy = make_policy(router_config["policy"])
         self.placement: Placement
         if mode == "hybrid":
-            costs = CostModel(router_config["prefill_ms_per_token"],
-                              router_config["transfer_mb_per_s"])  # fmt: skip
+            costs = CostModel(
+                router_config["prefill_ms_per_token"], router_config["transfer_mb_per_s"]
+            )
             self.placement = Hybrid(self, self.instances, policy, costs, slo["tpot_ms"] / 1000)
         else:
             placement = Disaggregated if mode == "disaggregated" else Colocated

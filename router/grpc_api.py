@@ -270,8 +270,12 @@ def generate_response(stream: RequestStream, delta: Delta) -> pb.GenerateRespons
         request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
     )
     for lp in delta.logprobs or ():
-        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids,
-                         top_logprobs=lp.top_logprobs)  # fmt: skip
+        msg.logprobs.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_ids=lp.top_ids,
+            top_logprobs=lp.top_logprobs,
+        )
     if delta.finish_reason is not None:
         usage = stream.usage()
         msg.finish_reason = delta.finish_reason

@@ -100,38 +100,59 @@ class RouterMetrics:
         def gauge(name, text, labels=m):
             return Gauge(f"pdserve:{name}", text, labels, registry=r)
 
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
-                              TTFT_BUCKETS)  # fmt: skip
-        self.itl = histogram("inter_token_latency_seconds",
-                             "Gap between two streamed tokens of a request.",
-                             TOKEN_GAP_BUCKETS)  # fmt: skip
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Mean gap between the tokens after the first, per request.",
-                              TOKEN_GAP_BUCKETS)  # fmt: skip
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.",
-                             REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.queue = histogram("request_queue_time_seconds",
-                               "Arrival to sent to an instance (the router's queue).",
-                               REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.prefill = histogram("request_prefill_time_seconds",
-                                 "Sent to an instance to first token.",
-                                 REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.decode = histogram("request_decode_time_seconds", "First token to last token.",
-                                REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Gap between two streamed tokens of a request.",
+            TOKEN_GAP_BUCKETS,
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean gap between the tokens after the first, per request.",
+            TOKEN_GAP_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds",
+            "Arrival to sent to an instance (the router's queue).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "Sent to an instance to first token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = histogram(
+            "request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS
+        )
         pair = ("prefill", "decode")
-        self.kv_bytes = histogram("kv_transfer_bytes",
-                                  "KV bytes moved for a request, per (prefill, decode) pair.",
-                                  KV_BYTES_BUCKETS, pair)  # fmt: skip
-        self.kv_seconds = histogram("kv_transfer_seconds",
-                                    "KV transfer time of a request, per pair.",
-                                    KV_SECONDS_BUCKETS, pair)  # fmt: skip
-        self.success = counter("request_success", "Requests ended, by finish reason.",
-                               ("model_name", "finished_reason"))  # fmt: skip
+        self.kv_bytes = histogram(
+            "kv_transfer_bytes",
+            "KV bytes moved for a request, per (prefill, decode) pair.",
+            KV_BYTES_BUCKETS,
+            pair,
+        )
+        self.kv_seconds = histogram(
+            "kv_transfer_seconds",
+            "KV transfer time of a request, per pair.",
+            KV_SECONDS_BUCKETS,
+            pair,
+        )
+        self.success = counter(
+            "request_success",
+            "Requests ended, by finish reason.",
+            ("model_name", "finished_reason"),
+        )
         self.slo_attained = counter(
             "request_slo_attained", "Requests served meeting both slo.ttft_ms and slo.tpot_ms."
         )
-        self.refusals = counter("requests_refused", "Calls and requests refused, by reason.",
-                                ("model_name", "reason"))  # fmt: skip
+        self.refusals = counter(
+            "requests_refused", "Calls and requests refused, by reason.", ("model_name", "reason")
+        )
         self.migrations = counter(
             "request_migrations", "Requests moved to another instance after a failure."
         )
@@ -162,15 +183,32 @@ class RouterMetrics:
             self.success.labels(model_name, reason)
         for where, reason in PREFILL_REASONS:
             self.prefill_placement.labels(model_name, where, reason)
-        for metric in (self.slo_attained, self.migrations, self.prompt_tokens,
-                       self.generation_tokens):  # fmt: skip
+        for metric in (
+            self.slo_attained,
+            self.migrations,
+            self.prompt_tokens,
+            self.generation_tokens,
+        ):
             metric.labels(model_name)
         # what a scrape sums over the router replicas: every request metric
-        self._summed = (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
-                        self.decode, self.kv_bytes, self.kv_seconds, self.success,
-                        self.slo_attained, self.refusals, self.migrations,
-                        self.prefill_placement, self.prompt_tokens,
-                        self.generation_tokens)  # fmt: skip
+        self._summed = (
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue,
+            self.prefill,
+            self.decode,
+            self.kv_bytes,
+            self.kv_seconds,
+            self.success,
+            self.slo_attained,
+            self.refusals,
+            self.migrations,
+            self.prefill_placement,
+            self.prompt_tokens,
+            self.generation_tokens,
+        )
         self._summed_names = {family.name for m in self._summed for family in m.collect()}
 
     def refused(self, reason: str) -> None:

@@ -19,13 +19,19 @@ LABELS = ("instance", "role")
 GAUGES = (
     ("instance_requests_running", "running", "Requests in the instance's running batch."),
     ("instance_requests_waiting", "queued", "Requests waiting inside the instance."),
-    ("instance_requests_outstanding", "outstanding",
-     "Requests the router placed on the instance, not finished."),
+    (
+        "instance_requests_outstanding",
+        "outstanding",
+        "Requests the router placed on the instance, not finished.",
+    ),
     ("instance_free_kv_blocks", "free_blocks", "Free KV cache blocks."),
     ("instance_kv_blocks", "total_blocks", "KV cache blocks."),
-    ("instance_prefix_cached_kv_blocks", "prefix_cached_blocks",
-     "KV blocks registered in the prefix cache (held or not)."),
-)  # fmt: skip
+    (
+        "instance_prefix_cached_kv_blocks",
+        "prefix_cached_blocks",
+        "KV blocks registered in the prefix cache (held or not).",
+    ),
+)
 COUNTERS = (
     ("instance_requests", "requests_total", "Requests the router placed on the instance."),
     ("instance_tokens", "tokens_total", "Tokens the instance generated."),
@@ -33,11 +39,17 @@ COUNTERS = (
     ("instance_kv_bytes", "kv_bytes_total", "KV bytes the instance sent or received."),
     ("instance_restarts", "restarts", "Times the supervisor restarted the instance."),
     # vLLM's prefix_cache_queries / prefix_cache_hits: in tokens; hit rate = hits / queries
-    ("instance_prefix_cache_queries", "prefix_cache_queries_total",
-     "Prompt tokens looked up in the prefix cache at admission."),
-    ("instance_prefix_cache_hits", "prefix_cache_hits_total",
-     "Prompt tokens found in the prefix cache at admission (not computed)."),
-)  # fmt: skip
+    (
+        "instance_prefix_cache_queries",
+        "prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache at admission.",
+    ),
+    (
+        "instance_prefix_cache_hits",
+        "prefix_cache_hits_total",
+        "Prompt tokens found in the prefix cache at admission (not computed).",
+    ),
+)
 
 
 class InstanceCollector(Collector):
@@ -53,8 +65,9 @@ class InstanceCollector(Collector):
         def labels(inst: dict) -> list[str]:
             return [inst["name"], inst.get("role", "")]
 
-        up = GaugeMetricFamily("pdserve:instance_up", "1 while the instance answers.",
-                               labels=LABELS)  # fmt: skip
+        up = GaugeMetricFamily(
+            "pdserve:instance_up", "1 while the instance answers.", labels=LABELS
+        )
         for inst in insts:
             up.add_metric(labels(inst), 0 if "dead" in inst else 1)
         yield up
@@ -66,9 +79,10 @@ class InstanceCollector(Collector):
                         family.add_metric(labels(inst), inst[key])
                 yield family
         preemptions = CounterMetricFamily(
-            "pdserve:num_preemptions", "Running requests preempted (their KV recomputed).",
+            "pdserve:num_preemptions",
+            "Running requests preempted (their KV recomputed).",
             labels=("instance",),
-        )  # fmt: skip
+        )
         for inst in insts:
             if "preemptions_total" in inst:
                 preemptions.add_metric([inst["name"]], inst["preemptions_total"])

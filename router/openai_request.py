@@ -213,8 +213,12 @@ def _message(i: int, m) -> ChatMessage:
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and part.keys() <= {
-                "type", "text"} and isinstance(part.get("text"), str)):  # fmt: skip
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and part.keys() <= {"type", "text"}
+                and isinstance(part.get("text"), str)
+            ):
                 raise BadRequest(
                     f"{where}.content[{j}]={show(part)}: only text parts "
                     '({"type": "text", "text": ...}) are implemented',

@@ -113,8 +113,9 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
     local_tokens = max(1, i.prompt_tokens - i.local_hit_tokens)
     remote_tokens = max(1, i.prompt_tokens - i.remote_hit_tokens)
     budget = _budget(i.max_batch_tokens, i.running, i.mixed_prefill_tokens)
-    remote_budget = _budget(i.remote_max_batch_tokens, i.remote_running,
-                            i.remote_mixed_prefill_tokens)  # fmt: skip
+    remote_budget = _budget(
+        i.remote_max_batch_tokens, i.remote_running, i.remote_mixed_prefill_tokens
+    )
     local_work = i.local_queue_tokens + local_tokens
     local_s = local_work * c.local_token_s + math.ceil(local_work / budget) * c.local_step_s
     remote_s = math.inf
@@ -141,14 +142,18 @@ def choose_prefill(i: PrefillInputs, c: PrefillCosts) -> PrefillChoice:
     local_over = i.running > 0 and step_s > i.tpot_s
     remote_over = i.remote_running > 0 and remote_step_s > i.tpot_s
     if local_over and not remote_over:
-        why = (f"a local chunk would make the running batch's ({i.running}) steps "
-               f"{step_s * 1000:.1f} ms, past slo.tpot_ms={i.tpot_s * 1000:g}; "
-               f"{numbers}")  # fmt: skip
+        why = (
+            f"a local chunk would make the running batch's ({i.running}) steps "
+            f"{step_s * 1000:.1f} ms, past slo.tpot_ms={i.tpot_s * 1000:g}; "
+            f"{numbers}"
+        )
         return decide(REMOTE, "tpot", why)
     if remote_over and not local_over:
-        why = (f"a chunk on the peer would make its running batch's ({i.remote_running}) "
-               f"steps {remote_step_s * 1000:.1f} ms, past slo.tpot_ms="
-               f"{i.tpot_s * 1000:g}; {numbers}")  # fmt: skip
+        why = (
+            f"a chunk on the peer would make its running batch's ({i.remote_running}) "
+            f"steps {remote_step_s * 1000:.1f} ms, past slo.tpot_ms="
+            f"{i.tpot_s * 1000:g}; {numbers}"
+        )
         return decide(LOCAL, "tpot", why)
     if local_s <= remote_s:
         return decide(LOCAL, "faster", numbers)

@@ -22,9 +22,22 @@ from router.stream import RequestStream
 
 FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-REQUEST_FIELDS = ("request_id", "outcome", "instances", "prompt_tokens", "cached_tokens",
-                  "output_tokens", "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "kv_bytes",
-                  "transfer_ms", "attempts", "prefill")  # fmt: skip
+REQUEST_FIELDS = (
+    "request_id",
+    "outcome",
+    "instances",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "queue_ms",
+    "kv_bytes",
+    "transfer_ms",
+    "attempts",
+    "prefill",
+)
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 requests_log = logging.getLogger("router.requests")
@@ -91,5 +104,6 @@ def log_request(stream: RequestStream, outcome: str) -> None:
         for k, v in fields.items()
         if k not in ("request_id", "outcome")
     )
-    requests_log.info("request %s %s %s", stream.request_id, outcome, shown,
-                      extra={"fields": fields})  # fmt: skip
+    requests_log.info(
+        "request %s %s %s", stream.request_id, outcome, shown, extra={"fields": fields}
+    )

@@ -62,9 +62,15 @@ class RouterServer:
         self.model = model
         tokenizer = load_checkpoint(model).tokenizer
         self.core = RouterCore(
-            router_config, workers, mode, tokenizer, supervisor, model_name=model, slo=slo,
+            router_config,
+            workers,
+            mode,
+            tokenizer,
+            supervisor,
+            model_name=model,
+            slo=slo,
             replica=Replica(replica, router_config["replicas"]),
-        )  # fmt: skip
+        )
         self.keys = ApiKeys.from_config(router_config)
         self.address = ""  # host:port of the gRPC API
         self.http_address = ""  # host:port of the OpenAI-compatible HTTP API
