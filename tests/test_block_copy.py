@@ -6,6 +6,7 @@ was, and the step that follows is received intact."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 
 import pytest
@@ -36,18 +37,19 @@ def _plan() -> StepPlan:
 
 def _two_ranks(rank0, rank1) -> list:
     """``rank0(tp)`` here and ``rank1(tp)`` on a thread, one gloo world of 2; their results."""
-    store, address = serve_store()
+    secret = secrets.token_bytes(32)
+    store, address = serve_store(secret)
     results: list = [None, None]
 
     def other():
-        results[1] = rank1(TensorParallel.join(address, 1, 2))
+        results[1] = rank1(TensorParallel.join(address, 1, 2, secret))
 
     thread = threading.Thread(target=other, daemon=True)
     thread.start()
-    results[0] = rank0(TensorParallel.join(address, 0, 2))
+    results[0] = rank0(TensorParallel.join(address, 0, 2, secret))
     thread.join(timeout=30)
     assert not thread.is_alive(), "rank 1 did not finish"
-    del store
+    store.close()
     return results
 
 
