@@ -107,3 +107,18 @@ def fill_then_refuse(client, prompt_ids: list[int], sent: int, max_queue: int, c
             await client.aclose()
 
     asyncio.run(main())
+
+
+def refusals(metrics_text: str, reason: str) -> float:
+    """``pdserve:requests_refused_total`` of ``reason`` in a /metrics page (read with
+    Prometheus' own parser); AssertionError when the page has no such series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if (
+                sample.name == "pdserve:requests_refused_total"
+                and sample.labels["reason"] == reason
+            ):
+                return sample.value
+    raise AssertionError(f"no refusals of reason {reason!r}")

@@ -17,9 +17,9 @@ import grpc
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.client import RouterClient
+from tests.cluster.helpers import refusals
 from tests.router import secured
 
 ALPHA, BETA = secured.KEYS
@@ -58,14 +58,7 @@ def _refused(server, reason: str) -> float:
         headers={"Authorization": f"Bearer {BETA}"},
         verify=_ca(server),
     )
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            if (
-                sample.name == "pdserve:requests_refused_total"
-                and sample.labels["reason"] == reason
-            ):
-                return sample.value
-    raise AssertionError(f"no refusals of reason {reason!r}")
+    return refusals(r.text, reason)
 
 
 def test_http_without_a_known_key_is_401_in_openais_shape_and_health_is_open(server):

@@ -26,10 +26,9 @@ import time
 import grpc
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import RouterConfig
-from tests.cluster.helpers import wait_until
+from tests.cluster.helpers import refusals, wait_until
 
 DEFAULTS = RouterConfig()
 SLOW_CLIENTS = 4100
@@ -39,15 +38,7 @@ HUGE = 4 * 2**20
 
 
 def _refused(http: httpx.Client, reason: str) -> float:
-    """``pdserve:requests_refused_total`` of ``reason``."""
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            if (
-                sample.name == "pdserve:requests_refused_total"
-                and sample.labels["reason"] == reason
-            ):
-                return sample.value
-    raise AssertionError(f"no refusals of reason {reason!r}")
+    return refusals(http.get("/metrics").text, reason)
 
 
 def _greedy_stream(http: httpx.Client) -> tuple[float, str]:
