@@ -41,7 +41,13 @@ from engine import LLM, SamplingParams
 from engine.messages import Attempt
 from kv_transfer import KVDestination
 from tests.cluster.helpers import wait_until
-from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently, workload
+from tests.cluster.test_disagg import (
+    check_pools,
+    disagg_config,
+    greedy_outputs,
+    run_concurrently,
+    workload,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # the decode process may grow this much while it serves the streams under attack
@@ -66,11 +72,7 @@ def closed(request, chat_model):
 @pytest.fixture(scope="module")
 def long_streams(chat_model):
     work = [([3 + (7 * i + j) % 250 for j in range(40 + 13 * i)], 320) for i in range(6)]
-    outs = LLM(chat_model).generate(
-        [ids for ids, _ in work],
-        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work],
-    )
-    return work, [o.token_ids for o in outs]
+    return work, greedy_outputs(LLM(chat_model), work)
 
 
 def _processes(cluster) -> dict[int, tuple[str, int]]:

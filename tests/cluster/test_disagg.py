@@ -49,6 +49,15 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     ]
 
 
+def greedy_outputs(llm, work: list[tuple[list[int], int]]) -> list[list[int]]:
+    """The offline greedy tokens of each (prompt ids, max tokens) of ``work``."""
+    outs = llm.generate(
+        [ids for ids, _ in work],
+        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work],
+    )
+    return [o.token_ids for o in outs]
+
+
 def run_concurrently(client, work) -> list[list]:
     async def one(ids, max_tokens):
         return [
@@ -89,11 +98,7 @@ def offline(chat_model):
 @pytest.fixture(scope="module")
 def expected(offline):
     work = workload(32)
-    outs = offline.generate(
-        [ids for ids, _ in work],
-        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work],
-    )
-    return work, [o.token_ids for o in outs]
+    return work, greedy_outputs(offline, work)
 
 
 # with logprobs and penalties: the first token's logprobs come from the prefill

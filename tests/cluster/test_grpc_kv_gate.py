@@ -22,9 +22,14 @@ import pytest
 import ray
 import trustme
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.cluster.helpers import wait_until
-from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently
+from tests.cluster.test_disagg import (
+    check_pools,
+    disagg_config,
+    greedy_outputs,
+    run_concurrently,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RSS_BOUND = 32 << 20
@@ -53,11 +58,7 @@ def gated(request, chat_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def long_streams(chat_model):
     work = [([3 + (5 * i + j) % 250 for j in range(30 + 17 * i)], 240) for i in range(6)]
-    outs = LLM(chat_model).generate(
-        [ids for ids, _ in work],
-        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work],
-    )
-    return work, [o.token_ids for o in outs]
+    return work, greedy_outputs(LLM(chat_model), work)
 
 
 @pytest.mark.timeout(600)
