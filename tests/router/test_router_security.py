@@ -147,8 +147,9 @@ def test_an_abort_with_another_key_ends_nothing(server, alpha):
         assert not beta.abort("no-such-request")
         more = next(stream)
         assert first.finish_reason is None and more.finish_reason is None
-        assert alpha.abort("owned-by-alpha")
-        assert [c.finish_reason for c in stream][-1] == "abort"
+        # its owner's abort ends it, unless the tiny model finished first on a loaded host
+        aborted = alpha.abort("owned-by-alpha")
+        assert [c.finish_reason for c in stream][-1] == ("abort" if aborted else "length")
 
 
 def _ended(held) -> bool:
