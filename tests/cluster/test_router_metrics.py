@@ -109,10 +109,13 @@ def test_sharegpt_load_histograms_count_the_requests_and_agree_with_bench(cluste
     tokens = sum(r.completion_tokens for r in records)
     assert delta(before, after, "generation_tokens_total", **m) == tokens
     assert delta(before, after, "prompt_tokens_total", **m) == sum(r.prompt_tokens for r in records)
-    # the TTFT histogram's median (from its buckets) against the one measured at the client
+    # the TTFT histogram's median (from its buckets) against the one measured at the client:
+    # the router stamps the first token before the HTTP layer and the client's loop see it, so
+    # the client's median lies at or above the bucket that holds the router's, by at most the
+    # client-side overhead (generous: three xdist workers share two cores)
     p50, lower, upper = bucket_quantile(before, after, "time_to_first_token_seconds", 0.5, **m)
     measured = summary["p50_ttft_ms"] / 1000
-    assert abs(p50 - measured) <= upper - lower, (p50, measured, lower, upper)
+    assert lower <= measured <= upper + 0.25, (p50, measured, lower, upper)
     assert value(after, "slo_ttft_seconds", **m) == 60.0
     assert value(after, "slo_tpot_seconds", **m) == 60.0
 
