@@ -1,1 +1,2 @@
-"""Benchmarks, workloads, SLOs and goodput (later: the simulator and the planner)."""
+"""Benchmarks: scripts that measure one part (kernels, engine, transfer, router, peers,
+chaos). The product commands' load generation is loadgen/, the planner planner/."""

@@ -10,7 +10,7 @@ docs/performance.md).
 One cluster (loopback, any free ports), one workload (``round(rate x duration)``
 requests and their arrival times). Each round, both clients send it together, each
 every other request, from the same moment (when AIPerf logs that it measures):
-``pdserve bench``'s replay (``bench.replay``: gRPC, the router's times) and AIPerf
+``pdserve bench``'s replay (``loadgen.replay``: gRPC, the router's times) and AIPerf
 over HTTP (``bench/aiperf_run.py``); the next round swaps the halves. So each client
 measures every request, always alongside the other: a busy machine slows both alike.
 Last, AIPerf alone sends the whole workload, and ``/metrics`` scraped just before and
@@ -45,11 +45,11 @@ from bench.aiperf_report import (
     histogram_table,
     paired_ratios,
 )
-from bench.metrics import SLO, Record, percentile, summarize
 from bench.prom_histograms import delta, histograms, scrape
-from bench.replay import replay
-from bench.runner import QUIET
-from bench.workloads import Request, WorkloadSpec, make_workload, model_info
+from loadgen.metrics import SLO, Record, percentile, summarize
+from loadgen.replay import replay
+from loadgen.runner import QUIET
+from loadgen.workloads import Request, WorkloadSpec, make_workload, model_info
 
 PERCENTILES = aiperf_run.PERCENTILES
 LOOPBACK = ("router.host=127.0.0.1", "router.port=0", "router.http_port=0")

@@ -24,8 +24,8 @@ import math
 import statistics
 
 from bench.aiperf_run import PERCENTILES, AiperfResult
-from bench.metrics import Record
 from bench.prom_histograms import bucket_width, quantile
+from loadgen.metrics import Record
 
 # (row label, server histogram, AIPerf's client metric)
 HISTOGRAM_ROWS = (

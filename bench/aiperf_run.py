@@ -1,13 +1,13 @@
 """NVIDIA AIPerf (``pip install aiperf``, its own virtual environment) driven on a
 ``pdserve bench`` workload, and its results read back.
 
-AIPerf replays requests ``bench.workloads.make_workload`` drew: a ``single_turn``
+AIPerf replays requests ``loadgen.workloads.make_workload`` drew: a ``single_turn``
 JSONL file (``write_inputs``), one line a request, whose ``timestamp`` (ms) is the
 request's arrival time (replayed with ``--fixed-schedule`` from 0, not from the first
 timestamp: ``--fixed-schedule-start-offset 0``, so that a part of a workload keeps its
 place in time) and whose ``extra`` fields replace the body's: ``prompt`` = the token ids,
 ``max_tokens`` = the output length, ``temperature`` 0 and ``ignore_eos``, as
-``bench/endpoint.py`` sends them. ``text`` (the ids decoded) is only there because
+``loadgen/endpoint.py`` sends them. ``text`` (the ids decoded) is only there because
 the format asks for one modality; ``--use-server-token-count`` makes AIPerf count
 tokens from the server's ``usage`` instead of tokenizing it.
 
@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.metrics import SLO
-from bench.workloads import Request
+from loadgen.metrics import SLO
+from loadgen.workloads import Request
 
 PERCENTILES = (50, 90, 99)
 CLIENT_METRICS = ("time_to_first_token", "inter_token_latency", "inter_chunk_latency")

@@ -36,8 +36,8 @@ from bench.chaos_killer import ROLES, SIGNALS, Killer, KillEvent, check_choice, 
 from bench.chaos_load import StreamRecord, run_load
 from bench.chaos_report import format_report, summarize, write
 from bench.chaos_timeline import Sampler, one_line
-from bench.runner import QUIET
-from bench.workloads import WorkloadSpec, arrival_times, model_info, sample_requests
+from loadgen.runner import QUIET
+from loadgen.workloads import WorkloadSpec, arrival_times, model_info, sample_requests
 
 INTEGRITY_TIMEOUT_S = 10.0
 

@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from bench.floors import best_of
 from bench.limits import Limits, cpu_summary
 from engine import LLM, SamplingParams, native
 from engine.checkpoint import resolve
+from planner.floors import best_of
 
 MODEL = "smollm2-135m"
 # what caps torch, MKL and oneDNN (HF transformers' kernels) to an ISA's instructions

@@ -25,10 +25,10 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 
-from bench.planner.attention import GroupedAttention, LatentAttention
-from bench.planner.model_shape import ModelShape, get_model
 from kv_transfer.layout import DTYPES, KVLayout
 from kv_transfer.routes import routes
+from planner.attention import GroupedAttention, LatentAttention
+from planner.model_shape import ModelShape, get_model
 
 BLOCK_SIZE = 16
 DTYPE = "bfloat16"

@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from bench.planner.model_shape import ModelShape
 from engine.attention.backend import AttentionMetadata
 from engine.attention.cpu_kernel import DecodeKernel, decode_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
+from planner.model_shape import ModelShape
 
 BLOCK_SIZE = 16
 BATCHES = (1, 32)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.planner.model_shape import ModelShape
 from kv_transfer import KVDestination, KVLayout, get_transport
 from kv_transfer.routes import routes_into
+from planner.model_shape import ModelShape
 
 SECRET = b"pdserve-bench-kv-bytes-loopback-secret"  # this process talks to itself only
 

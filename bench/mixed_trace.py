@@ -16,7 +16,7 @@ import argparse
 import json
 import random
 
-from bench.workloads import arrival_times
+from loadgen.workloads import arrival_times
 
 
 def mixed_trace(

@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.metrics import SLO, percentile
-from bench.workloads import WorkloadSpec, make_workload, model_info
+from loadgen.metrics import SLO, percentile
+from loadgen.workloads import WorkloadSpec, make_workload, model_info
 
 
 @dataclass
@@ -106,7 +106,7 @@ def summarize(outcomes: list[Outcome], duration_s: float, slo: SLO) -> dict:
 
 
 def _plot(runs: dict[str, list[Outcome]], slo: SLO) -> bytes:
-    from bench.plots import figure, save
+    from loadgen.plots import figure, save
 
     plt, fig, (ax,) = figure()
     for (label, outcomes), color in zip(runs.items(), ("tab:red", "tab:blue"), strict=False):

@@ -140,9 +140,9 @@ def machine(args, folder: Path) -> dict:
     higher: a float32 product as three bfloat16 ones) and the ceiling it sets."""
     import torch
 
-    from bench.floors import matmul_peak
     from bench.limits import fma_peak
     from engine import native
+    from planner.floors import matmul_peak
 
     torch.set_num_threads(args.threads)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout

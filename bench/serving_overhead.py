@@ -44,12 +44,12 @@ import time
 from collections import deque
 from pathlib import Path
 
-from bench.endpoint import DONE, completion_body, parse_event
 from bench.grpc_floor import GrpcFloor
 from bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
-from bench.workloads import Request
 from engine.sampling_params import SamplingParams
 from engine.step_log import StepLog
+from loadgen.endpoint import DONE, completion_body, parse_event
+from loadgen.workloads import Request
 
 POOL = {"resources": {"num_cpus": 1}, "prefix_caching": False}
 MODES = {

@@ -196,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     stats.add_argument("--router", default=DEFAULT_ROUTER, help="router address (host:port)")
     client_arguments(stats)
 
-    from bench.runner import add_arguments
+    from loadgen.runner import add_arguments
 
     bench = sub.add_parser("bench", help="goodput under SLOs: a workload at several rates")
     add_arguments(bench)
 
-    from bench.compare import add_arguments as add_compare_arguments
+    from loadgen.compare import add_arguments as add_compare_arguments
 
     compare = sub.add_parser("compare", help="several configs on the same requests: a report")
     add_compare_arguments(compare)
@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     chaos = sub.add_parser("chaos", help="a ShareGPT load while engine processes are killed")
     add_chaos_arguments(chaos)
 
-    from bench.planner.plan import add_arguments as add_plan_arguments
-    from bench.planner.profile import add_arguments as add_profile_arguments
+    from planner.plan import add_arguments as add_plan_arguments
+    from planner.profile import add_arguments as add_profile_arguments
 
     profile = sub.add_parser("profile", help="measure this machine's step and KV transfer times")
     add_profile_arguments(profile)
@@ -221,16 +221,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command in ("plan", "profile"):
-        from bench.planner import plan as plan_module
-        from bench.planner import profile as profile_module
+        from planner import plan as plan_module
+        from planner import profile as profile_module
 
         return (plan_module if args.command == "plan" else profile_module).main(args)
     if args.command == "bench":
-        from bench.runner import main as bench_main
+        from loadgen.runner import main as bench_main
 
         return bench_main(args)
     if args.command == "compare":
-        from bench.compare import main as compare_main
+        from loadgen.compare import main as compare_main
 
         return compare_main(args)
     if args.command == "chaos":

@@ -1,5 +1,5 @@
 """The served step times of an instance, with what each step computed: the samples that
-``pdserve profile --served`` fits its cost model to (``bench.planner.served``)."""
+``pdserve profile --served`` fits its cost model to (``planner.served``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ with its KV handed off to that instance.
 
 ``choose_prefill(inputs, costs)`` is a pure function of typed inputs: the router
 (router/hybrid.py) calls it with what it knows of its instances, the planner's
-simulator (bench/planner/simulator.py) with its simulated state, so both take the same
+simulator (planner/simulator.py) with its simulated state, so both take the same
 decisions from the same state.
 
 The rule, in predicted seconds until the first token (queues included):

@@ -46,10 +46,10 @@ def isa(request, monkeypatch):
 # CLI) or load HF transformers' models as the logits oracle: marked ``heavy``, which
 # ``make test-fast`` (-m "not heavy") leaves out. Every file of tests/cluster/ is heavy.
 HEAVY = {
-    "tests/bench": ["test_compare", "test_endpoint", "test_multiturn", "test_peers",
-                    "test_ray_calls", "test_router_replicas", "test_runner",
+    "tests/bench": ["test_peers", "test_ray_calls", "test_router_replicas",
                     "test_served_step", "test_serving_overhead"],
     "tests/kv_transfer": ["test_closed", "test_handoff", "test_integrity"],
+    "tests/loadgen": ["test_compare", "test_endpoint", "test_multiturn", "test_runner"],
     "tests/planner": ["test_served"],
     "tests/router": ["test_admission", "test_cancellation", "test_front_ends", "test_fuzz",
                      "test_http_api", "test_imports", "test_logprobs", "test_openai_api",

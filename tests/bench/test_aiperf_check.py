@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from bench import aiperf_check, aiperf_run
 from bench.aiperf_check import halves
 from bench.aiperf_report import agreement_rows, histogram_rows, paired_ratios
-from bench.metrics import SLO, Record, percentile
 from bench.prom_histograms import Histogram as PromHistogram
 from bench.prom_histograms import bucket_width, delta, histograms, quantile
-from bench.workloads import Request
 from engine.tokenizer import Tokenizer
+from loadgen.metrics import SLO, Record, percentile
+from loadgen.workloads import Request
 from tests.tiny_models import save_byte_tokenizer
 
 TTFT = "pdserve:time_to_first_token_seconds"

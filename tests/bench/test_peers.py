@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import save_file
 
 from bench import aiperf_run, peers, peers_offline, peers_served
-from bench.metrics import SLO
 from bench.peers_driver import measure, prompt
 from bench.peers_report import (
     Impossible,
@@ -33,6 +32,7 @@ from bench.peers_report import (
     saturation,
     served_table,
 )
+from loadgen.metrics import SLO
 
 pytestmark = pytest.mark.timeout(30)  # each; the driver test below has its own
 

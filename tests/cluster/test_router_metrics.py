@@ -77,10 +77,10 @@ def bucket_quantile(before: dict, after: dict, name: str, q: float, **labels):
 
 
 def test_sharegpt_load_histograms_count_the_requests_and_agree_with_bench(cluster, chat_model):
-    from bench.endpoint import EndpointClient
-    from bench.metrics import SLO
-    from bench.runner import measure
-    from bench.workloads import WorkloadSpec
+    from loadgen.endpoint import EndpointClient
+    from loadgen.metrics import SLO
+    from loadgen.runner import measure
+    from loadgen.workloads import WorkloadSpec
 
     spec = WorkloadSpec("sharegpt", max_prompt_tokens=64, max_output_tokens=8,
                         dataset_limit=200)  # fmt: skip

@@ -2,8 +2,8 @@
 
 import pytest
 
-from bench.planner.fitted import FittedCost, fit_linear
-from bench.planner.profile import ProfileConfig, profile
+from planner.fitted import FittedCost, fit_linear
+from planner.profile import ProfileConfig, profile
 
 
 def test_fit_recovers_linear():

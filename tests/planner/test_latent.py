@@ -2,13 +2,13 @@
 
 import pytest
 
-from bench.planner.attention import GroupedAttention, LatentAttention
-from bench.planner.cluster_spec import ClusterSpec, PoolSpec
-from bench.planner.hardware import Hardware
-from bench.planner.model_shape import PRESETS, ModelShape, get_model
-from bench.planner.roofline import RooflineCost
-from bench.planner.simulator import simulate
 from cluster.cli import main
+from planner.attention import GroupedAttention, LatentAttention
+from planner.cluster_spec import ClusterSpec, PoolSpec
+from planner.hardware import Hardware
+from planner.model_shape import PRESETS, ModelShape, get_model
+from planner.roofline import RooflineCost
+from planner.simulator import simulate
 
 D = 128  # d_h
 

@@ -4,11 +4,11 @@ where each policy sends it. Every number is computed by hand in the comments."""
 
 import pytest
 
-from bench.planner.cluster_spec import ClusterSpec, PoolSpec
-from bench.planner.prefix import PrefixLRU, SimInput
-from bench.planner.simulator import simulate
-from bench.planner.workload import sim_inputs
-from bench.workloads import WorkloadSpec
+from loadgen.workloads import WorkloadSpec
+from planner.cluster_spec import ClusterSpec, PoolSpec
+from planner.prefix import PrefixLRU, SimInput
+from planner.simulator import simulate
+from planner.workload import sim_inputs
 from tests.planner.costs import LinearCost
 
 POOL = PoolSpec(block_size=4, kv_blocks=64)

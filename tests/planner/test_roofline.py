@@ -2,10 +2,10 @@
 
 import pytest
 
-from bench.planner.hardware import Hardware, get_hardware, this_cpu
-from bench.planner.model_shape import PRESETS, ModelShape, get_model
-from bench.planner.roofline import RooflineCost
 from engine.config import ModelConfig
+from planner.hardware import Hardware, get_hardware, this_cpu
+from planner.model_shape import PRESETS, ModelShape, get_model
+from planner.roofline import RooflineCost
 
 TOY = ModelShape(
     "toy",

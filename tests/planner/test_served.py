@@ -8,10 +8,10 @@ import json
 import pytest
 import yaml
 
-from bench.planner.fitted import FittedCost
-from bench.planner.served import fit_served
-from bench.workloads import WorkloadSpec, make_workload, model_info
 from cluster.cli import main
+from loadgen.workloads import WorkloadSpec, make_workload, model_info
+from planner.fitted import FittedCost
+from planner.served import fit_served
 from tests.cluster.helpers import make_chat_model, small_cluster_config
 from tests.cluster.test_disagg import disagg_config
 

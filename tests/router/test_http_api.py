@@ -93,9 +93,9 @@ def test_health_and_prometheus_metrics(cluster):
 
 
 def test_bench_endpoint_client_measures_our_server(cluster):
-    from bench.endpoint import EndpointClient
-    from bench.metrics import Record
-    from bench.workloads import Request
+    from loadgen.endpoint import EndpointClient
+    from loadgen.metrics import Record
+    from loadgen.workloads import Request
 
     client = EndpointClient(f"http://{cluster.http_address}")
     record = Record(index=0, sent_s=0.0, prompt_tokens=len(IDS), output_len=6)
