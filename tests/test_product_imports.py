@@ -1,0 +1,45 @@
+"""The product does not import the benchmarks: no module of the installed packages but
+bench/ itself imports bench/ (imports inside functions included), save `pdserve chaos`
+in cluster/cli.py, whose modules are still in bench/; and loadgen/, which the planner
+and the benchmarks share, imports neither of them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("engine", "kernels", "cluster", "router", "prefill_worker", "decode_worker",
+           "kv_transfer", "planner", "loadgen")  # fmt: skip
+# (file, module) pairs allowed to cross into bench/; exact, so a stale entry fails too
+BENCH_ALLOWED = {("cluster/cli.py", "bench.chaos")}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def _crossings(packages: tuple[str, ...], into: tuple[str, ...]) -> set[tuple[str, str]]:
+    """(file, module) for each import, by a module of ``packages``, of one of ``into``."""
+    found = set()
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            for name in _imports(path):
+                if name.split(".")[0] in into:
+                    found.add((path.relative_to(ROOT).as_posix(), name))
+    return found
+
+
+def test_the_product_does_not_import_the_benchmarks():
+    assert _crossings(PRODUCT, ("bench",)) == BENCH_ALLOWED
+
+
+def test_loadgen_imports_neither_the_planner_nor_the_benchmarks():
+    assert _crossings(("loadgen",), ("planner", "bench")) == set()
