@@ -282,6 +282,12 @@ class SupervisorConfig:
         "an instance's placement group not placed this long fails its start (no node offers "
         "its pool's resources and labels)",
     )
+    adopt_timeout_s: float = spec(
+        60.0,
+        seconds,
+        "a restarted supervisor's adoption of the running instances: a call that needs them "
+        "(workers, handles) waits this long, then fails naming this key",
+    )
 
 
 @dataclass
