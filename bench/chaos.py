@@ -1,5 +1,5 @@
-"""``pdserve chaos``: serve a ShareGPT load while engine processes are killed, and
-report what the clients saw.
+"""``pdserve chaos``: serve a ShareGPT load while the cluster's processes are killed
+(engine instances, the supervisor, the router), and report what the clients saw.
 
     pdserve chaos configs/local-disagg.yaml --requests 40 --rate 1 --kill-every 20 \\
         --role any --signal KILL --max-tokens 32 --max-prompt-tokens 128 --out results/chaos
@@ -10,17 +10,20 @@ report what the clients saw.
 2. The config is launched on an embedded local Ray; the requests stream through the
    router (greedy, ``ignore_eos``, ``--max-tokens`` each) at ``--rate`` per second
    (Poisson or constant arrivals), while a killer (bench/chaos_killer.py) signals one
-   engine process every ``--kill-every`` seconds and a sampler (bench/chaos_timeline.py)
-   records the router's view every 0.5 s.
+   process of a ``--role`` (comma-separated roles, or ``any``) every ``--kill-every``
+   seconds and a sampler (bench/chaos_timeline.py) records the router's view and the
+   control actors' pids every 0.5 s.
 3. After the load it waits (at most ``--settle-s``) for every instance to serve
-   again with all its blocks free, then runs each instance's ``check_integrity()``.
+   again with all its blocks free and every control actor to answer, then runs each
+   instance's ``check_integrity()``.
 4. Report (bench/chaos_report.py): per request completed / failed / migrated and how
-   a stream differed from the expected output (bench/chaos_verdict.py); the kills with
-   their recovery times; the blocks each instance leaked. Tables on stdout, the
-   figures as JSON and the timeline as PNG under ``--out``.
+   a stream differed from the expected output; the kills with their recovery times,
+   per role; the blocks each instance leaked; the gate (bench/chaos_verdict.py).
+   Tables on stdout, the figures as JSON and the timeline as PNG under ``--out``.
 
-Exit status: 0 when the run passed (nothing failed, mismatched or leaked, every
-instance checked), 1 when not, 2 for a bad command line or config.
+Exit status: 0 when the run passed the gate (at least one signal sent, every
+signalled process recovered within ``--recover-s``, nothing failed, mismatched or
+leaked, every instance checked), 1 when not, 2 for a bad command line or config.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import signal
 import sys
 import time
 
-from bench.chaos_killer import ROLES, SIGNALS, Killer, KillEvent, check_choice, targets
+from bench.chaos_killer import SIGNALS, Killer, KillEvent, check_choice, parse_roles, targets
 from bench.chaos_load import StreamRecord, run_load
 from bench.chaos_report import format_report, summarize, write
 from bench.chaos_timeline import Sampler, one_line
@@ -50,12 +53,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrivals", choices=["poisson", "constant"], default="poisson")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates")
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts cut to this")
-    p.add_argument("--kill-every", type=float, default=20.0, help="seconds apart; 0: none")
-    p.add_argument("--role", choices=ROLES, default="any", help="whose process is signalled")
+    p.add_argument("--kill-every", type=float, default=20.0, help="seconds between signals")
+    p.add_argument(
+        "--role",
+        default="any",
+        help="whose process is signalled: prefill, decode, colocated, supervisor, router, "
+        "several comma-separated, or any (every role, in seeded rounds)",
+    )
     p.add_argument("--signal", choices=list(SIGNALS), default="KILL", help="STOP: a hang")
     p.add_argument("--seed", type=int, default=0, help="prompts, arrivals and victims")
     p.add_argument("--timeout-s", type=float, default=120.0, help="per-request deadline")
     p.add_argument("--settle-s", type=float, default=30.0, help="wait for recovery after the load")
+    p.add_argument(
+        "--recover-s", type=float, default=60.0, help="a signalled process must be back this soon"
+    )
     p.add_argument("--out", default="results/chaos", help="folder of chaos.json and the plot")
 
 
@@ -66,11 +77,13 @@ def _check_args(args: argparse.Namespace, config) -> None:
         ("--max-tokens", args.max_tokens),
         ("--max-prompt-tokens", args.max_prompt_tokens),
         ("--timeout-s", args.timeout_s),
+        ("--kill-every", args.kill_every),
+        ("--recover-s", args.recover_s),
     ):
         if value <= 0:
             raise ValueError(f"{flag} {value}: must be > 0")
-    if args.kill_every < 0 or args.settle_s < 0:
-        raise ValueError("--kill-every and --settle-s: must be >= 0")
+    if args.settle_s < 0:
+        raise ValueError(f"--settle-s {args.settle_s}: must be >= 0")
     if config.ray.address is not None:
         raise ValueError(
             f"ray.address {config.ray.address!r}: chaos signals local pids, so it needs "
@@ -137,13 +150,14 @@ class Progress:
 
     def event(self, e: KillEvent) -> None:
         self.signals += e.skipped is None
-        what = e.skipped or f"SIG{e.signal} {e.instance} rank {e.rank} (pid {e.pid})"
+        what = e.skipped or f"SIG{e.signal} {e.target} rank {e.rank} (pid {e.pid})"
         sys.stderr.write(("\n" if self.tty else "") + f"chaos: +{e.t:.1f} s {what}\n")
         sys.stderr.flush()
 
 
-def settle(cluster, timeout_s: float) -> bool:
-    """Until every instance serves with all its blocks free and nothing is in flight."""
+def settle(cluster, sampler: Sampler, timeout_s: float) -> bool:
+    """Until every instance serves with all its blocks free, nothing is in flight and
+    every control actor answered the sampler's last probe."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -151,8 +165,12 @@ def settle(cluster, timeout_s: float) -> bool:
         try:
             stats = ray.get(cluster.router.stats.remote(), timeout=2.0)
             per = stats["instances"]
-            if stats["in_flight"] == 0 and all(
-                s["state"] == "serving" and s["free_blocks"] == s["total_blocks"] for s in per
+            if (
+                stats["in_flight"] == 0
+                and all(
+                    s["state"] == "serving" and s["free_blocks"] == s["total_blocks"] for s in per
+                )
+                and sampler.answering_control() == set(sampler.control)
             ):
                 return True
         except Exception:  # the router did not answer: the timeline shows it too
@@ -197,46 +215,43 @@ def run(
     log(f"chaos: cluster up at {cluster.address}")
     all_targets = targets(config)
     start = time.monotonic()
-    sampler = Sampler(cluster.router, start)
+    control = tuple(t.name for t in all_targets if not t.instance)
+    sampler = Sampler(cluster.router, start, control)
     sampler.start()
     progress = Progress(len(prompts), sampler, start)
-    killer = None
+    killer = Killer(
+        all_targets,
+        parse_roles(args.role),
+        args.signal,
+        args.kill_every,
+        args.seed,
+        sampler.live,
+        start,
+        progress.event,
+    )
     try:
-        if args.kill_every > 0:
-            killer = Killer(
-                all_targets,
-                args.role,
-                args.signal,
-                args.kill_every,
-                args.seed,
-                sampler.serving,
-                start,
-                progress.event,
-            )
-            killer.start()
+        killer.start()
         client = cluster.client()
         records = asyncio.run(
             run_load(client, prompts, arrivals, args.max_tokens, args.timeout_s, start, progress)
         )
         client.close()
-        if killer is not None:
-            killer.stop()  # no signal once every stream has ended
+        killer.stop()  # no signal once every stream has ended
         progress(records, force=True)
         if progress.tty:
             sys.stderr.write("\n")
         load_s = time.monotonic() - start
-        settled = settle(cluster, args.settle_s)  # the sampler records the recovery on
-        checked = integrity([t.name for t in all_targets])
+        settled = settle(cluster, sampler, args.settle_s)  # the sampler records the recovery on
+        checked = integrity([t.name for t in all_targets if t.instance])
     finally:
-        if killer is not None:
+        if killer.is_alive():
             killer.stop()
         sampler.stop()
         # processes stopped and still there: ended here, so that Ray need not wait on them
-        for pid in killer.stopped_pids() if killer is not None else []:
+        for pid in killer.stopped_pids():
             os.kill(pid, signal.SIGKILL)
         cluster.shutdown(drain=False)
-    events = killer.events if killer is not None else []
-    results = summarize(records, expected, events, sampler.samples, checked)
+    results = summarize(records, expected, killer.events, sampler.samples, checked, args.recover_s)
     load = {
         "requests": args.requests,
         "rate": args.rate,
@@ -247,7 +262,12 @@ def run(
         "seed": args.seed,
         "seconds": round(load_s, 2),
     }
-    chaos = {"kill_every_s": args.kill_every, "role": args.role, "signal": args.signal}
+    chaos = {
+        "kill_every_s": args.kill_every,
+        "role": args.role,
+        "signal": args.signal,
+        "recover_s": args.recover_s,
+    }
     results.update(
         config=str(args.config),
         overrides=args.set or [],
@@ -266,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.set or [])
         _check_args(args, config)
-        check_choice(targets(config), args.role, args.signal)
+        check_choice(targets(config), parse_roles(args.role), args.signal)
         prompts, arrivals = prepare(config, args)
     except (ValueError, ConfigError) as e:
         print(f"pdserve chaos: {e}", file=sys.stderr)

@@ -1,9 +1,11 @@
 """The chaos run's report: every figure in one dict (written as JSON), the tables
 printed at the end, and the timeline plot (PNG).
 
-``passed`` is the gate: no failed request, no mismatched stream, no leaked block,
-and every instance's blocks checked (an instance that could not be checked may hold
-leaked blocks: it fails the gate too).
+``passed`` is the gate (bench/chaos_verdict.py, ``gate``; ``reasons`` say why not): at
+least one signal sent, every signalled process recovered within the bound, no failed
+request, no mismatched stream, no leaked block, and every instance's blocks checked
+(an instance that could not be checked may hold leaked blocks: it fails the gate too).
+Per role: the signals sent, those recovered and the slowest recovery.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import io
 import json
 from pathlib import Path
 
+from bench.chaos_killer import INSTANCE_ROLES
 from bench.chaos_load import StreamRecord
-from bench.chaos_timeline import Sample, recovery
-from bench.chaos_verdict import KINDS, verdict
+from bench.chaos_timeline import Sample, control_recovery, recovery
+from bench.chaos_verdict import KINDS, gate, verdict
 
 JSON_NAME, PLOT_NAME = "chaos.json", "chaos-timeline.png"
 
@@ -25,8 +28,10 @@ def summarize(
     kills: list,
     samples: list[Sample],
     integrity: dict[str, dict],
+    recover_s: float,
 ) -> dict:
-    """The figures of a run: per request, per kill, per instance, and their counts."""
+    """The figures of a run: per request, per kill, per role, per instance, their counts
+    and the gate (a kill recovered later than ``recover_s`` fails it)."""
     requests = []
     for rec, want in zip(records, expected, strict=True):
         v = verdict(want, rec.token_ids) if rec.completed else None
@@ -35,8 +40,10 @@ def summarize(
     kill_rows = []
     for k in kills:
         row = k.to_dict()
-        if k.skipped is None:
-            row["recovery"] = recovery(k.t, k.instance, samples)
+        if k.skipped is None and k.role in INSTANCE_ROLES:
+            row["recovery"] = recovery(k.t, k.target, samples)
+        elif k.skipped is None:
+            row["recovery"] = control_recovery(k.t, k.target, k.pid, samples)
         kill_rows.append(row)
     leaked = {n: i["leaked"] for n, i in integrity.items() if i.get("leaked")}
     unchecked = sorted(n for n, i in integrity.items() if "error" in i)
@@ -52,9 +59,9 @@ def summarize(
         "kills": sum(k.skipped is None for k in kills),
         "recovered": sum(r.get("recovery", {}).get("status") == "recovered" for r in kill_rows),
     }
-    summary["passed"] = not (
-        summary["failed"] or summary["mismatched"] or summary["leaked_blocks"] or unchecked
-    )
+    summary["roles"] = _per_role(kill_rows)
+    summary["reasons"] = gate(summary, kill_rows, recover_s)
+    summary["passed"] = not summary["reasons"]
     return {
         "summary": summary,
         "requests": requests,
@@ -62,6 +69,20 @@ def summarize(
         "integrity": integrity,
         "timeline": [s.to_dict() for s in samples],
     }
+
+
+def _per_role(kill_rows: list[dict]) -> dict[str, dict]:
+    """Per role signalled: ``kills``, ``recovered``, ``slowest_s`` (None: none recovered)."""
+    roles: dict[str, dict] = {}
+    for k in kill_rows:
+        if k["skipped"] is not None:
+            continue
+        r = roles.setdefault(k["role"], {"kills": 0, "recovered": 0, "slowest_s": None})
+        r["kills"] += 1
+        if k["recovery"]["status"] == "recovered":
+            r["recovered"] += 1
+            r["slowest_s"] = max(r["slowest_s"] or 0.0, k["recovery"]["seconds"])
+    return roles
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -96,9 +117,15 @@ def format_report(results: dict) -> str:
             took = rec.get("seconds")
             what = k["skipped"] or (f"{took:.1f} s" if took is not None else rec["status"])
             sig = f"SIG{k['signal']}"
-            rows.append([f"+{k['t']:.1f} s", k["instance"], k["rank"], k["pid"], sig, what])
-        header = ["time", "instance", "rank", "pid", "signal", "recovery"]
+            rows.append([f"+{k['t']:.1f} s", k["target"], k["rank"], k["pid"], sig, what])
+        header = ["time", "target", "rank", "pid", "signal", "recovery"]
         out += ["", "kills:", _table(header, rows)]
+    if s["roles"]:
+        rows = []
+        for role, r in s["roles"].items():
+            slowest = None if r["slowest_s"] is None else f"{r['slowest_s']:.1f} s"
+            rows.append([role, r["kills"], r["recovered"], slowest])
+        out += ["", "per role:", _table(["role", "signals", "recovered", "slowest"], rows)]
     rows = []
     for name, i in results["integrity"].items():
         if "error" in i:
@@ -116,6 +143,8 @@ def format_report(results: dict) -> str:
             out.append(f"  #{r['index']} ({got}, attempts {r['attempts']}, on {on}): {why}")
         if len(bad) > 20:
             out.append(f"  ... {len(bad) - 20} more in the JSON")
+    if s["reasons"]:
+        out += ["", "the gate failed:", *(f"  {r}" for r in s["reasons"])]
     return "\n".join(out)
 
 
@@ -151,7 +180,7 @@ def plot_timeline(results: dict) -> bytes:
             color = "red" if k["signal"] == "KILL" else "orange"
             for ax in (top, bottom):
                 ax.axvline(k["t"], color=color, linestyle="--", linewidth=1)
-            label, at = f"{k['instance']}:{k['rank']}", (k["t"], 1)
+            label, at = f"{k['target']}:{k['rank']}", (k["t"], 1)
             top.annotate(
                 label,
                 at,

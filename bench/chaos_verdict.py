@@ -1,4 +1,5 @@
-"""How a streamed output differs from the expected (offline, greedy) one.
+"""The chaos run's gate (``gate``), and how a streamed output differs from the expected
+(offline, greedy) one (``verdict``).
 
 ``verdict(expected, got)`` names the difference by the first position where the two
 part, ``at``:
@@ -19,6 +20,13 @@ expected end (tokens the offline run never made): after the repeated or skipped 
 ``got`` only has to agree with the rest of ``expected`` where both have tokens, and
 a gap needs at least one token after it to be told from a divergence. The smallest
 run that explains the stream wins; a duplicate is preferred to a gap when both would.
+
+``gate(summary, kills, recover_s)``: the reasons a run failed, none when it passed. A
+run passes only when at least one signal was sent (a run without a fault proves
+nothing), every signalled process was seen to recover (bench/chaos_timeline.py: the
+instance serving again, the supervisor or router answering from a new pid) within
+``recover_s`` of its signal, and no request failed or mismatched, no block leaked, and
+every instance's blocks were checked.
 """
 
 from __future__ import annotations
@@ -67,3 +75,33 @@ def verdict(expected: list[int], got: list[int]) -> Verdict:
         if _agree(got[at:], expected[at + run :]):
             return Verdict("missing", at, run)
     return Verdict("diverged", at)
+
+
+def gate(summary: dict, kills: list[dict], recover_s: float) -> list[str]:
+    """Why the run failed (module docstring); ``summary``'s counts, ``kills``: the kill
+    rows (``KillEvent.to_dict()`` and, when signalled, its ``recovery``)."""
+    reasons = []
+    if summary["kills"] == 0:
+        reasons.append("no fault fired: 0 signals sent (is --kill-every shorter than the run?)")
+    for k in kills:
+        if k["skipped"] is not None:
+            continue
+        rec = k["recovery"]
+        what = f"SIG{k['signal']} of {k['target']} (pid {k['pid']}) at +{k['t']:.1f} s"
+        if rec["status"] != "recovered":
+            reasons.append(f"{what}: {rec['status']}")
+        elif rec["seconds"] > recover_s:
+            reasons.append(
+                f"{what}: recovered in {rec['seconds']:.1f} s, over --recover-s {recover_s:g}"
+            )
+    for key, label in (
+        ("failed", "requests failed"),
+        ("mismatched", "streams mismatched"),
+        ("leaked_blocks", "blocks leaked"),
+    ):
+        if summary[key]:
+            reasons.append(f"{summary[key]} {label}")
+    if summary["unchecked_instances"]:
+        names = ", ".join(summary["unchecked_instances"])
+        reasons.append(f"instances whose blocks could not be checked: {names}")
+    return reasons

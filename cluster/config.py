@@ -237,7 +237,7 @@ class RouterConfig:
     write_timeout_s: float = spec(
         60.0,
         seconds,
-        "HTTP: a streamed response whose client takes nothing of it this long is ended",
+        "a streamed response (HTTP or gRPC) whose client takes nothing of it this long is ended",
     )
     max_request_id_chars: int = spec(256, at_least(1), "characters in a client's request_id")
     max_body_bytes: int = spec(8 * 2**20, at_least(1024), "largest HTTP request body")
@@ -281,6 +281,12 @@ class SupervisorConfig:
         seconds,
         "an instance's placement group not placed this long fails its start (no node offers "
         "its pool's resources and labels)",
+    )
+    adopt_timeout_s: float = spec(
+        60.0,
+        seconds,
+        "a restarted supervisor's adoption of the running instances: a call that needs them "
+        "(workers, handles) waits this long, then fails naming this key",
     )
 
 

@@ -188,10 +188,19 @@ class Supervisor:
             self._start_watching(self._routers())
 
     def _adopted(self) -> None:
-        """Until a restarted supervisor holds every instance again (bounded by the
-        routers' answers: ``ROUTER_VIEW_TIMEOUT_S`` each, cluster/supervised.py)."""
-        if self._adopter is not None:
-            self._adopter.join()
+        """Until a restarted supervisor holds every instance again, at most
+        ``supervisor.adopt_timeout_s`` (the adopter itself waits ``ROUTER_VIEW_TIMEOUT_S``
+        per router replica, cluster/supervised.py); ``TimeoutError`` past it, so that no
+        caller holds one of the actor's threads for longer."""
+        if self._adopter is None:
+            return
+        self._adopter.join(timeout=self.limits.adopt_timeout_s)
+        if self._adopter.is_alive():
+            raise TimeoutError(
+                "a restarted supervisor has not adopted the running instances within "
+                f"supervisor.adopt_timeout_s={self.limits.adopt_timeout_s:g} s (it waits on "
+                "each router replica's stats and on finding every instance by name)"
+            )
 
     # ---- failures ----
 

@@ -16,15 +16,18 @@ by gRPC (RESOURCE_EXHAUSTED). ``Abort`` ends only a request of the caller's own 
 Invariants of a Generate call: it holds a place in ``core.calls`` until it returns
 (past the bound, its key's, or without keys its peer address's: RESOURCE_EXHAUSTED at
 once; Abort, Stats and Health are never bounded, so a client can always cancel and
-probe); the call's deadline is the request's (passed: DEADLINE_EXCEEDED); whatever
-ends it (finished, refused, failed, its deadline, the client cancelling)
-``core.finish`` takes its request out of the router and the instances. An unexpected
+probe); the call's deadline is the request's (passed: DEADLINE_EXCEEDED); a message its
+client takes nothing of for ``router.write_timeout_s`` (HTTP/2 flow control holds the
+write: the client stopped reading) ends the call (DEADLINE_EXCEEDED naming the key);
+whatever ends it (finished, refused, failed, its deadline, the client cancelling or not
+reading) ``core.finish`` takes its request out of the router and the instances. An unexpected
 exception reaches the client as INTERNAL with an incident id only (router/incidents.py),
 never grpc's "Unexpected <exception>".
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 
@@ -49,6 +52,7 @@ from router.request import (
 from router.stream import Delta, RequestStream, Timings
 
 MAX_MESSAGE_BYTES = 8 * 2**20  # router.max_message_bytes's default
+WRITE_TIMEOUT_S = 60.0  # router.write_timeout_s's default
 GRPC_STATUS = {
     Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Refusal.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
@@ -81,11 +85,13 @@ class GrpcApi:
         tls: dict | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         reuse_port: bool = False,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
     ):
         """``keys``: None, anyone may call; ``tls``: the ``router.tls`` section (None or
         no ``cert_file``: plain text); ``max_message_bytes``: each way (gRPC refuses a
         larger one with RESOURCE_EXHAUSTED naming both sizes); ``reuse_port``: bind with
-        SO_REUSEPORT, the port shared by the router's replicas (router/replicas.py)."""
+        SO_REUSEPORT, the port shared by the router's replicas (router/replicas.py);
+        ``write_timeout_s``: how long a stream's message may wait for its client to read."""
         keys = keys or ApiKeys([])
         limits = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -97,7 +103,7 @@ class GrpcApi:
         self._tls = tls if tls and router_tls.enabled(tls) else None
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        add_router(RouterService(core, keys), self._server)
+        add_router(RouterService(core, keys, write_timeout_s), self._server)
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port), NOT_SERVING; the bound port."""
@@ -171,8 +177,20 @@ def _no_tracebacks(handler):
 class RouterService(pb_grpc.RouterServicer):
     """The ``pdserve.v1.Router`` handlers: translate, call the core, translate back."""
 
-    def __init__(self, core: RouterCore, keys: ApiKeys):
-        self.core, self.keys = core, keys
+    def __init__(self, core: RouterCore, keys: ApiKeys, write_timeout_s: float = WRITE_TIMEOUT_S):
+        self.core, self.keys, self.write_timeout_s = core, keys, write_timeout_s
+
+    async def _write(self, context, message: pb.GenerateResponse) -> None:
+        """Send one message of a stream, or end the call once its client has taken
+        nothing for ``write_timeout_s`` (the write waits on HTTP/2 flow control)."""
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await context.write(message)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the client read nothing for router.write_timeout_s={self.write_timeout_s:g} s",
+            )
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
@@ -194,7 +212,7 @@ class RouterService(pb_grpc.RouterServicer):
                         delta = await stream.read()
                         if delta.error is not None:
                             await context.abort(grpc.StatusCode.INTERNAL, one_line(delta.error))
-                        yield generate_response(stream, delta)
+                        await self._write(context, generate_response(stream, delta))
                         if delta.finish_reason is not None:
                             return
                 finally:

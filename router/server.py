@@ -85,7 +85,12 @@ class RouterServer:
         raise_fd_limit()
         shared = self.core.replica.count > 1  # the ports are every replica's
         grpc_api = self._grpc = GrpcApi(
-            self.core, self.keys, tls, self.config["max_message_bytes"], shared
+            self.core,
+            self.keys,
+            tls,
+            self.config["max_message_bytes"],
+            shared,
+            self.config["write_timeout_s"],
         )
         bound = await grpc_api.start(host, port)
         loop = asyncio.get_running_loop()

@@ -243,3 +243,36 @@ def test_a_launch_removes_the_instances_a_crashed_one_left(chat_model):
         assert wait_until(lambda: not ray.util.list_named_actors(), 30)
     finally:
         session.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_call_waits_on_an_adoption_at_most_adopt_timeout_s(chat_model):
+    """A restarted supervisor whose router does not answer (SIGSTOP) is still adopting
+    (it waits on the router's stats); a call that needs the instances fails after
+    ``supervisor.adopt_timeout_s``, naming it, and is answered once the router is back."""
+    from cluster import launch
+
+    config = layout_config(chat_model, "colocated")
+    config["supervisor"] = {**SUPERVISOR, "adopt_timeout_s": 2.0}
+    with launch(config) as cluster:
+        names = set(cluster.workers)
+        router, old = cluster.router_pid(), supervisor_pid(cluster, 30)
+        os.kill(router, signal.SIGSTOP)
+        try:
+            os.kill(old, signal.SIGKILL)
+
+            def answered():
+                try:
+                    return supervisor_pid(cluster, 1.0) != old
+                except (ray.exceptions.RayError, TimeoutError):
+                    return False
+
+            assert wait_until(answered, 2 * BACK_WITHIN_S, interval_s=0.1)
+            asked = time.monotonic()
+            with pytest.raises(TimeoutError, match=r"supervisor\.adopt_timeout_s=2 s"):
+                ray.get(cluster.supervisor.workers.remote(), timeout=30)
+            took = time.monotonic() - asked
+        finally:
+            os.kill(router, signal.SIGCONT)
+        assert 2.0 <= took < 15, took
+        assert set(cluster.workers) == names
