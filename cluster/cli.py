@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     compare = sub.add_parser("compare", help="several configs on the same requests: a report")
     add_compare_arguments(compare)
 
-    from bench.chaos import add_arguments as add_chaos_arguments
+    from loadgen.chaos import add_arguments as add_chaos_arguments
 
     chaos = sub.add_parser("chaos", help="a ShareGPT load while engine processes are killed")
     add_chaos_arguments(chaos)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return compare_main(args)
     if args.command == "chaos":
-        from bench.chaos import main as chaos_main
+        from loadgen.chaos import main as chaos_main
 
         return chaos_main(args)
     if args.command == "up":

@@ -17,7 +17,7 @@ for a tensor-parallel instance a random rank; asks that actor for its pid (bound
 and sends ``os.kill(pid, SIGKILL)`` (or SIGSTOP: a hang). A role with no live target
 is logged as skipped and comes first again at the next tick. Live: an instance the
 router last reported serving, a control actor that answered the sampler's last probe
-(bench/chaos_timeline.py). One seeded generator makes every choice, so a seed replays
+(loadgen/chaos_timeline.py). One seeded generator makes every choice, so a seed replays
 the same choices (the outcome still depends on timing).
 
 Signals go to local pids: the cluster must run on this machine's embedded Ray.

@@ -1,7 +1,7 @@
 """The chaos run's report: every figure in one dict (written as JSON), the tables
 printed at the end, and the timeline plot (PNG).
 
-``passed`` is the gate (bench/chaos_verdict.py, ``gate``; ``reasons`` say why not): at
+``passed`` is the gate (loadgen/chaos_verdict.py, ``gate``; ``reasons`` say why not): at
 least one signal sent, every signalled process recovered within the bound, no failed
 request, no mismatched stream, no leaked block, and every instance's blocks checked
 (an instance that could not be checked may hold leaked blocks: it fails the gate too).
@@ -14,10 +14,10 @@ import io
 import json
 from pathlib import Path
 
-from bench.chaos_killer import INSTANCE_ROLES
-from bench.chaos_load import StreamRecord
-from bench.chaos_timeline import Sample, control_recovery, recovery
-from bench.chaos_verdict import KINDS, gate, verdict
+from loadgen.chaos_killer import INSTANCE_ROLES
+from loadgen.chaos_load import StreamRecord
+from loadgen.chaos_timeline import Sample, control_recovery, recovery
+from loadgen.chaos_verdict import KINDS, gate, verdict
 
 JSON_NAME, PLOT_NAME = "chaos.json", "chaos-timeline.png"
 
@@ -149,7 +149,7 @@ def format_report(results: dict) -> str:
 
 
 def _describe(v: dict) -> str:
-    from bench.chaos_verdict import Verdict
+    from loadgen.chaos_verdict import Verdict
 
     return Verdict(**v).describe()
 

@@ -9,16 +9,16 @@
    pool's engine settings: the expected output of every request.
 2. The config is launched on an embedded local Ray; the requests stream through the
    router (greedy, ``ignore_eos``, ``--max-tokens`` each) at ``--rate`` per second
-   (Poisson or constant arrivals), while a killer (bench/chaos_killer.py) signals one
+   (Poisson or constant arrivals), while a killer (loadgen/chaos_killer.py) signals one
    process of a ``--role`` (comma-separated roles, or ``any``) every ``--kill-every``
-   seconds and a sampler (bench/chaos_timeline.py) records the router's view and the
+   seconds and a sampler (loadgen/chaos_timeline.py) records the router's view and the
    control actors' pids every 0.5 s.
 3. After the load it waits (at most ``--settle-s``) for every instance to serve
    again with all its blocks free and every control actor to answer, then runs each
    instance's ``check_integrity()``.
-4. Report (bench/chaos_report.py): per request completed / failed / migrated and how
+4. Report (loadgen/chaos_report.py): per request completed / failed / migrated and how
    a stream differed from the expected output; the kills with their recovery times,
-   per role; the blocks each instance leaked; the gate (bench/chaos_verdict.py).
+   per role; the blocks each instance leaked; the gate (loadgen/chaos_verdict.py).
    Tables on stdout, the figures as JSON and the timeline as PNG under ``--out``.
 
 Exit status: 0 when the run passed the gate (at least one signal sent, every
@@ -35,10 +35,10 @@ import signal
 import sys
 import time
 
-from bench.chaos_killer import SIGNALS, Killer, KillEvent, check_choice, parse_roles, targets
-from bench.chaos_load import StreamRecord, run_load
-from bench.chaos_report import format_report, summarize, write
-from bench.chaos_timeline import Sampler, one_line
+from loadgen.chaos_killer import SIGNALS, Killer, KillEvent, check_choice, parse_roles, targets
+from loadgen.chaos_load import StreamRecord, run_load
+from loadgen.chaos_report import format_report, summarize, write
+from loadgen.chaos_timeline import Sampler, one_line
 from loadgen.runner import QUIET
 from loadgen.workloads import WorkloadSpec, arrival_times, model_info, sample_requests
 
@@ -202,7 +202,7 @@ def run(
     config, args: argparse.Namespace, prompts: list[list[int]], arrivals: list[float], log=print
 ) -> dict:
     """The whole run (``prepare``'s requests); the report's figures
-    (bench/chaos_report.py)."""
+    (loadgen/chaos_report.py)."""
     from cluster.launcher import launch
 
     started = time.monotonic()

@@ -23,7 +23,7 @@ run that explains the stream wins; a duplicate is preferred to a gap when both w
 
 ``gate(summary, kills, recover_s)``: the reasons a run failed, none when it passed. A
 run passes only when at least one signal was sent (a run without a fault proves
-nothing), every signalled process was seen to recover (bench/chaos_timeline.py: the
+nothing), every signalled process was seen to recover (loadgen/chaos_timeline.py: the
 instance serving again, the supervisor or router answering from a new pid) within
 ``recover_s`` of its signal, and no request failed or mismatched, no block leaked, and
 every instance's blocks were checked.
