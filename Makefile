@@ -16,7 +16,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy engine/scheduler.py engine/block_manager.py engine/worker.py engine/feed.py \
-		engine/messages.py kv_transfer/ router/ prefill_worker/ decode_worker/
+		engine/messages.py engine/tp_rank.py kv_transfer/ router/ prefill_worker/ decode_worker/
 
 test: lint
 	$(BIN)/pytest -q

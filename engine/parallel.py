@@ -2,7 +2,7 @@
 
 A tensor-parallel engine is its own torch.distributed world of ``size`` processes (gloo
 on CPU, NCCL on GPU), made from an authenticated rendezvous that rank 0 serves
-(``engine/rendezvous.py``: every rank proves the cluster's secret, and rank 0 proves it
+(``rendezvous/server.py``: every rank proves the cluster's secret, and rank 0 proves it
 back, before the world's store is read or written): no process-wide default group, so
 a process may also hold KV transfer groups (kv_transfer/) or belong to another world.
 Rank 0 schedules and broadcasts each step (engine/step_plan.py); every rank runs the
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.rendezvous import RendezvousServer
-from engine.rendezvous_client import RendezvousStore
+from rendezvous.client import RendezvousStore
+from rendezvous.server import RendezvousServer
 
 TIMEOUT = datetime.timedelta(minutes=30)  # an idle rank waits this long for the next step
 POLL_S = 0.1  # how often a rank tries to reach a rendezvous that does not listen yet

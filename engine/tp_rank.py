@@ -105,10 +105,11 @@ class RankActor:
 
 
 def _rank_main(
-    model: str, config: dict, rank: int, size: int, address: str, secret: bytes, threads: int
+    model: str, fields: dict, rank: int, size: int, address: str, secret: bytes, threads: int
 ):
+    """A spawned rank's process: ``fields`` are rank 0's ``EngineConfig``'s, as a dict."""
     torch.set_num_threads(threads)
-    config = EngineConfig(**config)
+    config = EngineConfig(**fields)
     if config.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     tp = TensorParallel.join(address, rank, size, secret, config.device)

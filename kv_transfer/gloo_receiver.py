@@ -1,5 +1,5 @@
 """Decode side of the ``gloo`` and ``nccl`` backends: an authenticated rendezvous (on
-``bind`` only, ``engine/rendezvous.py``) that senders join through, one pair per sender
+``bind`` only, ``rendezvous/server.py``) that senders join through, one pair per sender
 rank (replaced when that sender joins again), each read by a pair thread and a
 completer thread. Only a peer that proved the cluster's secret, and was proved to, reads
 the card or a pair's addresses or pushes a join; this side uses the store in process.
@@ -31,7 +31,6 @@ import uuid
 import torch
 from torch.distributed import PrefixStore, QueueEmptyError
 
-from engine.rendezvous import RendezvousServer
 from kv_transfer import auth
 from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
@@ -39,6 +38,7 @@ from kv_transfer.gloo_wire import FOREVER, NOT_PACKED, GlooGroup, Kind, NcclGrou
 from kv_transfer.layout import KVLayout, KVLayoutError
 from kv_transfer.receiver import Claim, KVReceiver
 from kv_transfer.segment import BufferPool, typed
+from rendezvous.server import RendezvousServer
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02  # how often the accept thread looks for joins (and for close())

@@ -10,7 +10,7 @@ transfer's first send failing: nothing of the transfer went there yet, so it joi
 new receiver and sends again.
 
 The receiver's store is reached through its authenticated rendezvous
-(``engine/rendezvous.py``): the receiver proves the cluster's secret before its card is
+(``rendezvous/server.py``): the receiver proves the cluster's secret before its card is
 read or a join is pushed, so nothing without it can pose as the receiver. A join
 carries a proof of the secret for the incarnation on the receiver's card
 (``kv_transfer/auth.py``) and a new generation each time; this side's pair device
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed import PrefixStore
 
-from engine.rendezvous_client import RendezvousStore
 from kv_transfer import auth
 from kv_transfer import gloo_wire as wire
 from kv_transfer import kv_transfer_pb2 as pb
@@ -39,6 +38,7 @@ from kv_transfer.layout import KVLayout, KVLayoutError
 from kv_transfer.protocol import KVPeerError, KVTransferError, KVTransferTimeout, Status
 from kv_transfer.segment import Source, typed
 from kv_transfer.sender import Ack, KVSender, Outgoing
+from rendezvous.client import RendezvousStore
 
 CONNECT_S = 5.0  # the most a connection to a receiver's rendezvous may take, handshake and all
 

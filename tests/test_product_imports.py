@@ -1,6 +1,7 @@
 """The product does not import the benchmarks: no module of the installed packages but
 bench/ itself imports bench/ (imports inside functions included); and loadgen/, which the
-planner and the benchmarks share, imports neither of them."""
+planner and the benchmarks share, imports neither of them; rendezvous/ and kernels/
+import nothing of ours."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("engine", "kernels", "cluster", "router", "prefill_worker", "decode_worker",
-           "kv_transfer", "planner", "loadgen")  # fmt: skip
+           "kv_transfer", "rendezvous", "planner", "loadgen")  # fmt: skip
 
 
 def _imports(path: Path) -> set[str]:
@@ -40,3 +41,9 @@ def test_the_product_does_not_import_the_benchmarks():
 
 def test_loadgen_imports_neither_the_planner_nor_the_benchmarks():
     assert _crossings(("loadgen",), ("planner", "bench")) == set()
+
+
+def test_the_rendezvous_and_the_kernels_import_nothing_of_ours():
+    for package in ("rendezvous", "kernels"):
+        others = tuple(p for p in (*PRODUCT, "bench") if p != package)
+        assert _crossings((package,), others) == set(), package

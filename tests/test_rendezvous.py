@@ -1,4 +1,4 @@
-"""The authenticated rendezvous (engine/rendezvous.py; docs/kv_transfer.md, "Rendezvous"):
+"""The authenticated rendezvous (rendezvous/server.py; docs/kv_transfer.md, "Rendezvous"):
 both sides prove the secret before anything of the store is read or written; torch's own
 store client, a wrong secret, a server without the secret, a forged frame, stalled
 handshakes and oversized values are each refused and change nothing; a real gloo pair
@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from engine import rendezvous
-from engine.rendezvous import RendezvousServer
-from engine.rendezvous_client import RendezvousStore
-from engine.rendezvous_wire import HELLO, Channel, Op, RendezvousError, Request
 from kv_transfer.gloo_wire import GlooGroup
+from rendezvous import server as store_server
+from rendezvous.client import RendezvousStore
+from rendezvous.server import RendezvousServer
+from rendezvous.wire import HELLO, Channel, Op, RendezvousError, Request
 
 SECRET = b"the-cluster-secret-0123456789abcdef"
 OTHER = b"not-the-cluster-secret-0123456789"
@@ -129,7 +129,7 @@ def test_a_server_without_the_secret_is_refused_before_any_request():
 def test_a_forged_frame_closes_that_connection_only(server):
     client = _client(server)
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    from engine.rendezvous_wire import client_handshake
+    from rendezvous.wire import client_handshake
 
     session = client_handshake(sock, SECRET, time.monotonic() + 5)
     forged = Channel(sock, bytes(32), b"c")  # not the session's key
@@ -142,20 +142,20 @@ def test_a_forged_frame_closes_that_connection_only(server):
 
 def test_sizes_and_counts_are_bounded(server, monkeypatch):
     client = _client(server)
-    big = b"x" * (rendezvous.MAX_VALUE + 1)
+    big = b"x" * (store_server.MAX_VALUE + 1)
     with pytest.raises(RendezvousError, match=r"65537 bytes for b'flood'; allowed: up to 65536"):
         client.set("flood", big)
     with pytest.raises(RendezvousError, match=r"a key of 1025 bytes; allowed: up to 1024"):
         client.get("k" * 1025)
-    monkeypatch.setattr(rendezvous, "MAX_TOTAL", 4 * rendezvous.MAX_VALUE)
-    value = b"x" * rendezvous.MAX_VALUE
+    monkeypatch.setattr(store_server, "MAX_TOTAL", 4 * store_server.MAX_VALUE)
+    value = b"x" * store_server.MAX_VALUE
     for i in range(4):
         client.set(f"v{i}", value)
     with pytest.raises(RendezvousError, match="would hold 327680 bytes"):
         client.set("v4", value)
     client.set("v0", b"small")  # replacing a value frees its bytes
     client.set("v4", b"y" * 1000)
-    for _ in range(rendezvous.MAX_QUEUE):
+    for _ in range(store_server.MAX_QUEUE):
         client.queue_push("q", b"j")
     with pytest.raises(RendezvousError, match="holds 64 values"):
         client.queue_push("q", b"j")
@@ -168,16 +168,16 @@ def test_stalled_handshakes_are_cut_off(server, monkeypatch):
     at once, the rest after ``HANDSHAKE_S``; a real peer gets in within its deadline."""
     stalled = [
         socket.create_connection(("127.0.0.1", server.port), timeout=10)
-        for _ in range(rendezvous.MAX_PENDING + 8)
+        for _ in range(store_server.MAX_PENDING + 8)
     ]
     start = time.monotonic()
     client = RendezvousStore("127.0.0.1", server.port, SECRET, SECOND * 5, 10.0)
-    assert time.monotonic() - start < rendezvous.HANDSHAKE_S + 2
+    assert time.monotonic() - start < store_server.HANDSHAKE_S + 2
     assert client.get("kv/receiver") == b"the card"
     for s in stalled:
-        s.settimeout(rendezvous.HANDSHAKE_S + 5)
+        s.settimeout(store_server.HANDSHAKE_S + 5)
         data = s.recv(64)
         while data:  # the challenge, then the close
             data = s.recv(64)
         s.close()
-    assert server.refused >= rendezvous.MAX_PENDING + 8
+    assert server.refused >= store_server.MAX_PENDING + 8

@@ -65,8 +65,8 @@ def _raw_attacks(address: str) -> dict:
     """Sockets that speak the rendezvous without the secret: made-up proofs, each
     followed by 4 MiB (64 of them), and 80 connections that never answer the challenge.
     ``after_challenge``: bytes the rendezvous sent past its challenge (must be none)."""
-    from engine.rendezvous_wire import CHALLENGE, HELLO
     from kv_transfer import gloo_wire as wire
+    from rendezvous.wire import CHALLENGE, HELLO
 
     host, port = wire.split_address(address)
     hello, after = len(HELLO) + CHALLENGE, 0

@@ -1,4 +1,4 @@
-"""What both ends of an authenticated rendezvous share (``engine/rendezvous.py``): the
+"""What both ends of an authenticated rendezvous share (``rendezvous/server.py``): the
 mutual handshake, the MAC'd frames that follow it, and the typed requests and replies.
 
 The handshake proves the cluster's secret both ways before one byte of the store is

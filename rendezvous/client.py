@@ -1,4 +1,4 @@
-"""A ``torch.distributed.Store`` over an authenticated rendezvous (``engine/rendezvous.py``):
+"""A ``torch.distributed.Store`` over an authenticated rendezvous (``rendezvous/server.py``):
 what a peer hands torch's process groups in place of a ``TCPStore`` client.
 
 The connection is made, and both sides proved the cluster's secret, before the object
@@ -18,7 +18,7 @@ import time
 
 import torch.distributed as dist
 
-from engine.rendezvous_wire import (
+from rendezvous.wire import (
     Channel,
     Op,
     RendezvousBusy,

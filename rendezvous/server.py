@@ -3,11 +3,11 @@ secret can reach (docs/kv_transfer.md, "Rendezvous"). It stands in front of ever
 pdserve serves to peers: a decode rank's KV receiver and a tensor-parallel world's
 rank 0. torch's ``TCPStore`` server takes any client that connects, and any client may
 read, overwrite, delete, pop and grow it; this one takes a request only on a connection
-whose client proved the secret and was proved to (``rendezvous_wire``).
+whose client proved the secret and was proved to (``rendezvous.wire``).
 
 The data lives in ``store``, an in-process ``HashStore`` that the serving process uses
 directly (its own side of a gloo group is formed on it); remote peers use
-``RendezvousStore`` (``engine/rendezvous_client.py``). Invariants and bounds:
+``RendezvousStore`` (``rendezvous/client.py``). Invariants and bounds:
 
 - nothing of ``store`` is read or written for a connection before its handshake;
   a handshake ends within ``HANDSHAKE_S`` or the connection is closed, and at most
@@ -31,7 +31,7 @@ from typing import Any
 
 from torch.distributed import HashStore
 
-from engine.rendezvous_wire import Channel, Op, RendezvousError, Reply, Request, server_handshake
+from rendezvous.wire import Channel, Op, RendezvousError, Reply, Request, server_handshake
 
 log = logging.getLogger(__name__)
 HANDSHAKE_S = 3.0
