@@ -175,6 +175,13 @@ class Supervisor:
         restarted. Watching starts when every instance had been ready (the routers hold
         none ``starting``); before that, the launcher's ``watch`` starts it."""
         views = router_views(self._routers())
+        # routers that exist but give no view (one restarting, or stopped) are asked
+        # again: adopting without their generations would never start the watch
+        while not views and self._routers():
+            log.warning("supervisor restarted: no router replica answered; asking again")
+            if self._stopping.wait(self.limits.heartbeat_s):
+                return
+            views = router_views(self._routers())
         log.warning("supervisor restarted: adopting the instances")
         for found in adopt(self.config, views):
             if self._stopping.is_set():

@@ -249,7 +249,8 @@ def test_a_launch_removes_the_instances_a_crashed_one_left(chat_model):
 def test_a_call_waits_on_an_adoption_at_most_adopt_timeout_s(chat_model):
     """A restarted supervisor whose router does not answer (SIGSTOP) is still adopting
     (it waits on the router's stats); a call that needs the instances fails after
-    ``supervisor.adopt_timeout_s``, naming it, and is answered once the router is back."""
+    ``supervisor.adopt_timeout_s``, naming it, and is answered once the router is back;
+    then it adopts with the router's view and watches the instances again."""
     from cluster import launch
 
     config = layout_config(chat_model, "colocated")
@@ -276,3 +277,8 @@ def test_a_call_waits_on_an_adoption_at_most_adopt_timeout_s(chat_model):
             os.kill(router, signal.SIGCONT)
         assert 2.0 <= took < 15, took
         assert set(cluster.workers) == names
+        # the router answers again: the supervisor adopts, then watches (an instance
+        # killed now is restarted)
+        victim, pid = next(iter(instance_pids(cluster).items()))
+        os.kill(pid, signal.SIGKILL)
+        assert back_in_service(cluster, victim)["restarts"] == 1
