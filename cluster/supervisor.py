@@ -94,6 +94,7 @@ class Supervisor:
                 self._kv(pool),
                 self.limits.placement_timeout_s,
                 self._metrics(pool),
+                self.config.router.rejoin_grace_s,
             )
             self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
         return [(s.name, s.role, s.handles.worker) for s in self.instances.values()]
@@ -271,6 +272,7 @@ class Supervisor:
                     self._kv(s.pool),
                     self.limits.placement_timeout_s,
                     self._metrics(s.pool),
+                    self.config.router.rejoin_grace_s,
                 )
                 info = self._wait_ready(handles)
             except Exception as e:  # a start that failed (no resources yet, a crash)

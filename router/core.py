@@ -29,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.placement import Colocated, Placement
 from router.policies import make_policy
 from router.prefill_costs import CostModel
+from router.rebuild import Rebuild
 from router.replicas import Peers, Replica, merge_stats
 from router.request import GenerateRequest, Refusal, Refused
 from router.request_log import log_request
@@ -115,6 +116,12 @@ class RouterCore:
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
         self.validator: RequestValidator | None = None  # set once every instance is ready
         self.draining = False
+        # rebuilt after a restart (router/rebuild.py), by request id, until resumed or
+        # past router.resume_retention_s; instances whose feed has not reported yet
+        self.rebuilt: dict[str, RequestStream] = {}
+        self.resume_retention_s: float = router_config["resume_retention_s"]
+        self._rebuild = Rebuild(self)
+        self._unreported = {i.name for i in self.instances}
 
     # ---- state ----
 
@@ -154,7 +161,7 @@ class RouterCore:
             ),
         )
         for inst in self.instances:
-            inst.start_feed(self._on_updates, self._on_dead)
+            inst.start_feed(self._on_updates, self._on_dead, self._on_live)
         self.stalls.start(self.streams)
         self._health_changed()
         return infos
@@ -183,12 +190,19 @@ class RouterCore:
         elif inst.streams:
             self.after_updates(self.placement.on_dead(inst))
         inst.readmit(handle, generation, info)
-        inst.start_feed(self._on_updates, self._on_dead)
+        inst.start_feed(self._on_updates, self._on_dead, self._on_live)
         self._health_changed()
         self._dispatch()
 
+    def _on_live(self, inst: Instance, live: list) -> None:
+        """The first frame of an instance's feed: what it still holds for this router
+        (``LiveAttempt``s: a restarted router's requests, router/rebuild.py)."""
+        self._unreported.discard(inst.name)
+        self._rebuild.take(inst, live)
+
     def _on_dead(self, inst: Instance, why: str) -> None:
         """An instance's feed ended: it is gone; the supervisor restarts it."""
+        self._unreported.discard(inst.name)
         if self.supervisor is not None:
             self.supervisor.report.remote(inst.name, inst.generation, why)
         self._instance_failed(inst, why, restarting=self.supervisor is not None)
@@ -328,6 +342,52 @@ class RouterCore:
                 f"deadline exceeded: the request had not finished {deadline - arrival:.3g} s "
                 "after its arrival",
             )
+            stream.timers.append(
+                loop.call_later(deadline - time.monotonic(), self._give_up, stream, late)
+            )
+        return stream
+
+    def claim_later(self, stream: RequestStream) -> None:
+        """Keep a rebuilt stream for its client to resume (``resume``), at most
+        ``router.resume_retention_s``; then it is taken out of the router and its
+        instances."""
+        self.rebuilt[stream.request_id] = stream
+        loop = asyncio.get_running_loop()
+        stream.timers.append(loop.call_later(self.resume_retention_s, self._unclaimed, stream))
+
+    def _unclaimed(self, stream: RequestStream) -> None:
+        if self.rebuilt.get(stream.request_id) is stream:
+            del self.rebuilt[stream.request_id]
+            self.finish(stream)
+
+    def resume(
+        self, request_id: str, after: int, owner: str = "", deadline: float | None = None
+    ) -> RequestStream:
+        """The rebuilt stream of ``request_id`` (owned by ``owner``), for a client that has
+        its first ``after`` tokens: its next ``read`` gives the rest
+        (``RequestStream.rewind``); the caller reads it as ``open_stream``'s and then
+        calls ``finish``. Raises ``Refused``: UNAVAILABLE while the router is still
+        rebuilding its view (retry), INVALID for an id it does not hold for ``owner``
+        (never, already resumed, or past ``router.resume_retention_s``) or an ``after``
+        it cannot resume at."""
+        if not self.ready or self._unreported:
+            raise Refused(
+                Refusal.UNAVAILABLE,
+                "the router is rebuilding its view of the requests in flight; retry",
+            )
+        stream = self.rebuilt.get(request_id)
+        if stream is None or stream.owner != owner:
+            raise Refused(
+                Refusal.INVALID,
+                f"request_id={request_id!r}: no request of this key to resume (allowed: one "
+                "a restarted router rebuilt, not resumed yet, within router."
+                f"resume_retention_s={self.resume_retention_s:g})",
+            )
+        stream.rewind(after)
+        del self.rebuilt[request_id]
+        if deadline is not None:
+            late = Refused(Refusal.DEADLINE, "deadline exceeded while resuming the request")
+            loop = asyncio.get_running_loop()
             stream.timers.append(
                 loop.call_later(deadline - time.monotonic(), self._give_up, stream, late)
             )

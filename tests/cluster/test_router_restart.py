@@ -1,0 +1,195 @@
+"""The router can die and come back without losing a request (docs/serving.md, "Router
+restarts and resuming"): a real disaggregated cluster (1 prefill + 1 decode, gloo, the
+tiny model), 8 greedy gRPC streams through ``RouterClient`` in flight, and the router
+actor's process stopped by a real signal. Ray restarts a killed router, the launcher's
+keeper kills a hung one (SIGSTOP) and starts each new incarnation on the same ports; the
+new one rebuilds its streams from what the instances kept for it and the clients
+resume them: every stream ends with the offline greedy tokens, the instances keep
+their processes, and every block is free after."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from engine import LLM
+from router.client import RouterClient
+from tests.cluster.helpers import seconds_until_blocks_free, wait_until
+from tests.cluster.test_disagg import disagg_config, greedy_outputs
+
+pytestmark = pytest.mark.timeout(420)
+
+# long enough that every stream is still running when the router is stopped
+WORK = [([5 + k, 40, 41, 42 + k, 7] * (k + 1), 600 + 20 * k) for k in range(8)]
+
+
+def restart_config(model: str) -> dict:
+    config = disagg_config(model, "gloo", True, 1)
+    for pool in ("prefill", "decode"):
+        config[pool]["kv_blocks"] = 1024  # 8 streams of up to 780 tokens
+    config["router"].update(
+        heartbeat_s=0.5, unresponsive_s=4.0, rejoin_grace_s=60.0, resume_retention_s=120.0
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def want(chat_model):
+    return greedy_outputs(LLM(chat_model), WORK)
+
+
+class Streams:
+    """The 8 requests of ``WORK``, each read to its end by a thread of its own through
+    one ``RouterClient`` (which resumes a broken stream by itself)."""
+
+    def __init__(self, address: str):
+        self.client = RouterClient(address, resume_s=120.0)
+        self.tokens: list[list[int]] = [[] for _ in WORK]
+        self.ends: list[str | None] = [None] * len(WORK)
+        self.resumed = [0] * len(WORK)
+        self.errors: list[BaseException] = []
+        self.threads = [
+            threading.Thread(target=self._read, args=(k,), daemon=True) for k in range(len(WORK))
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, k: int) -> None:
+        ids, max_tokens = WORK[k]
+        try:
+            stream = self.client.generate(
+                prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True
+            )
+            for chunk in stream:
+                self.tokens[k] += chunk.token_ids
+                self.ends[k] = chunk.finish_reason
+            self.resumed[k] = stream.resumed
+        except BaseException as e:  # the test reports it
+            self.errors.append(e)
+
+    def all_started(self) -> bool:
+        return all(len(t) >= 2 for t in self.tokens)
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), [len(t) for t in self.tokens]
+        self.client.close()
+
+
+def instance_pids(cluster) -> dict[str, int]:
+    return {n: ray.get(h.ping.remote(), timeout=30)["pid"] for n, h in cluster.workers.items()}
+
+
+PROBES: list[float] = []  # probe requests that may have reached the instances
+
+
+def serves_new_requests(address: str) -> bool:
+    """A new request completes through the router at ``address`` (within 5 s)."""
+    try:
+        with RouterClient(address, resume_s=0) as client:
+            got = client.complete(prompt_token_ids=[9, 8, 7], max_tokens=2, timeout=5)
+            PROBES.append(time.monotonic())
+            return got.finish_reason == "length"
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:  # UNAVAILABLE: refused before placing
+            PROBES.append(time.monotonic())
+        return False
+
+
+def router_pid_now(cluster) -> int | None:
+    with contextlib.suppress(ray.exceptions.RayError):
+        return cluster.router_pid(timeout_s=1.0)
+    return None
+
+
+def prefilled(cluster) -> int:
+    """Requests the prefill instance has taken so far (every placement is one)."""
+    return ray.get(cluster.workers["prefill-0"].stats.remote(), timeout=30)["requests_total"]
+
+
+def check_kept(cluster, probes_before: int) -> None:
+    """The instances kept the 8 requests running for the new router: none was placed
+    again (the prefill instance took no request besides the probes)."""
+    assert prefilled(cluster) <= 8 + len(PROBES) - probes_before, (prefilled(cluster), PROBES)
+
+
+def check_streams(streams: Streams, want) -> None:
+    assert not streams.errors, streams.errors
+    for k, tokens in enumerate(streams.tokens):
+        assert streams.ends[k] == "length", (k, streams.ends[k], len(tokens))
+        assert tokens == want[k], (k, len(tokens), len(want[k]))
+    # the router died under every stream: each had to resume at least once
+    assert all(n >= 1 for n in streams.resumed), streams.resumed
+
+
+def test_a_killed_router_comes_back_and_every_stream_resumes(chat_model, want, on_shared_ray):
+    from cluster import launch
+
+    with launch(restart_config(chat_model)) as cluster:
+        pids = instance_pids(cluster)
+        old = cluster.router_pid()
+        streams = Streams(cluster.address)
+        assert wait_until(streams.all_started, 60), [len(t) for t in streams.tokens]
+        assert not any(streams.ends), streams.ends  # all 8 in flight
+        probes = len(PROBES)
+        killed = time.monotonic()
+        os.kill(old, signal.SIGKILL)  # a real signal to the router actor's process
+        assert wait_until(lambda: serves_new_requests(cluster.address), 10, interval_s=0.2)
+        back = time.monotonic() - killed
+        assert back <= 10.0, back
+        assert router_pid_now(cluster) not in (None, old)
+        streams.join(240)
+        check_streams(streams, want)
+        check_kept(cluster, probes)
+        assert instance_pids(cluster) == pids  # the instances never stopped
+        seconds_until_blocks_free(cluster, within_s=30)
+
+
+def test_a_hung_router_is_replaced_and_every_stream_resumes(chat_model, want, on_shared_ray):
+    from cluster import launch
+
+    with launch(restart_config(chat_model)) as cluster:
+        pids = instance_pids(cluster)
+        old = cluster.router_pid()
+        streams = Streams(cluster.address)
+        assert wait_until(streams.all_started, 60), [len(t) for t in streams.tokens]
+        assert not any(streams.ends), streams.ends
+        probes = len(PROBES)
+        stopped = time.monotonic()
+        os.kill(old, signal.SIGSTOP)  # hung: its sockets stay open, it answers nothing
+        try:
+            # the keeper (router.unresponsive_s=4) kills it; Ray starts a new incarnation
+            replaced = wait_until(
+                lambda: router_pid_now(cluster) not in (None, old), 15, interval_s=0.2
+            )
+            assert replaced, "the hung router was not replaced within 15 s"
+            assert time.monotonic() - stopped <= 15.0
+            assert wait_until(lambda: serves_new_requests(cluster.address), 10, interval_s=0.2)
+            # the keeper's SIGKILL ended the stopped process: no SIGCONT needed
+            assert wait_until(lambda: not _alive(old), 10), f"pid {old} still runs"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old, signal.SIGCONT)
+        streams.join(240)
+        check_streams(streams, want)
+        check_kept(cluster, probes)
+        assert instance_pids(cluster) == pids
+        seconds_until_blocks_free(cluster, within_s=30)
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie left for its parent to reap counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
