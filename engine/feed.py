@@ -40,7 +40,8 @@ worker keeps its requests running and their updates accumulating for
 ``router.rejoin_grace_s``, then drops them, freeing their blocks, and its outbox (grace
 0: at once). Invariant: one connection per consumer name; two would split one outbox
 between them: a new connection under a name that has one supersedes it (the old one
-is shut and its sender gone before the new one's first frame; no ``left`` then).
+is shut and its sender gone before the new one's first frame, and ``left`` is called
+for it before ``joined``: left and back at once).
 
 Rejoining: the first frame of every connection carries ``Polled.live``, what
 ``joined(consumer)`` answers (``EngineWorker.consumer_joined``): every attempt the
@@ -337,13 +338,18 @@ class FeedServer:
             # its sender sends nothing more once it is gone: every update after the
             # snapshot below reaches this connection
             old[1].wait(HANDSHAKE_S)
+            # the consumer left and is back: with no grace what it left is dropped
+            # (there is nothing to hand back), as when it had left first
+            self._left(consumer)
+        # the snapshot before any command of this connection is taken: what those add
+        # reaches the outbox after it, so it goes out with the frames
+        live: list[LiveAttempt] | None = self._joined(consumer)
         conn.settimeout(SEND_TIMEOUT_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=self._take_commands, args=(conn,), daemon=True).start()
-        live: list[LiveAttempt] | None = self._joined(consumer)
         try:
             while not self._closed:
-                polled = self._poll(consumer, 0.0 if live is not None else HEARTBEAT_S, cursor)
+                polled = self._poll(consumer, HEARTBEAT_S, cursor)
                 polled.live, live = live, None
                 conn.sendall(encode(polled))
                 if polled.cache is not None:

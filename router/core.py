@@ -310,10 +310,12 @@ class RouterCore:
         arrival: float,
         deadline: float | None = None,
         owner: str = "",
+        front: dict | None = None,
     ) -> RequestStream:
         """Validate, tokenize (off the event loop, router/intake.py) and admit
         ``request`` (``arrival``: ``time.monotonic()`` when it reached the front end;
-        ``owner``: its API key's, router/auth.py): its stream, placed or queued.
+        ``owner``: its API key's, router/auth.py; ``front``: how its front end renders it,
+        ``RequestStream.front``): its stream, placed or queued.
 
         Raises ``Refused``. The caller reads the stream to its end and then calls
         ``finish`` (also when its client goes away). The router gives up on the request
@@ -328,7 +330,9 @@ class RouterCore:
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
-        stream = RequestStream(request_id, prompt_ids, params, arrival=arrival, owner=owner)
+        stream = RequestStream(
+            request_id, prompt_ids, params, arrival=arrival, owner=owner, front=front or {}
+        )
         stream.on_first_token = self.first_tokens.note
         self.admit(stream)
         loop = asyncio.get_running_loop()

@@ -3,7 +3,8 @@
 
 The router stores its own record of each request in every ``Attempt`` it sends
 (``Attempt.context``, msgpack: ``context``/``read_context``): the request's owner, its
-arrival's wall-clock time, and what its front end needs to render the rest. When a
+arrival's wall-clock time, and what its front end needs to render the rest
+(``RequestStream.front``). When a
 router replica dies, the instances keep its requests running for
 ``router.rejoin_grace_s`` (engine/feed.py, "Rejoining"); the new incarnation connects
 under the same consumer name and the first frame of each instance's feed hands back
@@ -42,13 +43,13 @@ log = logging.getLogger(__name__)
 
 def context(stream: RequestStream) -> bytes:
     """The router's record of ``stream`` that rides in each of its attempts."""
-    record = {"owner": stream.owner, "arrival_wall": stream.arrival_wall}
+    record = {"owner": stream.owner, "arrival_wall": stream.arrival_wall, "front": stream.front}
     return msgpack.packb(record, use_bin_type=True)
 
 
 def read_context(blob: bytes) -> dict:
-    """``context``'s record back (``owner``, ``arrival_wall``); {} for an attempt that
-    carries none."""
+    """``context``'s record back (``owner``, ``arrival_wall``, ``front``); {} for an
+    attempt that carries none."""
     if not blob:
         return {}
     record = msgpack.unpackb(blob, raw=False)
@@ -83,6 +84,8 @@ def stream_of(live: LiveAttempt) -> RequestStream:
         arrival_wall=arrival_wall,
         owner=str(record.get("owner", "")),
     )
+    front = record.get("front")
+    stream.front = front if isinstance(front, dict) else {}
     stream.attempt = attempt_number(a)
     stream.token_ids = list(a.delivered) + list(live.token_ids)
     stream.text_chars = a.delivered_chars + len(live.text)

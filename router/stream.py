@@ -103,6 +103,9 @@ class RequestStream:
     arrival: float = field(default_factory=time.monotonic)
     arrival_wall: float = field(default_factory=time.time)
     owner: str = ""  # the API key's owner (router/auth.py) that may abort it
+    # how its front end renders it, for a restarted router's resume (router/rebuild.py):
+    # HTTP's {"api": "chat" | "completions", "include_usage": bool}; {} for gRPC
+    front: dict = field(default_factory=dict)
     instances: list[str] = field(default_factory=list)
     dispatched_at: float | None = None
     placed_wall: float | None = None

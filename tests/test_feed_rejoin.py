@@ -121,7 +121,7 @@ def test_a_second_connection_under_a_name_supersedes_the_first(served):
 def test_a_consumer_not_back_within_the_grace_has_its_requests_dropped(served):
     worker, _ = served
     long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-    n = 12  # two at a time: several times the grace's worth of work
+    n = 40  # two at a time: many times the grace's worth of work
     with connect(worker.open_feed("gone", None)) as conn:
         read_until(conn, {}, lambda polled: True)
         for i in range(n):

@@ -1,7 +1,8 @@
 """The router can die and come back without losing a request (docs/serving.md, "Router
 restarts and resuming"): a real disaggregated cluster (1 prefill + 1 decode, gloo, the
-tiny model), 8 greedy gRPC streams through ``RouterClient`` in flight, and the router
-actor's process stopped by a real signal. Ray restarts a killed router, the launcher's
+tiny model), 8 greedy streams in flight (5 gRPC ones through ``RouterClient``, 3
+streamed HTTP completions that resume through ``GET /v1/requests/{id}/stream``), and
+the router actor's process stopped by a real signal. Ray restarts a killed router, the launcher's
 keeper kills a hung one (SIGSTOP) and starts each new incarnation on the same ports; the
 new one rebuilds its streams from what the instances kept for it and the clients
 resume them: every stream ends with the offline greedy tokens, the instances keep
@@ -10,16 +11,18 @@ their processes, and every block is free after."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
 import time
 
 import grpc
+import httpx
 import pytest
 import ray
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from router.client import RouterClient
 from tests.cluster.helpers import seconds_until_blocks_free, wait_until
 from tests.cluster.test_disagg import disagg_config, greedy_outputs
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.timeout(420)
 
 # long enough that every stream is still running when the router is stopped
 WORK = [([5 + k, 40, 41, 42 + k, 7] * (k + 1), 600 + 20 * k) for k in range(8)]
+HTTP = {1, 4, 6}  # the streams that go over HTTP; the others over gRPC
 
 
 def restart_config(model: str) -> dict:
@@ -42,16 +46,23 @@ def restart_config(model: str) -> dict:
 
 @pytest.fixture(scope="module")
 def want(chat_model):
-    return greedy_outputs(LLM(chat_model), WORK)
+    """The offline greedy tokens of each request of ``WORK``, and their text."""
+    llm = LLM(chat_model)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in WORK]
+    texts = [o.text for o in llm.generate([ids for ids, _ in WORK], params)]
+    return greedy_outputs(llm, WORK), texts
 
 
 class Streams:
     """The 8 requests of ``WORK``, each read to its end by a thread of its own through
     one ``RouterClient`` (which resumes a broken stream by itself)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, http_address: str):
         self.client = RouterClient(address, resume_s=120.0)
+        self.http = f"http://{http_address}"
         self.tokens: list[list[int]] = [[] for _ in WORK]
+        self.texts = [""] * len(WORK)
+        self.counts = [0] * len(WORK)  # tokens received: gRPC's, or HTTP's last event id
         self.ends: list[str | None] = [None] * len(WORK)
         self.resumed = [0] * len(WORK)
         self.errors: list[BaseException] = []
@@ -64,24 +75,76 @@ class Streams:
     def _read(self, k: int) -> None:
         ids, max_tokens = WORK[k]
         try:
+            if k in HTTP:
+                self._read_http(k)
+                return
             stream = self.client.generate(
                 prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True
             )
             for chunk in stream:
                 self.tokens[k] += chunk.token_ids
+                self.counts[k] = len(self.tokens[k])
                 self.ends[k] = chunk.finish_reason
             self.resumed[k] = stream.resumed
         except BaseException as e:  # the test reports it
             self.errors.append(e)
 
+    def _read_http(self, k: int) -> None:
+        """A streamed completion with an id of its own; when its connection breaks before
+        ``[DONE]``, resumed after the last event id received (the tokens it has), with
+        backoff, while the router answers 503 or not at all."""
+        ids, max_tokens = WORK[k]
+        request_id = f"http-{k}-{time.monotonic_ns()}"
+        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        call = ("POST", "/v1/completions", body)
+        deadline = time.monotonic() + 120
+        with httpx.Client(base_url=self.http, timeout=httpx.Timeout(30, read=60)) as http:
+            while time.monotonic() < deadline:
+                method, path, payload = call
+                try:
+                    headers = {"X-Request-Id": request_id}
+                    with http.stream(method, path, json=payload, headers=headers) as resp:
+                        if resp.status_code == 503:  # rebuilding its view: retry
+                            time.sleep(0.2)
+                            continue
+                        assert resp.status_code == 200, resp.read()
+                        assert resp.headers["X-Request-Id"] == request_id
+                        if self._events(k, resp):
+                            return
+                except httpx.TransportError:  # the router died under it, or is not back
+                    time.sleep(0.2)
+                self.resumed[k] += 1
+                call = ("GET", f"/v1/requests/{request_id}/stream?after={self.counts[k]}", None)
+        raise AssertionError(f"HTTP stream {k} did not end within 120 s")
+
+    def _events(self, k: int, resp) -> bool:
+        """Read server-sent events into the stream's text; True at ``[DONE]``."""
+        event: dict[str, str] = {}
+        for line in resp.iter_lines():
+            if line:
+                key, _, value = line.partition(": ")
+                event[key] = value
+                continue
+            if event.get("data") == "[DONE]":
+                return True
+            chunk = json.loads(event["data"])
+            assert "error" not in chunk, chunk
+            choice = chunk["choices"][0]
+            self.texts[k] += choice["text"]  # a whole event: its text and its id together
+            self.counts[k] = int(event["id"])
+            self.ends[k] = choice["finish_reason"]
+            event = {}
+        return False
+
     def all_started(self) -> bool:
-        return all(len(t) >= 2 for t in self.tokens)
+        return all(n >= 2 for n in self.counts)
 
     def join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        assert not any(t.is_alive() for t in self.threads), [len(t) for t in self.tokens]
+        assert not any(t.is_alive() for t in self.threads), self.counts
         self.client.close()
 
 
@@ -123,10 +186,15 @@ def check_kept(cluster, probes_before: int) -> None:
 
 
 def check_streams(streams: Streams, want) -> None:
+    tokens, texts = want
     assert not streams.errors, streams.errors
-    for k, tokens in enumerate(streams.tokens):
-        assert streams.ends[k] == "length", (k, streams.ends[k], len(tokens))
-        assert tokens == want[k], (k, len(tokens), len(want[k]))
+    for k in range(len(WORK)):
+        assert streams.ends[k] == "length", (k, streams.ends[k], streams.counts[k])
+        assert streams.counts[k] == len(tokens[k]), (k, streams.counts[k])
+        if k in HTTP:
+            assert streams.texts[k] == texts[k], k
+        else:
+            assert streams.tokens[k] == tokens[k], k
     # the router died under every stream: each had to resume at least once
     assert all(n >= 1 for n in streams.resumed), streams.resumed
 
@@ -137,8 +205,8 @@ def test_a_killed_router_comes_back_and_every_stream_resumes(chat_model, want, o
     with launch(restart_config(chat_model)) as cluster:
         pids = instance_pids(cluster)
         old = cluster.router_pid()
-        streams = Streams(cluster.address)
-        assert wait_until(streams.all_started, 60), [len(t) for t in streams.tokens]
+        streams = Streams(cluster.address, cluster.http_address)
+        assert wait_until(streams.all_started, 60), streams.counts
         assert not any(streams.ends), streams.ends  # all 8 in flight
         probes = len(PROBES)
         killed = time.monotonic()
@@ -160,8 +228,8 @@ def test_a_hung_router_is_replaced_and_every_stream_resumes(chat_model, want, on
     with launch(restart_config(chat_model)) as cluster:
         pids = instance_pids(cluster)
         old = cluster.router_pid()
-        streams = Streams(cluster.address)
-        assert wait_until(streams.all_started, 60), [len(t) for t in streams.tokens]
+        streams = Streams(cluster.address, cluster.http_address)
+        assert wait_until(streams.all_started, 60), streams.counts
         assert not any(streams.ends), streams.ends
         probes = len(PROBES)
         stopped = time.monotonic()
