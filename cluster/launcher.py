@@ -283,20 +283,28 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     cluster.keeper = Keeper(cluster.supervisor, config.supervisor)
     cluster.keeper.start()
     for k, handle in enumerate(cluster.routers):
-        revive = _revive(handle, cluster.routers, ports, ready_timeout_s)
+        revive = _revive(handle, cluster, ports, ready_timeout_s)
         keeper = Keeper(handle, config.router, f"router replica {k}", revive)
         cluster.router_keepers.append(keeper)
         keeper.start()
 
 
-def _revive(router, routers: list, ports: dict, timeout_s: float):
+def _revive(router, cluster: Cluster, ports: dict, timeout_s: float):
     """What starts a restarted incarnation of ``router``: its servers on ``ports`` (the
-    first incarnation's), then its peers (the other replicas)."""
+    first incarnation's) with the instances as the supervisor has them now, then its
+    peers (the other replicas)."""
 
     def revive() -> None:
         import ray
 
-        ray.get(router.start.remote(ports["port"], ports["http_port"]), timeout=timeout_s)
-        ray.get(router.set_peers.remote([p for p in routers if p is not router]), timeout=60)
+        try:
+            roster = ray.get(cluster.supervisor.roster.remote(), timeout=30)
+        except ray.exceptions.RayError as e:  # restarting too: the launch's instances
+            log.warning("no roster from the supervisor for a restarted router: %s", e)
+            roster = None
+        start = router.start.remote(ports["port"], ports["http_port"], roster)
+        ray.get(start, timeout=timeout_s)
+        peers = [p for p in cluster.routers if p is not router]
+        ray.get(router.set_peers.remote(peers), timeout=60)
 
     return revive

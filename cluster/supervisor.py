@@ -151,6 +151,16 @@ class Supervisor:
         with self._lock:
             return {name: s.handles.worker for name, s in self.instances.items()}
 
+    def roster(self) -> dict[str, dict]:
+        """Each instance's current ``handle`` (rank 0's) and ``generation``, by name: what
+        a restarted router replica starts from (router/server.py)."""
+        self._adopted()
+        with self._lock:
+            return {
+                name: {"handle": s.handles.worker, "generation": s.generation}
+                for name, s in self.instances.items()
+            }
+
     def handles(self, name: str) -> InstanceHandles:
         self._adopted()
         with self._lock:

@@ -85,10 +85,14 @@ class RouterServer:
         self._http: HttpApi | None = None
         self._ready: asyncio.Future | None = None
 
-    async def start(self, port: int | None = None, http_port: int | None = None) -> str:
+    async def start(
+        self, port: int | None = None, http_port: int | None = None, roster: dict | None = None
+    ) -> str:
         """Bind and serve (not serving until every instance is ready); the gRPC host:port.
-        ``port``, ``http_port``: the ports to bind instead of the config's (a restarted
-        incarnation binds those its first one bound)."""
+        ``port``, ``http_port``: the ports to bind instead of the config's, and
+        ``roster``: the supervisor's ``roster()`` (each instance's current handle and
+        generation, by name), for a restarted incarnation (the first one's ports; an
+        instance restarted since the launch)."""
         host = self.config["host"]
         port = self.config["port"] if port is None else port
         http_port = self.config["http_port"] if http_port is None else http_port
@@ -118,6 +122,10 @@ class RouterServer:
         )
         http_port = await self._http.start(host, http_port)
         self.http_address = f"{shown}:{http_port}"
+        for inst in self.core.instances:  # a restarted incarnation: the current ones
+            if roster is not None and inst.name in roster:
+                inst.handle = roster[inst.name]["handle"]
+                inst.generation = roster[inst.name]["generation"]
         self._ready = asyncio.get_running_loop().create_task(self._bring_up())
         return self.address
 

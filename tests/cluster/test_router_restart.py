@@ -261,3 +261,29 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_router_restarted_after_an_instance_restart_finds_its_new_incarnation(
+    chat_model, on_shared_ray
+):
+    """The new router takes the instances from the supervisor (their current handles and
+    generations), not from the launch: a decode instance restarted before the router
+    dies is the one it routes to."""
+    from cluster import launch
+
+    with launch(restart_config(chat_model)) as cluster:
+        old_decode = instance_pids(cluster)["decode-0"]
+        os.kill(old_decode, signal.SIGKILL)
+
+        def decode_back() -> bool:
+            (decode,) = [i for i in cluster.stats()["instances"] if i["name"] == "decode-0"]
+            return decode["state"] == "serving" and decode["restarts"] == 1
+
+        assert wait_until(decode_back, 120, interval_s=0.5)
+        assert serves_new_requests(cluster.address)
+        os.kill(cluster.router_pid(), signal.SIGKILL)
+        assert wait_until(lambda: serves_new_requests(cluster.address), 15, interval_s=0.2)
+        (decode,) = [i for i in cluster.stats()["instances"] if i["name"] == "decode-0"]
+        assert decode["restarts"] == 1 and decode["state"] == "serving", decode
+        assert instance_pids(cluster)["decode-0"] != old_decode
+        seconds_until_blocks_free(cluster, within_s=30)
