@@ -368,8 +368,11 @@ class EngineWorker:
         return fed
 
     def _answer(self, consumer: str, reserved: Reserved) -> None:
-        """Hand ``consumer`` an answer to its ``reserve`` with its next batch."""
+        """Hand ``consumer`` an answer to its ``reserve`` with its next batch (a refusal
+        or a failure ends the attempt here: its rejoining record goes)."""
         with self._lock:
+            if reserved.destination is None:
+                self._live.pop(reserved.attempt_id, None)
             self._reserved[consumer].append(reserved)
             self._wake([consumer])
 

@@ -6,7 +6,9 @@ the router actor's process stopped by a real signal. Ray restarts a killed route
 keeper kills a hung one (SIGSTOP) and starts each new incarnation on the same ports; the
 new one rebuilds its streams from what the instances kept for it and the clients
 resume them: every stream ends with the offline greedy tokens, the instances keep
-their processes, and every block is free after."""
+their processes, and every block is free after. A router restarted after an instance's
+restart routes to the new incarnation; a rebuilt request no client resumes is dropped
+after ``router.resume_retention_s``."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
+from router import pdserve_pb2 as pb
+from router import pdserve_pb2_grpc as pb_grpc
 from router.client import RouterClient
 from tests.cluster.helpers import seconds_until_blocks_free, wait_until
 from tests.cluster.test_disagg import disagg_config, greedy_outputs
@@ -286,4 +290,37 @@ def test_a_router_restarted_after_an_instance_restart_finds_its_new_incarnation(
         (decode,) = [i for i in cluster.stats()["instances"] if i["name"] == "decode-0"]
         assert decode["restarts"] == 1 and decode["state"] == "serving", decode
         assert instance_pids(cluster)["decode-0"] != old_decode
+        seconds_until_blocks_free(cluster, within_s=30)
+
+
+def test_a_rebuilt_request_no_client_resumes_is_dropped_after_the_retention(
+    chat_model, on_shared_ray
+):
+    """Its client gone with the router, a rebuilt request is kept only
+    ``router.resume_retention_s``: then a resume finds nothing and every block is free."""
+    from cluster import launch
+
+    config = restart_config(chat_model)
+    config["router"]["resume_retention_s"] = 3.0
+    with launch(config) as cluster:
+        ids, max_tokens = WORK[7]
+        with RouterClient(cluster.address, resume_s=0) as client:  # never resumes
+            stream = client.generate(prompt_token_ids=ids, max_tokens=max_tokens,
+                                     temperature=0, ignore_eos=True)  # fmt: skip
+            got = len(next(stream).token_ids)
+            os.kill(cluster.router_pid(), signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as broken:
+                got += sum(len(c.token_ids) for c in stream)
+            assert broken.value.code() == grpc.StatusCode.UNAVAILABLE
+            request_id = stream.request_id
+        assert got < max_tokens
+        assert wait_until(lambda: serves_new_requests(cluster.address), 10, interval_s=0.2)
+        time.sleep(3.0 + 1.0)  # past the retention
+        with grpc.insecure_channel(cluster.address) as channel:
+            resume = pb_grpc.RouterStub(channel).Resume
+            late = resume(pb.ResumeRequest(request_id=request_id, after=got), timeout=10)
+            with pytest.raises(grpc.RpcError) as gone:
+                next(iter(late))
+            assert gone.value.code() == grpc.StatusCode.INVALID_ARGUMENT, gone.value
+            assert "no request of this key to resume" in gone.value.details()
         seconds_until_blocks_free(cluster, within_s=30)
