@@ -116,11 +116,9 @@ class RouterCore:
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
         self.validator: RequestValidator | None = None  # set once every instance is ready
         self.draining = False
-        # rebuilt after a restart (router/rebuild.py), by request id, until resumed or
-        # past router.resume_retention_s; instances whose feed has not reported yet
-        self.rebuilt: dict[str, RequestStream] = {}
-        self.resume_retention_s: float = router_config["resume_retention_s"]
-        self._rebuild = Rebuild(self)
+        # a restarted router's streams (router/rebuild.py), and the instances whose feed
+        # has not reported what they hold yet
+        self.rebuild = Rebuild(self, router_config["resume_retention_s"])
         self._unreported = {i.name for i in self.instances}
 
     # ---- state ----
@@ -198,7 +196,7 @@ class RouterCore:
         """The first frame of an instance's feed: what it still holds for this router
         (``LiveAttempt``s: a restarted router's requests, router/rebuild.py)."""
         self._unreported.discard(inst.name)
-        self._rebuild.take(inst, live)
+        self.rebuild.take(inst, live)
 
     def _on_dead(self, inst: Instance, why: str) -> None:
         """An instance's feed ended: it is gone; the supervisor restarts it."""
@@ -351,44 +349,19 @@ class RouterCore:
             )
         return stream
 
-    def claim_later(self, stream: RequestStream) -> None:
-        """Keep a rebuilt stream for its client to resume (``resume``), at most
-        ``router.resume_retention_s``; then it is taken out of the router and its
-        instances."""
-        self.rebuilt[stream.request_id] = stream
-        loop = asyncio.get_running_loop()
-        stream.timers.append(loop.call_later(self.resume_retention_s, self._unclaimed, stream))
-
-    def _unclaimed(self, stream: RequestStream) -> None:
-        if self.rebuilt.get(stream.request_id) is stream:
-            del self.rebuilt[stream.request_id]
-            self.finish(stream)
-
     def resume(
         self, request_id: str, after: int, owner: str = "", deadline: float | None = None
     ) -> RequestStream:
         """The rebuilt stream of ``request_id`` (owned by ``owner``), for a client that has
-        its first ``after`` tokens: its next ``read`` gives the rest
-        (``RequestStream.rewind``); the caller reads it as ``open_stream``'s and then
-        calls ``finish``. Raises ``Refused``: UNAVAILABLE while the router is still
-        rebuilding its view (retry), INVALID for an id it does not hold for ``owner``
-        (never, already resumed, or past ``router.resume_retention_s``) or an ``after``
-        it cannot resume at."""
+        its first ``after`` tokens (``Rebuild.claim``); the caller reads it as
+        ``open_stream``'s and then calls ``finish``. Raises ``Refused``: UNAVAILABLE
+        while the router is still rebuilding its view (retry), INVALID as ``claim``."""
         if not self.ready or self._unreported:
             raise Refused(
                 Refusal.UNAVAILABLE,
                 "the router is rebuilding its view of the requests in flight; retry",
             )
-        stream = self.rebuilt.get(request_id)
-        if stream is None or stream.owner != owner:
-            raise Refused(
-                Refusal.INVALID,
-                f"request_id={request_id!r}: no request of this key to resume (allowed: one "
-                "a restarted router rebuilt, not resumed yet, within router."
-                f"resume_retention_s={self.resume_retention_s:g})",
-            )
-        stream.rewind(after)
-        del self.rebuilt[request_id]
+        stream = self.rebuild.claim(request_id, after, owner)
         if deadline is not None:
             late = Refused(Refusal.DEADLINE, "deadline exceeded while resuming the request")
             loop = asyncio.get_running_loop()

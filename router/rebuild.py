@@ -21,7 +21,8 @@ every ``LiveAttempt`` it holds. ``Rebuild.take`` turns each into a ``RequestStre
 - the prefill side of a handoff (it carries a ``destination``): aborted unless it ended:
   its decode side says what becomes of the request.
 
-A rebuilt stream has no reader until its client resumes it (``RouterCore.resume``);
+A rebuilt stream has no reader until its client resumes it (``Rebuild.claim``, through
+``RouterCore.resume``);
 one not resumed within ``router.resume_retention_s`` is cancelled (its instances free
 its blocks). Invariant: one stream per request id: a second attempt reported for a
 request already rebuilt (another instance's, from before a migration) is aborted.
@@ -29,6 +30,7 @@ request already rebuilt (another instance's, from before a migration) is aborted
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -36,6 +38,7 @@ import msgpack
 
 from engine.messages import Attempt, LiveAttempt
 from router.instances import Instance
+from router.request import Refusal, Refused
 from router.stream import Delta, RequestStream
 
 log = logging.getLogger(__name__)
@@ -98,11 +101,42 @@ def stream_of(live: LiveAttempt) -> RequestStream:
 
 class Rebuild:
     """What a restarted router makes of each instance's ``LiveAttempt``s (the module
-    docstring); ``router`` is the core (``streams``, ``rebuilt``, ``migrate``,
-    ``requeue``, ``after_updates``, ``unclaimed``)."""
+    docstring), and its rebuilt streams until their clients claim them; ``router`` is
+    the core (``streams``, ``migrate``, ``requeue``, ``after_updates``, ``finish``)."""
 
-    def __init__(self, router):
-        self.router = router
+    def __init__(self, router, retention_s: float):
+        self.router, self.retention_s = router, retention_s
+        self.rebuilt: dict[str, RequestStream] = {}  # by request id, not claimed yet
+
+    def claim(self, request_id: str, after: int, owner: str) -> RequestStream:
+        """The rebuilt stream of ``request_id``, owned by ``owner``, for a client that has
+        its first ``after`` tokens: its next ``read`` gives the rest
+        (``RequestStream.rewind``); claimed once. Raises ``Refused`` (INVALID) for an id
+        not held for ``owner`` (never, already claimed, or past the retention) or an
+        ``after`` it cannot resume at."""
+        stream = self.rebuilt.get(request_id)
+        if stream is None or stream.owner != owner:
+            raise Refused(
+                Refusal.INVALID,
+                f"request_id={request_id!r}: no request of this key to resume (allowed: one "
+                "a restarted router rebuilt, not resumed yet, within router."
+                f"resume_retention_s={self.retention_s:g})",
+            )
+        stream.rewind(after)
+        del self.rebuilt[request_id]
+        return stream
+
+    def _keep(self, stream: RequestStream) -> None:
+        """Hold a rebuilt stream for its client, at most ``retention_s``; then it is taken
+        out of the router and its instances."""
+        self.rebuilt[stream.request_id] = stream
+        loop = asyncio.get_running_loop()
+        stream.timers.append(loop.call_later(self.retention_s, self._unclaimed, stream))
+
+    def _unclaimed(self, stream: RequestStream) -> None:
+        if self.rebuilt.get(stream.request_id) is stream:
+            del self.rebuilt[stream.request_id]
+            self.router.finish(stream)
 
     def take(self, inst: Instance, live: list[LiveAttempt]) -> None:
         ended: list[RequestStream] = []
@@ -112,12 +146,12 @@ class Rebuild:
                     inst.abort([a.attempt.id])
                 continue
             rid = request_id_of(a.attempt)
-            if rid in self.router.streams or rid in self.router.rebuilt:
+            if rid in self.router.streams or rid in self.rebuilt:
                 if not a.final:
                     inst.abort([a.attempt.id])
                 continue
             stream = stream_of(a)
-            self.router.claim_later(stream)
+            self._keep(stream)
             state = a.state
             if state == "finished":
                 stream.deliver(Delta([], "", a.finish_reason))
