@@ -105,11 +105,13 @@ def start_instance(
     kv: dict,
     placement_timeout_s: float,
     metrics: dict | None = None,
+    rejoin_grace_s: float = 0.0,
 ) -> InstanceHandles:
     """Start the instance's actors in a new placement group (``PlacementError`` when no
     node holds it within ``placement_timeout_s``); rank 0's readiness is not awaited.
     ``metrics``: None, or rank 0 serves its metrics (``cluster.instance_metrics.metered``
-    and its ``metrics`` argument)."""
+    and its ``metrics`` argument). ``rejoin_grace_s``: how long its update feed keeps a
+    departed consumer's requests (engine/feed.py)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -144,7 +146,8 @@ def start_instance(
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
 
     if size == 1:
-        extra["feed"] = _feed_endpoint(kv["bind"], kv["advertise"], in_bundle(0))
+        feed = _feed_endpoint(kv["bind"], kv["advertise"], in_bundle(0))
+        extra["feed"] = {**feed, "rejoin_grace_s": rejoin_grace_s}
         handle = worker_cls.options(name=name, scheduling_strategy=in_bundle(0), **options).remote(
             name, model, engine, threads, *setup, **extra
         )
@@ -154,7 +157,7 @@ def start_instance(
         .options(num_cpus=0, scheduling_strategy=in_bundle(0))
         .remote(kv["bind"], kv["advertise"])
     )
-    extra["feed"] = {"bind": bind, "advertise": host}
+    extra["feed"] = {"bind": bind, "advertise": host, "rejoin_grace_s": rejoin_grace_s}
     parallel = {"size": size, "address": f"{host}:{port}", "bind": bind, "secret": kv["secret"]}
     ranks = [
         ray.remote(rank_classes[role])

@@ -17,7 +17,6 @@ pdserve plan --model M --devices N --workload W ...            placement search,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 import threading
@@ -30,8 +29,6 @@ from cluster.cli_router import (
     show_stats,
     stream_to_terminal,
 )
-
-ROUTER_CHECK_S = 2.0  # how often ``up`` asks the router actor whether it is alive
 
 
 def _generate_offline(args: argparse.Namespace) -> int:
@@ -65,28 +62,9 @@ def _generate_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _router_alive(cluster) -> None:
-    """Raises ``RouterGone`` once every router replica died; a replica that is only
-    slow to answer (its loop busy) passes: only the death of all means nothing listens
-    (with several, the live ones serve the port)."""
-    from ray.exceptions import ActorUnavailableError, GetTimeoutError
-
-    from cluster.launcher import RouterGone
-
-    gone = []
-    for k in range(len(cluster.routers)):
-        try:
-            with contextlib.suppress(GetTimeoutError, ActorUnavailableError):
-                cluster.router_pid(timeout_s=5.0, replica=k)
-        except RouterGone as e:
-            gone.append(e)
-    if len(gone) == len(cluster.routers):
-        raise gone[0] if len(gone) == 1 else RouterGone("every router replica died")
-
-
 def _up(args: argparse.Namespace) -> int:
     from cluster.config_loader import ConfigError, load_config
-    from cluster.launcher import RouterGone, launch
+    from cluster.launcher import launch
 
     try:
         config = load_config(args.config, args.set or [])
@@ -117,7 +95,6 @@ def _up(args: argparse.Namespace) -> int:
     # after launch: ray.init installs a SIGTERM handler of its own
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    code = 0
     scheme = "https" if config.router.tls.cert_file else "http"
     try:
         replicas = len(cluster.routers)
@@ -140,24 +117,20 @@ def _up(args: argparse.Namespace) -> int:
                 temperature=0.0,
             )
             print(f"pdserve: serving on {cluster.address}; Ctrl-C to stop", flush=True)
-        checked = time.monotonic()
-        while not stop.wait(0.5):  # serving while the router lives: `up` never outlives it
-            if time.monotonic() - checked >= ROUTER_CHECK_S:
-                _router_alive(cluster)
-                checked = time.monotonic()
+        # serving until Ctrl-C / SIGTERM: a router replica that dies or hangs is restarted
+        # on the same ports by its keeper (cluster/keeper.py)
+        while not stop.wait(0.5):  # short waits: the signal handler runs between them
+            pass
         print("pdserve: draining in-flight requests ...", flush=True)
         cut = cluster.drain()
         if cut:
             print(f"pdserve: {cut} requests cut at router.drain_timeout_s", flush=True)
     except KeyboardInterrupt:
         print("pdserve: stopping now", flush=True)
-    except RouterGone as e:
-        print(f"pdserve up: {e}; nothing serves {cluster.address}: stopping", file=sys.stderr)
-        code = 1
     finally:
         cluster.shutdown(drain=False)
     print("pdserve: stopped", flush=True)
-    return code
+    return 0
 
 
 def _first_key(config) -> str | None:

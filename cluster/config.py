@@ -240,6 +240,27 @@ class RouterConfig:
         "a streamed response (HTTP or gRPC) whose client takes nothing of it this long is ended",
     )
     max_request_id_chars: int = spec(256, at_least(1), "characters in a client's request_id")
+    heartbeat_s: float = spec(
+        1.0, seconds, "how often the launching process pings each router replica"
+    )
+    unresponsive_s: float = spec(
+        5.0,
+        seconds,
+        "a router replica that answers no ping this long is hung: killed, and restarted "
+        "on the same ports",
+    )
+    rejoin_grace_s: float = spec(
+        30.0,
+        at_least(0),
+        "instances keep the requests of a router whose feed ended this long for it to come "
+        "back (0: dropped at once)",
+    )
+    resume_retention_s: float = spec(
+        60.0,
+        seconds,
+        "a request a restarted router rebuilt, or one that finished unread, is kept this "
+        "long for its client to resume it",
+    )
     max_body_bytes: int = spec(8 * 2**20, at_least(1024), "largest HTTP request body")
     max_message_bytes: int = spec(8 * 2**20, at_least(1024), "largest gRPC message, each way")
     max_prompt_tokens: int | None = spec(

@@ -8,7 +8,9 @@ them, watches them and restarts one that fails; Ray restarts the supervisor when
 dies and this process's keeper (cluster/keeper.py) when it hangs, the instances serving
 on meanwhile (they are detached: cluster/actors.py); the router is an async actor
 (``router``) serving gRPC and HTTP, or with ``router.replicas`` N, N of them on the
-same ports (``router``, ``router-1``, ...; router/replicas.py). All run on the
+same ports (``router``, ``router-1``, ...; router/replicas.py). Ray restarts a router
+replica whose process dies, and its keeper in this process kills a hung one and
+starts each new incarnation on the same ports (cluster/keeper.py, router/server.py). All run on the
 driver's node with no CPU reserved: on an existing Ray, the head when ``pdserve up``
 runs on the head's host (a driver joins the head of its host; docs/serving.md,
 "Running across nodes").
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class RouterGone(RuntimeError):
-    """A router actor died: it serves the cluster's address no more."""
+    """A router actor was stopped for good: it serves the cluster's address no more."""
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Cluster:
     session: RaySession
     supervisor: object = None  # actor handle: starts, watches and restarts the instances
     keeper: object = None  # cluster.keeper.Keeper: restarts a hung supervisor
+    router_keepers: list = field(default_factory=list)  # one Keeper per router replica
     routers: list = field(default_factory=list)  # actor handles, replica 0 first
     address: str = ""  # host:port of the router's gRPC server (every replica's)
     http_address: str = ""  # host:port of its OpenAI-compatible HTTP API
@@ -87,8 +90,9 @@ class Cluster:
 
     def router_pid(self, timeout_s: float = 10.0, replica: int = 0) -> int:
         """A router replica's process id (bounded); raises ``RouterGone`` once the
-        actor is dead (it is never restarted), and ``GetTimeoutError`` or
-        ``ActorUnavailableError`` (``ray.exceptions``) when it did not answer this time."""
+        actor was stopped for good (a dead process is restarted: its keeper), and
+        ``GetTimeoutError`` or ``ActorUnavailableError`` (``ray.exceptions``) when it did
+        not answer this time (restarting, hung)."""
         import ray
 
         try:
@@ -115,6 +119,9 @@ class Cluster:
         """Drain (optionally), then stop the router, the instances and an embedded Ray."""
         import ray
 
+        for keeper in self.router_keepers:  # a router stopped on purpose stays stopped
+            keeper.stop()
+        self.router_keepers = []
         try:
             if self.routers and ray.is_initialized():
                 if drain:
@@ -240,9 +247,10 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     sections = config.to_dict()
 
     def router(replica: int, router_section: dict):
+        # restarted by Ray when its process dies; its keeper starts it again (below)
         return (
             ray.remote(RouterServer)
-            .options(name=replica_name(replica), max_concurrency=10_000, **options)
+            .options(name=replica_name(replica), max_concurrency=10_000, max_restarts=-1, **options)
             .remote(
                 config.model,
                 router_section,
@@ -274,3 +282,29 @@ def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     ray.get(cluster.supervisor.watch.remote(cluster.routers))
     cluster.keeper = Keeper(cluster.supervisor, config.supervisor)
     cluster.keeper.start()
+    for k, handle in enumerate(cluster.routers):
+        revive = _revive(handle, cluster, ports, ready_timeout_s)
+        keeper = Keeper(handle, config.router, f"router replica {k}", revive)
+        cluster.router_keepers.append(keeper)
+        keeper.start()
+
+
+def _revive(router, cluster: Cluster, ports: dict, timeout_s: float):
+    """What starts a restarted incarnation of ``router``: its servers on ``ports`` (the
+    first incarnation's) with the instances as the supervisor has them now, then its
+    peers (the other replicas)."""
+
+    def revive() -> None:
+        import ray
+
+        try:
+            roster = ray.get(cluster.supervisor.roster.remote(), timeout=30)
+        except ray.exceptions.RayError as e:  # restarting too: the launch's instances
+            log.warning("no roster from the supervisor for a restarted router: %s", e)
+            roster = None
+        start = router.start.remote(ports["port"], ports["http_port"], roster)
+        ray.get(start, timeout=timeout_s)
+        peers = [p for p in cluster.routers if p is not router]
+        ray.get(router.set_peers.remote(peers), timeout=60)
+
+    return revive

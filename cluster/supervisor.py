@@ -94,6 +94,7 @@ class Supervisor:
                 self._kv(pool),
                 self.limits.placement_timeout_s,
                 self._metrics(pool),
+                self.config.router.rejoin_grace_s,
             )
             self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
         return [(s.name, s.role, s.handles.worker) for s in self.instances.values()]
@@ -149,6 +150,16 @@ class Supervisor:
         self._adopted()
         with self._lock:
             return {name: s.handles.worker for name, s in self.instances.items()}
+
+    def roster(self) -> dict[str, dict]:
+        """Each instance's current ``handle`` (rank 0's) and ``generation``, by name: what
+        a restarted router replica starts from (router/server.py)."""
+        self._adopted()
+        with self._lock:
+            return {
+                name: {"handle": s.handles.worker, "generation": s.generation}
+                for name, s in self.instances.items()
+            }
 
     def handles(self, name: str) -> InstanceHandles:
         self._adopted()
@@ -287,6 +298,7 @@ class Supervisor:
                     self._kv(s.pool),
                     self.limits.placement_timeout_s,
                     self._metrics(s.pool),
+                    self.config.router.rejoin_grace_s,
                 )
                 info = self._wait_ready(handles)
             except Exception as e:  # a start that failed (no resources yet, a crash)

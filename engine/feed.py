@@ -35,11 +35,20 @@ or a command this instance does not take, ends the connection.
 Lifecycle: the connection lasts as long as the instance; its end (EOF, reset) tells
 the consumer the instance is gone. Its sender thread ends when the server closes (the
 instance stops) or a send fails (the consumer went away). A consumer whose connection
-ends while the instance runs is gone for good (a router treats the end as the
-instance's failure and moves its requests elsewhere): the server calls ``left`` with
-its name, and the worker drops that consumer's requests, freeing their blocks, and its
-outbox. Invariant: one connection per consumer name; two would split one outbox
-between them.
+ends while the instance runs has left: the server calls ``left`` with its name, and the
+worker keeps its requests running and their updates accumulating for
+``router.rejoin_grace_s``, then drops them, freeing their blocks, and its outbox (grace
+0: at once). Invariant: one connection per consumer name; two would split one outbox
+between them: a new connection under a name that has one supersedes it (the old one
+is shut and its sender gone before the new one's first frame, and ``left`` is called
+for it before ``joined``: left and back at once).
+
+Rejoining: the first frame of every connection carries ``Polled.live``, what
+``joined(consumer)`` answers (``EngineWorker.consumer_joined``): every attempt the
+instance still holds for that name (``LiveAttempt``: the attempt as sent, what it
+produced so far, how it ended), taken at one instant with the outbox emptied, so that
+this and later frames carry exactly the updates that follow. A restarted router (the
+same consumer name) rebuilds its streams from it (router/rebuild.py).
 """
 
 from __future__ import annotations
@@ -57,7 +66,15 @@ from typing import Any
 
 import msgpack
 
-from engine.messages import Attempt, CacheCursor, CacheDelta, Polled, Reserved, Update
+from engine.messages import (
+    Attempt,
+    CacheCursor,
+    CacheDelta,
+    LiveAttempt,
+    Polled,
+    Reserved,
+    Update,
+)
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
@@ -112,6 +129,7 @@ def encode(polled: Polled) -> bytes:
             "stats": polled.stats,
             "cache": None if polled.cache is None else polled.cache.__dict__,
             "reserved": [r.__dict__ for r in polled.reserved],
+            "live": None if polled.live is None else [_pack_live(a) for a in polled.live],
         },
         use_bin_type=True,
     )
@@ -127,6 +145,7 @@ def decode(body: bytes) -> Polled:
         d["stats"],
         None if cache is None else CacheDelta(**cache),
         [Reserved(**r) for r in d["reserved"]],
+        None if d["live"] is None else [_unpack_live(a) for a in d["live"]],
     )
 
 
@@ -136,7 +155,7 @@ def encode_command(kind: str, value: Attempt | list[str]) -> bytes:
     payload: Attempt | list[str] | dict = value
     if kind in ATTEMPT_COMMANDS:
         assert isinstance(value, Attempt)  # these kinds' value (the docstring)
-        payload = {**value.__dict__, "params": value.params.__dict__}
+        payload = _pack_attempt(value)
     body = msgpack.packb({kind: payload}, use_bin_type=True)
     return LENGTH.pack(len(body)) + body
 
@@ -149,11 +168,28 @@ def decode_command(body: bytes) -> tuple[str, Attempt | list[str]]:
         raise ValueError(f"feed command {str(d)[:80]!r}: must be one of {COMMANDS}")
     [(kind, value)] = d.items()
     if kind in ATTEMPT_COMMANDS:
-        value["params"] = SamplingParams(**value["params"])
-        value["prompt_ids"] = tuple(value["prompt_ids"])
-        value["delivered"] = tuple(value["delivered"])
-        value = Attempt(**value)
+        value = _unpack_attempt(value)
     return kind, value
+
+
+def _pack_attempt(a: Attempt) -> dict:
+    return {**a.__dict__, "params": a.params.__dict__}
+
+
+def _unpack_attempt(d: dict) -> Attempt:
+    d["params"] = SamplingParams(**d["params"])
+    d["prompt_ids"] = tuple(d["prompt_ids"])
+    d["delivered"] = tuple(d["delivered"])
+    return Attempt(**d)
+
+
+def _pack_live(a: LiveAttempt) -> dict:
+    return {**a.__dict__, "attempt": _pack_attempt(a.attempt)}
+
+
+def _unpack_live(d: dict) -> LiveAttempt:
+    d["attempt"] = _unpack_attempt(d["attempt"])
+    return LiveAttempt(**d)
 
 
 def cut(buf: bytearray) -> list[bytes]:
@@ -213,12 +249,16 @@ class FeedServer:
         bind: str,
         advertise: str,
         left: Callable[[str], None] = lambda consumer: None,
+        joined: Callable[[str], list[LiveAttempt]] = lambda consumer: [],
     ):
         """``commands``: what applies each of ``COMMANDS`` this instance takes (the
         methods its worker's ``feed_commands`` name); ``left``:
         called with a consumer's name when its connection ends before the server closes
-        (the worker's ``consumer_left``)."""
-        self._poll, self._commands, self._left = poll, commands, left
+        (the worker's ``consumer_left``); ``joined``: called with it as a connection
+        starts, its answer the first frame's ``live`` (the worker's
+        ``consumer_joined``)."""
+        self._poll, self._commands = poll, commands
+        self._left, self._joined = left, joined
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         self._listener = socket.create_server((bind, 0), family=family, backlog=64)
         host = f"[{advertise}]" if ":" in advertise else advertise
@@ -227,6 +267,8 @@ class FeedServer:
         # token -> (consumer, its cursor, monotonic deadline)
         self._tickets: dict[str, tuple[str, CacheCursor | None, float]] = {}
         self._connections: set[socket.socket] = set()
+        # consumer -> its connection and an event set once that one's sender is gone
+        self._current: dict[str, tuple[socket.socket, threading.Event]] = {}
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._closed = False
         threading.Thread(target=self._accept, name=f"{name}-feed", daemon=True).start()
@@ -267,27 +309,53 @@ class FeedServer:
             if ticket is None:
                 return
             consumer, cursor = ticket
+            done = threading.Event()
             with self._lock:
                 if self._closed:
                     return
                 self._connections.add(conn)
-            conn.settimeout(SEND_TIMEOUT_S)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._take_commands, args=(conn,), daemon=True).start()
+                old = self._current.get(consumer)
+                self._current[consumer] = (conn, done)
             try:
-                while not self._closed:
-                    polled = self._poll(consumer, HEARTBEAT_S, cursor)
-                    conn.sendall(encode(polled))
-                    if polled.cache is not None:
-                        cursor = polled.cache.cursor
-            except OSError:  # the consumer went away, or close() shut the connection
-                pass
+                self._feed(conn, consumer, cursor, old)
             finally:
                 with self._lock:
                     self._connections.discard(conn)
-                    gone = not self._closed
+                    current = self._current.get(consumer, (None,))[0] is conn
+                    if current:
+                        del self._current[consumer]
+                    gone = current and not self._closed
+                done.set()
                 if gone:
                     self._left(consumer)
+
+    def _feed(self, conn, consumer: str, cursor: CacheCursor | None, old) -> None:
+        """Supersede ``old`` (the consumer's previous connection, if any), then send
+        frames until the connection or the server ends."""
+        if old is not None:
+            with contextlib.suppress(OSError):  # already gone
+                old[0].shutdown(socket.SHUT_RDWR)
+            # its sender sends nothing more once it is gone: every update after the
+            # snapshot below reaches this connection
+            old[1].wait(HANDSHAKE_S)
+            # the consumer left and is back: with no grace what it left is dropped
+            # (there is nothing to hand back), as when it had left first
+            self._left(consumer)
+        # the snapshot before any command of this connection is taken: what those add
+        # reaches the outbox after it, so it goes out with the frames
+        live: list[LiveAttempt] | None = self._joined(consumer)
+        conn.settimeout(SEND_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=self._take_commands, args=(conn,), daemon=True).start()
+        try:
+            while not self._closed:
+                polled = self._poll(consumer, HEARTBEAT_S, cursor)
+                polled.live, live = live, None
+                conn.sendall(encode(polled))
+                if polled.cache is not None:
+                    cursor = polled.cache.cursor
+        except OSError:  # the consumer went away, or close() or a successor shut it
+            pass
 
     def _take_commands(self, conn: socket.socket) -> None:
         """Apply each command the consumer sends, in order, until it stops sending (or

@@ -37,6 +37,9 @@ class Attempt:
     ``destination`` (the decode instance's answer to ``reserve``, opaque here: the router
     never reads it) and ``decode`` (that instance's name, for messages).
 
+    ``context`` is opaque to the instances: they hand it back, with the attempt, to a
+    consumer that reconnects under the same name (``LiveAttempt``).
+
     Every instance also reads ``delivered`` and ``delivered_chars``: a request resumed
     after an earlier attempt died mid-stream carries the token ids and the number of
     text characters (code points) its client already received; the instance generates
@@ -55,6 +58,9 @@ class Attempt:
     destination: bytes = b""
     delivered: tuple[int, ...] = ()
     delivered_chars: int = 0
+    # the router's own record of the request (msgpack; what it needs to rebuild the
+    # request's stream after a restart, router/rebuild.py): never read by an instance
+    context: bytes = b""
 
 
 @dataclass
@@ -147,12 +153,63 @@ class Reserved:
 
 
 @dataclass
+class LiveAttempt:
+    """An attempt an instance holds for a consumer, as it hands it back when that
+    consumer reconnects (engine/feed.py, "Rejoining"): the ``attempt`` as sent, what it
+    produced so far (``token_ids`` and ``text`` after ``attempt.delivered``; ``marks``:
+    ``[tokens, chars]`` at the end of each update, where the consumer's deltas can
+    have ended) and how it ended, if it did. ``state``: ``pending`` (no token yet:
+    reserved, prefilling or queued), ``running``, ``finished`` (``finish_reason``),
+    ``failed`` (``error``; ``retryable`` as ``Update``'s) or ``handed_off`` (a
+    prefill-side attempt whose KV the decode instance acknowledged)."""
+
+    attempt: Attempt
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    marks: list[list[int]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    retryable: bool = False
+    handed_off: bool = False
+
+    @property
+    def state(self) -> str:
+        if self.error is not None:
+            return "failed"
+        if self.finish_reason is not None:
+            return "finished"
+        if self.handed_off:
+            return "handed_off"
+        return "running" if self.token_ids else "pending"
+
+    @property
+    def final(self) -> bool:
+        return self.state in ("finished", "failed", "handed_off")
+
+    def record(self, update: Update) -> None:
+        """Fold one of the attempt's updates in (on the instance, as it goes out)."""
+        if update.token_ids or update.text:
+            self.token_ids += update.token_ids
+            self.text += update.text
+            self.marks.append([len(self.token_ids), len(self.text)])
+        if update.finish_reason is not None:
+            self.finish_reason = update.finish_reason
+        if update.error is not None:
+            self.error, self.retryable = update.error, update.retryable
+        self.handed_off = self.handed_off or update.handed_off
+
+
+@dataclass
 class Polled:
     """One ``EngineWorker.poll``: the consumer's updates, the instance's ``stats()``, its
     prefix cache's changes when the consumer passed a ``CacheCursor`` (else None), and
-    the answers to the ``reserve``s it sent up its feed."""
+    the answers to the ``reserve``s it sent up its feed. ``live``: on the first frame of
+    a feed connection only (else None), the attempts the instance still holds for the
+    consumer (engine/feed.py, "Rejoining"); the updates of this and later frames
+    follow what they hold."""
 
     updates: list[Update]
     stats: dict
     cache: CacheDelta | None = None
     reserved: list[Reserved] = field(default_factory=list)
+    live: list[LiveAttempt] | None = None

@@ -38,9 +38,9 @@ import torch
 
 from engine import EngineConfig, LLMEngine
 from engine.cache_log import CacheLog
-from engine.feed import FeedServer, FeedTicket
+from engine.feed import ATTEMPT_COMMANDS, FeedServer, FeedTicket
 from engine.llm_engine import StepFailed
-from engine.messages import Attempt, CacheCursor, Polled, Reserved, Update
+from engine.messages import Attempt, CacheCursor, LiveAttempt, Polled, Reserved, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
 from engine.prefilled import LastChunkHook, Prefilled
 from engine.scheduler import StepShape
@@ -72,7 +72,9 @@ class EngineWorker:
     ):
         """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts).
         ``feed``: ``{"bind": interface, "advertise": address}`` of the update feed's
-        listener (engine/feed.py; None: 127.0.0.1, for instances made outside a cluster).
+        listener (engine/feed.py; None: 127.0.0.1, for instances made outside a cluster),
+        and optionally ``"rejoin_grace_s"``: how long a departed consumer's requests are
+        kept for it to reconnect (``consumer_left``; absent or 0: dropped at once).
         ``parallel``: ``{"size": N, "address": host:port, "bind": interface, "secret":
         the cluster's, "ranks": [handles]}`` makes this rank 0 of a tensor-parallel
         instance: it serves the world's rendezvous on ``bind`` at that port, advertised
@@ -115,14 +117,28 @@ class EngineWorker:
             "abort": self._op_abort,
             "add": self._op_add,
             "consumer_left": self._op_consumer_left,
+            "consumer_expired": self._op_consumer_expired,
         }
+        # rejoining (engine/feed.py): the attempts sent up a feed and what they produced,
+        # kept while held and ``rejoin_grace_s`` after their end (under _lock); none
+        # kept with a grace of 0
+        feed = feed or {"bind": "127.0.0.1", "advertise": "127.0.0.1"}
+        self._rejoin_grace_s: float = feed.get("rejoin_grace_s", 0.0)
+        self._live: dict[str, LiveAttempt] = {}
+        self._ended: deque[tuple[float, str]] = deque()  # (monotonic end, attempt id)
+        self._departed: dict[str, object] = {}  # consumer -> the token of its departure
         self._setup(*setup)
         self._snapshot = self._stats()
         self._stopping = False
-        feed = feed or {"bind": "127.0.0.1", "advertise": "127.0.0.1"}
-        commands = {kind: getattr(self, method) for kind, method in self.feed_commands.items()}
+        commands = {kind: self._command(kind, m) for kind, m in self.feed_commands.items()}
         self._feed = FeedServer(
-            name, self.poll, commands, feed["bind"], feed["advertise"], self.consumer_left
+            name,
+            self.poll,
+            commands,
+            feed["bind"],
+            feed["advertise"],
+            self.consumer_left,
+            self.consumer_joined,
         )
         self._busy_since: float | None = None  # monotonic start of the work under way
         self._loop = threading.Thread(target=self._run, name=f"{name}-steps", daemon=True)
@@ -160,9 +176,64 @@ class EngineWorker:
         self._post(("abort", list(request_ids)))
 
     def consumer_left(self, consumer: str) -> None:
-        """``consumer`` is gone (its update feed ended): drop its requests, freeing
-        their blocks, and its outbox."""
-        self._post(("consumer_left", consumer))
+        """``consumer`` is gone (its update feed ended): its requests run on and their
+        updates accumulate for ``rejoin_grace_s``; then (at once with a grace of 0) they
+        are dropped, freeing their blocks, with its outbox. A ``consumer_joined`` within
+        the grace keeps them."""
+        if self._rejoin_grace_s <= 0:
+            self._post(("consumer_left", consumer))
+            return
+        token = object()
+        with self._lock:
+            self._departed[consumer] = token
+        timer = threading.Timer(
+            self._rejoin_grace_s, self._post, (("consumer_expired", consumer, token),)
+        )
+        timer.daemon = True
+        timer.start()
+        log.warning(
+            "%s: consumer %r left; keeping its requests for %g s (router.rejoin_grace_s)",
+            self.name,
+            consumer,
+            self._rejoin_grace_s,
+        )
+
+    def consumer_joined(self, consumer: str) -> list[LiveAttempt]:
+        """A feed connection of ``consumer`` starts: the attempts held for it (what a
+        departed consumer left running, its grace cancelled), its outbox emptied at the
+        same instant: the updates after it are what follows these."""
+        with self._lock:
+            self._departed.pop(consumer, None)
+            self._outboxes.pop(consumer, None)
+            self._reserved.pop(consumer, None)
+            self._forget_ended()
+            return [
+                LiveAttempt(
+                    **{**a.__dict__, "token_ids": list(a.token_ids), "marks": list(a.marks)}
+                )
+                for a in self._live.values()
+                if a.attempt.consumer == consumer
+            ]
+
+    def _command(self, kind: str, method: str) -> Callable:
+        """The feed's handler of ``kind``: the worker's ``method``, which for an attempt
+        first records it for rejoining (when there is a grace)."""
+        apply = getattr(self, method)
+        if kind not in ATTEMPT_COMMANDS or self._rejoin_grace_s <= 0:
+            return apply
+
+        def tracked(attempt: Attempt) -> None:
+            with self._lock:
+                self._live[attempt.id] = LiveAttempt(attempt)
+            apply(attempt)
+
+        return tracked
+
+    def _forget_ended(self) -> None:
+        """Drop the records of attempts that ended more than the grace ago (under _lock)."""
+        horizon = time.monotonic() - self._rejoin_grace_s
+        while self._ended and self._ended[0][0] < horizon:
+            self._live.pop(self._ended.popleft()[1], None)
 
     def poll(self, consumer: str, timeout_s: float, cache: CacheCursor | None = None) -> Polled:
         """Everything produced for ``consumer`` since its last poll, and with ``cache`` the
@@ -282,6 +353,12 @@ class EngineWorker:
         some."""
         fed = set()
         for update in updates:
+            live = self._live.get(update.request_id)
+            if live is not None and not live.final:
+                live.record(update)
+                if live.final:
+                    self._ended.append((time.monotonic(), update.request_id))
+                    self._forget_ended()
             consumer = self._consumer.get(update.request_id)
             if consumer is not None:
                 self._outboxes[consumer].append(update)
@@ -291,8 +368,11 @@ class EngineWorker:
         return fed
 
     def _answer(self, consumer: str, reserved: Reserved) -> None:
-        """Hand ``consumer`` an answer to its ``reserve`` with its next batch."""
+        """Hand ``consumer`` an answer to its ``reserve`` with its next batch (a refusal
+        or a failure ends the attempt here: its rejoining record goes)."""
         with self._lock:
+            if reserved.destination is None:
+                self._live.pop(reserved.attempt_id, None)
             self._reserved[consumer].append(reserved)
             self._wake([consumer])
 
@@ -319,6 +399,10 @@ class EngineWorker:
 
     def _op_abort(self, request_ids: list[str]) -> list[Update]:
         out = []
+        if self._live:
+            with self._lock:
+                for request_id in request_ids:
+                    self._live.pop(request_id, None)
         for request_id in request_ids:
             if self._owns(request_id):
                 out += self._abort(request_id)
@@ -328,6 +412,17 @@ class EngineWorker:
                 while len(self._early_aborts) > 10_000:
                     self._early_aborts.popitem(last=False)
         return out
+
+    def _op_consumer_expired(self, consumer: str, token: object) -> list[Update]:
+        """The grace of a departure ran out: drop what the consumer left, unless it
+        rejoined (or left again) meanwhile."""
+        with self._lock:
+            if self._departed.get(consumer) is not token:
+                return []
+            del self._departed[consumer]
+            for rid in [rid for rid, a in self._live.items() if a.attempt.consumer == consumer]:
+                del self._live[rid]
+        return self._op_consumer_left(consumer)
 
     def _op_consumer_left(self, consumer: str) -> list[Update]:
         theirs = [rid for rid, c in self._consumer.items() if c == consumer]

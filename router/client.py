@@ -9,16 +9,20 @@
 
 A stream cancels its request (the router frees its KV blocks) when the caller stops
 iterating: ``break`` out of the loop, ``stream.cancel()``, leaving a ``with`` block
-or dropping the stream. Errors arrive as ``grpc.RpcError`` (``.code()``,
-``.details()``): INVALID_ARGUMENT for a request that cannot run, RESOURCE_EXHAUSTED
-when the router's queue is full, UNAVAILABLE while it starts or drains,
-UNAUTHENTICATED without a key the router knows.
+or dropping the stream. A stream that breaks (UNAVAILABLE: the router died and is
+being restarted) resumes by itself from the last token it received (the ``Resume``
+RPC; router/client_streams.py), with backoff, until the call's ``timeout`` or, without
+one, ``resume_s``: every request gets an id (a new one when the caller gives none).
+Errors arrive as ``grpc.RpcError`` (``.code()``, ``.details()``): INVALID_ARGUMENT for
+a request that cannot run, RESOURCE_EXHAUSTED when the router's queue is full,
+UNAVAILABLE while it starts or drains, UNAUTHENTICATED without a key the router knows.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
+import uuid
 import weakref
 from pathlib import Path
 
@@ -27,13 +31,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
+from router.client_streams import AsyncStream, Stream
 from router.client_types import (
     Chunk,
     Completion,
     Timings,
     TokenLogprobs,
     make_request,
-    read_chunk,
 )
 
 __all__ = [
@@ -48,95 +52,6 @@ __all__ = [
 ]
 
 
-class Stream:
-    """Iterator of ``Chunk``s of one request; cancels the request if left early."""
-
-    def __init__(self, call):
-        self._call, self._it, self.done = call, iter(call), False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Chunk:
-        if self.done:
-            raise StopIteration
-        try:
-            chunk = read_chunk(next(self._it))
-        except StopIteration:
-            self.done = True
-            raise
-        except BaseException:
-            self.done = True
-            raise
-        self.done = chunk.finished
-        return chunk
-
-    @property
-    def request_id(self) -> str:
-        return dict(self._call.initial_metadata() or ()).get("request-id", "")
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.done = True
-            self._call.cancel()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.cancel()
-
-    def __del__(self):
-        with contextlib.suppress(Exception):  # at interpreter exit the channel may be gone
-            self.cancel()
-
-
-class AsyncStream:
-    """Async iterator of ``Chunk``s; cancels the request if left early."""
-
-    def __init__(self, call):
-        self._call, self.done = call, False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self.done:
-            raise StopAsyncIteration
-        try:
-            msg = await self._call.read()
-        except BaseException:
-            self.cancel()
-            raise
-        if msg is grpc.aio.EOF:
-            self.done = True
-            raise StopAsyncIteration
-        chunk = read_chunk(msg)
-        self.done = chunk.finished
-        return chunk
-
-    async def request_id(self) -> str:
-        return dict(await self._call.initial_metadata() or ()).get("request-id", "")
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.done = True
-            self._call.cancel()
-
-    async def aclose(self) -> None:
-        self.cancel()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self.cancel()
-
-    def __del__(self):
-        with contextlib.suppress(Exception):  # at interpreter exit the channel may be gone
-            self.cancel()
-
-
 class RouterClient:
     """The router's gRPC API, sync and async.
 
@@ -145,6 +60,8 @@ class RouterClient:
     PEM CAs that the router's certificate chains to; given (or ``tls=True``, for CAs the
     system trusts) the channel speaks TLS only. ``cert_file``/``key_file``: this
     client's certificate, for a router that requires one (``router.tls.client_ca_file``).
+    ``resume_s``: how long a broken stream without a ``timeout`` keeps trying to resume
+    (0: never; a stream with a ``timeout`` tries until it).
     """
 
     def __init__(
@@ -156,8 +73,10 @@ class RouterClient:
         tls: bool = False,
         cert_file: str | None = None,
         key_file: str | None = None,
+        resume_s: float = 60.0,
     ):
         self.address = address
+        self.resume_s = resume_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._credentials = None
         if tls or ca_file or cert_file:
@@ -185,8 +104,29 @@ class RouterClient:
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Stream:
         """Stream a completion; keywords as ``make_request``."""
+        request = self._request(prompt, kw)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        return Stream(call, request.request_id, self._resumer(self._stub), self._until(timeout))
+
+    def _request(self, prompt: str | None, kw: dict) -> pb.GenerateRequest:
+        """``make_request``'s, with an id of its own when the caller gave none (a stream
+        resumes by it)."""
         request = make_request(prompt, **kw)
-        return Stream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
+        request.request_id = request.request_id or uuid.uuid4().hex
+        return request
+
+    def _until(self, timeout: float | None) -> float:
+        """The monotonic time up to which a broken stream tries to resume."""
+        return time.monotonic() + (self.resume_s if timeout is None else timeout)
+
+    def _resumer(self, stub):
+        """What reopens a stream: a ``Resume`` call for a request id and the tokens had."""
+
+        def resume(request_id: str, after: int, timeout: float):
+            request = pb.ResumeRequest(request_id=request_id, after=after)
+            return stub.Resume(request, timeout=timeout, metadata=self._metadata)
+
+        return resume
 
     def complete(self, prompt: str | None = None, **kw) -> Completion:
         out = Completion()
@@ -230,10 +170,10 @@ class RouterClient:
         self, prompt: str | None = None, *, timeout: float | None = None, **kw
     ) -> AsyncStream:
         """``async for chunk in client.agenerate(...)``; keywords as ``make_request``."""
-        request = make_request(prompt, **kw)
-        return AsyncStream(
-            self._astub().Generate(request, timeout=timeout, metadata=self._metadata)
-        )
+        request = self._request(prompt, kw)
+        stub = self._astub()
+        call = stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        return AsyncStream(call, request.request_id, self._resumer(stub), self._until(timeout))
 
     async def acomplete(self, prompt: str | None = None, **kw) -> Completion:
         out = Completion()

@@ -29,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.placement import Colocated, Placement
 from router.policies import make_policy
 from router.prefill_costs import CostModel
+from router.rebuild import Rebuild
 from router.replicas import Peers, Replica, merge_stats
 from router.request import GenerateRequest, Refusal, Refused
 from router.request_log import log_request
@@ -115,6 +116,10 @@ class RouterCore:
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
         self.validator: RequestValidator | None = None  # set once every instance is ready
         self.draining = False
+        # a restarted router's streams (router/rebuild.py), and the instances whose feed
+        # has not reported what they hold yet
+        self.rebuild = Rebuild(self, router_config["resume_retention_s"])
+        self._unreported = {i.name for i in self.instances}
 
     # ---- state ----
 
@@ -154,7 +159,7 @@ class RouterCore:
             ),
         )
         for inst in self.instances:
-            inst.start_feed(self._on_updates, self._on_dead)
+            inst.start_feed(self._on_updates, self._on_dead, self._on_live)
         self.stalls.start(self.streams)
         self._health_changed()
         return infos
@@ -183,12 +188,19 @@ class RouterCore:
         elif inst.streams:
             self.after_updates(self.placement.on_dead(inst))
         inst.readmit(handle, generation, info)
-        inst.start_feed(self._on_updates, self._on_dead)
+        inst.start_feed(self._on_updates, self._on_dead, self._on_live)
         self._health_changed()
         self._dispatch()
 
+    def _on_live(self, inst: Instance, live: list) -> None:
+        """The first frame of an instance's feed: what it still holds for this router
+        (``LiveAttempt``s: a restarted router's requests, router/rebuild.py)."""
+        self._unreported.discard(inst.name)
+        self.rebuild.take(inst, live)
+
     def _on_dead(self, inst: Instance, why: str) -> None:
         """An instance's feed ended: it is gone; the supervisor restarts it."""
+        self._unreported.discard(inst.name)
         if self.supervisor is not None:
             self.supervisor.report.remote(inst.name, inst.generation, why)
         self._instance_failed(inst, why, restarting=self.supervisor is not None)
@@ -296,10 +308,12 @@ class RouterCore:
         arrival: float,
         deadline: float | None = None,
         owner: str = "",
+        front: dict | None = None,
     ) -> RequestStream:
         """Validate, tokenize (off the event loop, router/intake.py) and admit
         ``request`` (``arrival``: ``time.monotonic()`` when it reached the front end;
-        ``owner``: its API key's, router/auth.py): its stream, placed or queued.
+        ``owner``: its API key's, router/auth.py; ``front``: how its front end renders it,
+        ``RequestStream.front``): its stream, placed or queued.
 
         Raises ``Refused``. The caller reads the stream to its end and then calls
         ``finish`` (also when its client goes away). The router gives up on the request
@@ -314,7 +328,9 @@ class RouterCore:
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
-        stream = RequestStream(request_id, prompt_ids, params, arrival=arrival, owner=owner)
+        stream = RequestStream(
+            request_id, prompt_ids, params, arrival=arrival, owner=owner, front=front or {}
+        )
         stream.on_first_token = self.first_tokens.note
         self.admit(stream)
         loop = asyncio.get_running_loop()
@@ -328,6 +344,27 @@ class RouterCore:
                 f"deadline exceeded: the request had not finished {deadline - arrival:.3g} s "
                 "after its arrival",
             )
+            stream.timers.append(
+                loop.call_later(deadline - time.monotonic(), self._give_up, stream, late)
+            )
+        return stream
+
+    def resume(
+        self, request_id: str, after: int, owner: str = "", deadline: float | None = None
+    ) -> RequestStream:
+        """The rebuilt stream of ``request_id`` (owned by ``owner``), for a client that has
+        its first ``after`` tokens (``Rebuild.claim``); the caller reads it as
+        ``open_stream``'s and then calls ``finish``. Raises ``Refused``: UNAVAILABLE
+        while the router is still rebuilding its view (retry), INVALID as ``claim``."""
+        if not self.ready or self._unreported:
+            raise Refused(
+                Refusal.UNAVAILABLE,
+                "the router is rebuilding its view of the requests in flight; retry",
+            )
+        stream = self.rebuild.claim(request_id, after, owner)
+        if deadline is not None:
+            late = Refused(Refusal.DEADLINE, "deadline exceeded while resuming the request")
+            loop = asyncio.get_running_loop()
             stream.timers.append(
                 loop.call_later(deadline - time.monotonic(), self._give_up, stream, late)
             )

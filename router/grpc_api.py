@@ -206,17 +206,7 @@ class RouterService(pb_grpc.RouterServicer):
                 stream = await self.core.open_stream(
                     generate_request(request), arrival, deadline, owner
                 )
-                try:
-                    await context.send_initial_metadata((("request-id", stream.request_id),))
-                    while True:
-                        delta = await stream.read()
-                        if delta.error is not None:
-                            await context.abort(grpc.StatusCode.INTERNAL, one_line(delta.error))
-                        await self._write(context, generate_response(stream, delta))
-                        if delta.finish_reason is not None:
-                            return
-                finally:
-                    self.core.finish(stream)  # ended, refused, failed, or the client left
+                await self._relay(stream, context)
         except Refused as e:
             self.core.metrics.refused(e.reason)
             await _abort(context, e)
@@ -224,6 +214,42 @@ class RouterService(pb_grpc.RouterServicer):
             raise
         except Exception:
             await context.abort(grpc.StatusCode.INTERNAL, internal_error("Generate"))
+
+    async def Resume(self, request, context):
+        """A rebuilt request's tokens after ``request.after``, then the rest (as Generate)."""
+        if isinstance(request, Unparsable):
+            self.core.metrics.refused("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        owner = _owner(self.keys, context)
+        address = None if self.keys.enabled else peer_address(context.peer())
+        try:
+            with self.core.calls.call(owner, address):
+                left = context.time_remaining()
+                deadline = None if left is None else time.monotonic() + left
+                stream = self.core.resume(request.request_id, request.after, owner, deadline)
+                await self._relay(stream, context)
+        except Refused as e:
+            self.core.metrics.refused(e.reason)
+            await _abort(context, e)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await context.abort(grpc.StatusCode.INTERNAL, internal_error("Resume"))
+
+    async def _relay(self, stream: RequestStream, context) -> None:
+        """The stream's messages to its end (each bounded by ``_write``); ``core.finish``
+        whatever ends it."""
+        try:
+            await context.send_initial_metadata((("request-id", stream.request_id),))
+            while True:
+                delta = await stream.read()
+                if delta.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, one_line(delta.error))
+                await self._write(context, generate_response(stream, delta))
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            self.core.finish(stream)  # ended, refused, failed, or the client left
 
     @_no_tracebacks
     async def Abort(self, request, context):

@@ -3,6 +3,10 @@
 
     POST /v1/completions        one prompt (text or token ids); SSE with "stream": true
     POST /v1/chat/completions   messages, rendered with the model's chat template
+    GET  /v1/requests/{id}/stream?after=N
+                                resume a streamed request a restarted router rebuilt:
+                                SSE of the tokens after the first N (``Last-Event-ID``
+                                instead of ``after`` also works), as the original
     GET  /v1/models             the served model
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus text (router/metrics.py): the request view,
@@ -33,6 +37,12 @@ closing the connection, which cancels the handler) ``core.finish`` takes its req
 out of the router and the instances; the status line waits for the request's first
 output, so a refusal or a timeout before any output is a plain error response, and one
 after it an error event ending the stream.
+
+Resuming (docs/serving.md, "Router restarts and resuming"): every generate response
+carries ``X-Request-Id`` (a client's own ``X-Request-Id`` header names its request,
+bounded by ``router.max_request_id_chars``); each SSE event of a delta has ``id:`` the
+number of tokens sent so far, what a client that lost its connection to a dead router
+resumes after, with the chunks of the original API (``RequestStream.front``).
 """
 
 from __future__ import annotations
@@ -77,6 +87,7 @@ from router.request import Refused
 from router.stream import Delta, RequestStream
 
 MAX_BODY_BYTES = 8 * 2**20  # router.max_body_bytes's default
+REQUEST_ID = "X-Request-Id"
 BACKLOG = 2048  # connections the kernel queues before they are accepted (uvicorn's)
 
 
@@ -113,6 +124,7 @@ class HttpApi:
             [
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/requests/{request_id}/stream", self.resume),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
@@ -221,9 +233,11 @@ class HttpApi:
             message = f"model={show(model)}: not served here; GET /v1/models lists {self.model!r}"
             return error_response(404, message, "model")
         read = read_request(body, chat)
+        read.request.request_id = request.headers.get(REQUEST_ID, "")
         deadline = None if read.timeout_s is None else arrival + read.timeout_s
         owner = request.get("owner", "")
-        stream = await self.core.open_stream(read.request, arrival, deadline, owner)
+        front = {"api": "chat" if chat else "completions", "include_usage": read.include_usage}
+        stream = await self.core.open_stream(read.request, arrival, deadline, owner, front)
         shape = None
         if stream.params.logprobs is not None:
             shape = LogprobsShape(chat, self.core.tokenizer)
@@ -232,7 +246,7 @@ class HttpApi:
             prefix = self._echo(read)
             delta = await stream.read()
             if read.stream:
-                return await self._stream(request, stream, reply, read, prefix, delta)
+                return await self._stream(request, stream, reply, read.include_usage, delta, prefix)
             text, logprobs = prefix + delta.text, list(delta.logprobs or [])
             while delta.finish_reason is None and delta.error is None:
                 delta = await stream.read()
@@ -242,7 +256,8 @@ class HttpApi:
                 return error_response(500, one_line(delta.error))
             usage = usage_object(stream.usage())
             assert delta.finish_reason is not None  # the loop ends on a finish or an error
-            return web.json_response(reply.whole(text, delta.finish_reason, usage, logprobs))
+            whole = reply.whole(text, delta.finish_reason, usage, logprobs)
+            return web.json_response(whole, headers={REQUEST_ID: stream.request_id})
         finally:
             self.core.finish(stream)  # finished, failed, refused, or the client went away
 
@@ -259,20 +274,64 @@ class HttpApi:
         assert req.prompt_token_ids is not None  # echo is for completions: prompt or ids
         return self.core.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
 
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/requests/{id}/stream?after=N``: a rebuilt request's tokens after the
+        client's first N, then the rest, as the SSE of the API it came by; errors as a
+        generate's (the core's refusals: 400 for an id it does not hold, 503 while it
+        rebuilds)."""
+        refused = self.core.metrics.refused
+        request_id = request.match_info["request_id"]
+        raw = request.query.get("after", request.headers.get("Last-Event-ID", "0"))
+        if not raw.isdigit():
+            refused("invalid")
+            return error_response(400, f"after={show(raw)}: must be an integer >= 0", "after")
+        address = request.remote if self.by_address else None
+        try:
+            with self.core.calls.call(request.get("owner", ""), address):
+                stream = self.core.resume(request_id, int(raw), request.get("owner", ""))
+                try:
+                    chat = stream.front.get("api") == "chat"
+                    shape = None
+                    if stream.params.logprobs is not None:
+                        shape = LogprobsShape(chat, self.core.tokenizer)
+                    reply = Reply(stream.request_id, self.model, chat, shape)
+                    delta = await stream.read()
+                    usage = bool(stream.front.get("include_usage"))
+                    return await self._stream(request, stream, reply, usage, delta, sent=int(raw))
+                finally:
+                    self.core.finish(stream)
+        except Refused as e:
+            refused(e.reason)
+            return refusal_response(e)
+
     async def _stream(
-        self, request, stream: RequestStream, reply, read: OpenAIRequest, prefix: str, delta
+        self,
+        request,
+        stream: RequestStream,
+        reply,
+        include_usage: bool,
+        delta,
+        prefix: str = "",
+        sent: int | None = None,
     ):
-        """Server-sent events from the request's first output on (the echoed prompt
-        first, when there is one); each write bounded by ``router.write_timeout_s``."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        """Server-sent events from the request's first output on (the role chunk and
+        the echoed prompt first, when there are some), or with ``sent`` (a resume: the
+        tokens the client had) from there; each write bounded by
+        ``router.write_timeout_s``."""
+        headers = {"Content-Type": "text/event-stream", REQUEST_ID: stream.request_id}
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         events = Events(request, resp, self.timeouts.write_s)
         try:
-            if chat_role := reply.role_chunk():
+            if sent is None and (chat_role := reply.role_chunk()):
                 await events.send(chat_role)
             if prefix:
                 await events.send(reply.chunk(prefix, None))
-            while not await self._event(events, stream, reply, read, delta):
+            tokens = sent or 0  # sent so far: each delta's event id
+            while True:
+                tokens += len(delta.token_ids)
+                if await self._event(events, stream, reply, include_usage, delta, tokens):
+                    break
                 try:
                     delta = await stream.read()
                 except Refused as e:
@@ -288,14 +347,18 @@ class HttpApi:
                 await events.send(error_body(500, message), last=True)
         return resp
 
-    async def _event(self, events, stream: RequestStream, reply, read, delta: Delta) -> bool:
-        """Send one delta; True when it was the last."""
+    async def _event(
+        self, events, stream: RequestStream, reply, include_usage: bool, delta: Delta, tokens: int
+    ) -> bool:
+        """Send one delta (``tokens``: how many the client has with it, the event's id);
+        True when it was the last."""
         if delta.error is not None:
             await events.send(error_body(500, one_line(delta.error)))
             return True
-        await events.send(reply.chunk(delta.text, delta.finish_reason, delta.logprobs))
+        chunk = reply.chunk(delta.text, delta.finish_reason, delta.logprobs)
+        await events.send(chunk, event_id=tokens)
         if delta.finish_reason is None:
             return False
-        if read.include_usage:
+        if include_usage:
             await events.send(reply.usage_chunk(usage_object(stream.usage())))
         return True

@@ -153,8 +153,10 @@ class Events:
     def __init__(self, request: web.Request, resp: web.StreamResponse, timeout_s: float):
         self.request, self.resp, self.timeout_s = request, resp, timeout_s
 
-    async def send(self, payload: dict, last: bool = False) -> None:
-        data = f"data: {json.dumps(payload)}\n\n".encode()
+    async def send(self, payload: dict, last: bool = False, event_id: int | None = None) -> None:
+        """One event; ``event_id``: its ``id:`` line (what a client resumes after)."""
+        head = "" if event_id is None else f"id: {event_id}\n"
+        data = f"{head}data: {json.dumps(payload)}\n\n".encode()
         await write(self.request, self.resp.write(data), self.timeout_s)
         if last:
             await write(self.request, self.resp.write_eof(), self.timeout_s)

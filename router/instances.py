@@ -68,6 +68,7 @@ class Instance:
         self._feed: FeedReader | None = None  # while its update feed is connected
         self._unsent: list[bytes] = []  # commands given before the feed connected
         self._reserving: dict[str, asyncio.Future] = {}  # attempt id -> its answer to come
+        self._on_live: Callable[[Instance, list], None] = lambda inst, live: None
 
     @property
     def alive(self) -> bool:
@@ -155,7 +156,12 @@ class Instance:
         self,
         on_updates: Callable[[Instance, list], None],
         on_dead: Callable[[Instance, str], None],
+        on_live: Callable[[Instance, list], None],
     ) -> None:
+        """Follow the feed: ``on_live`` with the first frame's ``LiveAttempt``s (what the
+        instance still holds for this consumer), ``on_updates`` with each frame's updates,
+        ``on_dead`` when it ends."""
+        self._on_live = on_live
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._follow(on_updates, on_dead))
 
@@ -233,4 +239,6 @@ class Instance:
             else:
                 answer.set_exception(RuntimeError(r.error))
         self.cache.apply(polled.cache)  # before the updates: a finished prompt's blocks
+        if polled.live is not None:  # the first frame: its updates follow what these hold
+            self._on_live(self, polled.live)
         on_updates(self, polled.updates)

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from engine.messages import Attempt, Update, attempt_id
 from router.instances import Instance
 from router.policies import InstanceLoad, RoutingPolicy
+from router.rebuild import context
 from router.replicas import replica_name
 from router.stream import Delta, RequestStream
 
@@ -70,6 +71,7 @@ class Placement(ABC):
             self.consumer,
             delivered=tuple(stream.token_ids),
             delivered_chars=stream.text_chars,
+            context=context(stream),
             **fields,
         )
 

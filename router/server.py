@@ -9,9 +9,16 @@ on ``router.http_port``; both with the same API keys (router/auth.py), TLS
 soft limit on open files raised to the hard one, one file a client connection.
 cluster/launcher.py calls its methods through the actor
 handle: ``start``, ``get_http_address``, ``set_peers``, ``wait_ready``, ``drain``,
-``stop``, ``stats``, ``pid``. With ``router.replicas`` above 1 each replica is one such
-actor on the same ports (router/replicas.py); the others call ``abort_here``,
-``own_counts`` and ``metric_samples``.
+``stop``, ``stats``, ``pid``, and its keeper ``ping`` (cluster/keeper.py). With
+``router.replicas`` above 1 each replica is one such actor on the same ports
+(router/replicas.py); the others call ``abort_here``, ``own_counts`` and
+``metric_samples``.
+
+Restarts: the actor has ``max_restarts=-1``; Ray runs ``__init__`` again in a new
+process, and the launcher's keeper, seeing ``"started": False`` in ``ping``, calls
+``start`` with the ports the first incarnation bound. The new incarnation connects to
+every instance's feed under the same consumer name and rebuilds its streams from what
+the instances still hold for it (router/rebuild.py); clients resume them by request id.
 
 Health, on both front ends: serving while the core is (``RouterCore.serving``: every
 instance loaded once, each role has a live instance, not draining); the gRPC health
@@ -78,9 +85,17 @@ class RouterServer:
         self._http: HttpApi | None = None
         self._ready: asyncio.Future | None = None
 
-    async def start(self) -> str:
-        """Bind and serve (not serving until every instance is ready); the gRPC host:port."""
-        host, port = self.config["host"], self.config["port"]
+    async def start(
+        self, port: int | None = None, http_port: int | None = None, roster: dict | None = None
+    ) -> str:
+        """Bind and serve (not serving until every instance is ready); the gRPC host:port.
+        ``port``, ``http_port``: the ports to bind instead of the config's, and
+        ``roster``: the supervisor's ``roster()`` (each instance's current handle and
+        generation, by name), for a restarted incarnation (the first one's ports; an
+        instance restarted since the launch)."""
+        host = self.config["host"]
+        port = self.config["port"] if port is None else port
+        http_port = self.config["http_port"] if http_port is None else http_port
         tls = self.config["tls"]
         raise_fd_limit()
         shared = self.core.replica.count > 1  # the ports are every replica's
@@ -110,8 +125,12 @@ class RouterServer:
             shared,
             HttpTimeouts.from_config(self.config),
         )
-        http_port = await self._http.start(host, self.config["http_port"])
+        http_port = await self._http.start(host, http_port)
         self.http_address = f"{shown}:{http_port}"
+        for inst in self.core.instances:  # a restarted incarnation: the current ones
+            if roster is not None and inst.name in roster:
+                inst.handle = roster[inst.name]["handle"]
+                inst.generation = roster[inst.name]["generation"]
         self._ready = asyncio.get_running_loop().create_task(self._bring_up())
         return self.address
 
@@ -153,6 +172,14 @@ class RouterServer:
     async def stats(self) -> dict:
         """``RouterCore.stats()``: the queue and every instance's load."""
         return await self.core.stats()
+
+    async def ping(self) -> dict:
+        """For the launcher's keeper (cluster/keeper.py): this process's ``pid`` and
+        ``node``, and whether ``start`` ran in it (False: a new incarnation)."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return {"pid": os.getpid(), "node": node, "started": self._grpc is not None}
 
     async def pid(self) -> int:
         """This actor's process id; answering at all means its event loop runs."""

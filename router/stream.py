@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from engine.block_hash import block_hashes
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
-from router.request import Refused
+from router.request import Refusal, Refused
 
 _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_start")
 
@@ -103,6 +103,9 @@ class RequestStream:
     arrival: float = field(default_factory=time.monotonic)
     arrival_wall: float = field(default_factory=time.time)
     owner: str = ""  # the API key's owner (router/auth.py) that may abort it
+    # how its front end renders it, for a restarted router's resume (router/rebuild.py):
+    # HTTP's {"api": "chat" | "completions", "include_usage": bool}; {} for gRPC
+    front: dict = field(default_factory=dict)
     instances: list[str] = field(default_factory=list)
     dispatched_at: float | None = None
     placed_wall: float | None = None
@@ -138,6 +141,12 @@ class RequestStream:
     # first placement: the admission queue's timeout bounds that wait) and since when
     waiting_for: str = ""
     progress_at: float = 0.0
+    # a stream a restarted router rebuilt (router/rebuild.py): no reader until its client
+    # resumes it (``claimed``); its text from the rebuild's first known token on, and
+    # where the deltas its client may have read ended: token count -> chars of ``text``
+    claimed: bool = True
+    text: str | None = None
+    marks: dict[int, int] = field(default_factory=dict)
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)  # by block size
 
     @property
@@ -185,6 +194,8 @@ class RequestStream:
             merged.logprobs = [] if merged.logprobs is None else merged.logprobs
             merged.logprobs += delta.logprobs
         self.text_chars += len(delta.text)
+        if self.text is not None:
+            self.text += delta.text
         merged.finish_reason, merged.error, merged.refused = (
             delta.finish_reason,
             delta.error,
@@ -208,6 +219,30 @@ class RequestStream:
                 return Delta(delta.token_ids, delta.text, logprobs=delta.logprobs)
             raise delta.refused
         return delta
+
+    def rewind(self, after: int) -> None:
+        """A client resumes this rebuilt stream having its first ``after`` tokens: its next
+        ``read`` gives every token after them (and their text), with the end if it came.
+        Raises ``Refused`` (INVALID) when ``after`` is not where one of its deltas ended
+        (the text could not be split there)."""
+        start = self.marks.get(after)
+        if start is None or self.text is None or after > len(self.token_ids):
+            known = ", ".join(str(n) for n in sorted(self.marks)[:8])
+            raise Refused(
+                Refusal.INVALID,
+                f"after={after}: request {self.request_id!r} can be resumed after one of "
+                f"{len(self.marks)} token counts ({known}{', ...' if len(self.marks) > 8 else ''})",
+            )
+        ended = self.waiting or Delta([], "")
+        self.waiting = Delta(
+            self.token_ids[after:],
+            self.text[start:],
+            ended.finish_reason,
+            ended.error,
+            ended.refused,
+        )
+        self.claimed = True
+        self._delivered.set()
 
     def block_hashes(self, block_size: int) -> list[int]:
         """The prompt's full-block hashes (engine/block_hash.py), computed once per size."""

@@ -4,8 +4,9 @@ process's sockets), clients on connections of their own reach both and get the
 offline engine's greedy outputs, co-located and disaggregated; an abort sent to the
 replica that does not hold the request ends it; the bounds are split and the stats and
 ``/metrics`` are the cluster's whichever replica answers (Prometheus' parser); and a
-replica killed with SIGKILL leaves the other serving, the instances dropping its
-requests and freeing their blocks."""
+replica killed with SIGKILL leaves the other serving and is restarted on the same
+ports, the instances (with ``router.rejoin_grace_s`` 0) dropping its requests and
+freeing their blocks at once."""
 
 from __future__ import annotations
 
@@ -145,8 +146,8 @@ def test_disaggregated_replicas_serve_the_offline_greedy(chat_model):
             client.close()
 
 
-def test_a_killed_replica_leaves_the_other_serving_and_its_requests_dropped(chat_model):
-    config = small_cluster_config(chat_model)
+def test_a_killed_replica_is_restarted_and_without_grace_its_requests_dropped(chat_model):
+    config = small_cluster_config(chat_model, rejoin_grace_s=0)
     with launch_replicas(config) as cluster:
         clients = client_on_each_replica(cluster)
         stream = clients[1].generate(prompt_token_ids=PROMPTS[1], max_tokens=900,
@@ -164,17 +165,29 @@ def test_a_killed_replica_leaves_the_other_serving_and_its_requests_dropped(chat
 
         threading.Thread(target=read, daemon=True).start()
         tokens = sum(i["tokens_total"] for i in cluster.stats()["instances"])
-        os.kill(cluster.router_pid(replica=1), signal.SIGKILL)
+        killed = cluster.router_pid(replica=1)
+        os.kill(killed, signal.SIGKILL)
         assert ended.wait(30)
         # the instances drop the dead replica's request (its feeds ended) and free its
         # blocks, within a few steps: it does not run on to its 900 tokens
         seconds_until_blocks_free(cluster, within_s=30)
         assert sum(i["tokens_total"] for i in cluster.stats()["instances"]) - tokens < 600
-        # new connections all reach the survivor, which still serves
+        # new connections are served, by the survivor or the restarted replica
         for _ in range(6):
             with cluster.client() as client:
                 got = client.complete(prompt_token_ids=PROMPTS[2], max_tokens=4, temperature=0)
                 assert got.finish_reason == "length"
-        assert wait_until(lambda: cluster.stats()["replicas"] == 1, 30)
-        assert cluster.drain(timeout_s=5) == 0  # the survivor drains; the dead one is skipped
+        # the killed replica is back, a new process on the same ports
+        ports = {int(a.rsplit(":", 1)[1]) for a in (cluster.address, cluster.http_address)}
+
+        def restarted() -> bool:
+            try:
+                pid = cluster.router_pid(timeout_s=1.0, replica=1)
+            except ray.exceptions.RayError:  # still restarting
+                return False
+            return pid != killed and ports <= listeners(pid)
+
+        assert wait_until(restarted, 30, interval_s=0.2)
+        assert wait_until(lambda: cluster.stats()["replicas"] == 2, 30)
+        assert cluster.drain(timeout_s=5) == 0
         clients[0].close()

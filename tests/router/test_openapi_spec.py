@@ -42,7 +42,8 @@ def test_the_document_is_valid_openapi_with_the_served_operations(spec):
     loaded.validate()  # against the OpenAPI 3.1 meta-schema
     labels = {op.ok().label for op in loaded.get_all_operations()}
     assert labels == {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
-                      "GET /health", "GET /metrics", "GET /metrics/targets"}  # fmt: skip
+                      "GET /health", "GET /metrics", "GET /metrics/targets",
+                      "GET /v1/requests/{request_id}/stream"}  # fmt: skip
     for schema in spec["components"]["schemas"].values():
         jsonschema.Draft202012Validator.check_schema(schema)
 
