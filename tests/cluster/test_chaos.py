@@ -1,8 +1,8 @@
 """``pdserve chaos`` end to end on the tiny model: a run that SIGKILLs an instance and
 the supervisor passes its gate with every signalled role recovered and every stream
 complete and as expected; a run in which no fault fires (``--kill-every`` past the run)
-fails the gate though every stream is fine; and the router's role (waiting for the
-router to come back from its own death)."""
+fails the gate though every stream is fine; and a run that SIGKILLs the router, whose
+streams resume on its next incarnation."""
 
 from __future__ import annotations
 
@@ -90,10 +90,6 @@ def test_chaos_gate_fails_when_no_fault_fires(chat_model, tmp_path, capsys):
     assert "the gate failed:" in printed and "chaos: FAILED" in printed
 
 
-@pytest.mark.skip(
-    reason="the router does not come back from its own death yet (issue 39: a keeper that "
-    "restarts it on the same ports, clients resuming by request id, is not merged)"
-)
 @pytest.mark.timeout(420)
 def test_chaos_kills_the_router_and_it_serves_again(chat_model, tmp_path, capsys):
     code, results = chaos(chat_model, tmp_path, "--requests", "40", "--rate", "3",

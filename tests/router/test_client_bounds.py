@@ -44,7 +44,7 @@ class FloodCore:
         self.finished: list[float] = []  # when each stream was finished
         self._floods: set[asyncio.Task] = set()
 
-    async def open_stream(self, request, arrival, deadline=None, owner=""):
+    async def open_stream(self, request, arrival, deadline=None, owner="", front=None):
         stream = RequestStream(f"r{len(self._floods)}", [1], SamplingParams(max_tokens=10**6))
         task = asyncio.get_running_loop().create_task(self._flood(stream))
         self._floods.add(task)

@@ -33,7 +33,7 @@ class BrokenCore:
         self.calls = CallLimit(4)
         self.metrics = RouterMetrics("m", {"ttft_ms": 1000.0, "tpot_ms": 150.0})
 
-    async def open_stream(self, request, arrival, deadline=None, owner=""):
+    async def open_stream(self, request, arrival, deadline=None, owner="", front=None):
         raise RuntimeError(SECRET)
 
     async def abort_anywhere(self, request_id, owner=""):
