@@ -104,7 +104,7 @@ class EngineWorker:
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
         self._steps = StepLog()
-        self._cache_log = CacheLog(retain=self.engine.blocks.num_blocks)  # under _lock
+        self._cache_log = CacheLog(retain=self.engine.kv_view().num_blocks)  # under _lock
         self._last_step: list[float] = []  # the latest ``step_log`` row, in ``stats()``
         # called on the step loop after each step, with its shape, its seconds (as
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
@@ -140,15 +140,15 @@ class EngineWorker:
             "threads": torch.get_num_threads(),
             "max_context": e.max_context,
             "vocab_size": e.model_config.vocab_size,
-            "num_blocks": e.blocks.num_blocks,
-            "block_size": e.blocks.block_size,
+            "num_blocks": e.kv_view().num_blocks,
+            "block_size": e.kv_view().block_size,
             "max_batch_size": e.config.max_batch_size,
             "max_batch_tokens": e.config.max_batch_tokens,
             "mixed_prefill_tokens": e.config.mixed_prefill_tokens,
             "tensor_parallel": e.model.tp.size,
             # this rank's KV cache bytes per token (a replicated MLA latent counts whole);
             # a decode instance adds ``kv_bytes_per_token``, what a handoff moves per token
-            "kv_cache_bytes_per_token": e.runner.kv_bytes_per_token,
+            "kv_cache_bytes_per_token": e.kv_view().bytes_per_token,
         }
 
     def add(self, attempt: Attempt) -> None:
@@ -212,12 +212,12 @@ class EngineWorker:
         return self._steps.take()
 
     def check_integrity(self) -> dict:
-        """Run the block manager's ``check_integrity()`` between steps; the block counts."""
+        """Run the engine's ``check_integrity()`` between steps; the block counts."""
 
         def check() -> dict:
-            self.engine.blocks.check_integrity()
-            blocks = self.engine.blocks
-            return {"free_blocks": blocks.num_free_blocks, "total_blocks": blocks.num_blocks}
+            self.engine.check_integrity()
+            s = self.engine.stats()
+            return {"free_blocks": s.free_blocks, "total_blocks": s.total_blocks}
 
         return self.on_loop(check)
 
@@ -266,7 +266,7 @@ class EngineWorker:
                 if self.engine.last_shape is not None:  # recorded before its updates go out
                     step = (self.engine.last_shape, time.perf_counter() - started)
                     self._last_step = self._steps.record(*step)
-            cache_events = self.engine.blocks.take_events()
+            cache_events = self.engine.take_cache_events()
             with self._lock:
                 self._cache_log.record(cache_events)
                 fed = self._route(produced)
@@ -425,18 +425,18 @@ class EngineWorker:
         return [Update(request_id, error=message) for request_id in request_ids]
 
     def _stats(self) -> dict:
-        s = self.engine.scheduler
+        s = self.engine.stats()
         return {
             "name": self.name,
-            "queued": len(s.waiting) + len(self._inbox),
-            "running": len(s.running),
-            "free_blocks": self.engine.blocks.num_free_blocks,
-            "total_blocks": self.engine.blocks.num_blocks,
-            "preemptions_total": s.num_preemptions,
+            "queued": s.waiting + len(self._inbox),
+            "running": s.running,
+            "free_blocks": s.free_blocks,
+            "total_blocks": s.total_blocks,
+            "preemptions_total": s.preemptions,
             # prefix cache: prompt tokens looked up at admission, and those found cached
-            "prefix_cache_queries_total": s.num_queried_tokens,
-            "prefix_cache_hits_total": s.num_hit_tokens,
-            "prefix_cached_blocks": self.engine.blocks.num_cached_blocks,
+            "prefix_cache_queries_total": s.queried_tokens,
+            "prefix_cache_hits_total": s.hit_tokens,
+            "prefix_cached_blocks": s.cached_blocks,
             "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
             # the ISA of its CPU kernels (engine/native.py), or "torch" without them
             "kernels": self.engine.model.kernels or "torch",

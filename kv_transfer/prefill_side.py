@@ -69,6 +69,7 @@ class PrefillSide:
         ranks (each sends its heads and reports through the worker's ``rank_acked``);
         ``post``: puts an op in the worker's inbox."""
         self.name, self.engine, self.layout = name, engine, layout
+        self.kv = engine.kv_view()
         self.ranks, self.post = ranks, post
         self.sender = get_transport(kv_config["backend"]).sender(
             layout,
@@ -124,12 +125,12 @@ class PrefillSide:
         jobs = [self.jobs[r.request_id] for r in last]
         tables = {}  # what each sends: its table past the blocks the destination holds
         for j in jobs:
-            table = self.engine.blocks.block_table(j.attempt.id)
+            table = self.kv.block_table(j.attempt.id)
             try:
                 tables[j.attempt.id] = j.destination.source_blocks(table)
             except ValueError as e:  # sends nothing (the other ranks fail on no blocks)
                 tables[j.attempt.id], j.send_error = [], f"{type(e).__name__}: {e}"
-        caches = self.engine.runner.kv_caches
+        caches = self.kv.layers
 
         def on_layer(layer: int) -> None:
             # (layer, k, v), or (layer, latent row) for a latent layout
@@ -168,7 +169,7 @@ class PrefillSide:
             del self.jobs[tid]
             return [Update(tid, error=p.error, retryable=True)]
         if not self.layerwise:
-            kv, dst = self.engine.runner.kv_cache, job.destination
+            kv, dst = self.kv.cache, job.destination
             self._send(
                 job, lambda: self.sender.send_all(tid, kv, dst.source_blocks(p.block_ids), dst)
             )
