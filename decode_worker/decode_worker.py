@@ -45,6 +45,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+from engine.inbox import Acked, Expected, Landed, Prefill, Released, Reserve
 from engine.messages import Attempt, Reserved, Update
 from engine.outputs import Logprobs
 from engine.reservation import NoRoom
@@ -87,7 +88,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             advertise=kv_config["advertise"],
             **backend_options(kv_config),
         )
-        self.receiver.on_event = lambda outcome: self._post(("landed", outcome))
+        self.receiver.on_event = lambda outcome: self._post(Landed(outcome))
         self.lease_s = kv_config["lease_s"]
         # a replicated latent crosses the wire once, to rank 0, which forwards it
         self.forwards = bool(self.ranks) and self.layout.replicated
@@ -102,12 +103,14 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
                 i["kv_address"] for i in ray.get([r.ready.remote() for r in self.ranks])
             ]
         self._ops.update(
-            landed=self._op_landed,
-            free=self._op_free,
-            prefill=self._op_prefill,
-            acked=self._op_acked,
-            reserve=self._op_reserve,
-            expected=self._op_expected,
+            {
+                Landed: self._op_landed,
+                Released: self._op_released,
+                Prefill: self._op_prefill,
+                Acked: self._op_acked,
+                Reserve: self._op_reserve,
+                Expected: self._op_expected,
+            }
         )
         self._expecting: dict[str, Expecting] = {}  # by attempt id
         self._totals.update(kv_bytes_total=0, leases_expired_total=0)
@@ -132,7 +135,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         None when this instance has no room. Raises ``RuntimeError`` naming what failed
         (nothing is held then)."""
         future: Future = Future()
-        self._post(("reserve", attempt, future.set_result))
+        self._post(Reserve(attempt, future.set_result))
         answer: Reserved = future.result()
         if answer.error is not None:
             raise RuntimeError(answer.error)
@@ -141,7 +144,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
     def reserve_for(self, attempt: Attempt) -> None:
         """``reserve`` sent up the update feed (the router's way): its answer, a
         ``Reserved``, goes down the feed of ``attempt.consumer``."""
-        self._post(("reserve", attempt, lambda answer: self._answer(attempt.consumer, answer)))
+        self._post(Reserve(attempt, lambda answer: self._answer(attempt.consumer, answer)))
 
     def rank_landed(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
         """Rank ``rank``'s part of a transfer landed (or failed): pushed by that rank."""
@@ -154,10 +157,11 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
 
     # ---- on the step loop ----
 
-    def _op_reserve(self, attempt: Attempt, tell: Callable[[Reserved], None]) -> list[Update]:
+    def _op_reserve(self, m: Reserve) -> list[Update]:
         """Reserve, then ``tell`` the answer; with other ranks that receive, once each
-        has answered ``expect`` (their Ray calls complete off the loop, as ``expected``
-        ops): nothing may be sent to a rank that does not expect it."""
+        has answered ``expect`` (their Ray calls complete off the loop, as ``Expected``
+        messages): nothing may be sent to a rank that does not expect it."""
+        attempt, tell = m.attempt, m.tell
         try:
             dst = self._reserve(attempt)
         except Exception as e:  # a layout the receiver refuses, an id in use
@@ -180,11 +184,12 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         self._expecting[attempt.id] = Expecting(len(refs), tell)
         for ref in refs:
             ref.future().add_done_callback(
-                lambda f, rid=attempt.id: self._post(("expected", rid, f.exception()))
+                lambda f, rid=attempt.id: self._post(Expected(rid, f.exception()))
             )
         return []
 
-    def _op_expected(self, attempt_id: str, error: BaseException | None) -> list[Update]:
+    def _op_expected(self, m: Expected) -> list[Update]:
+        attempt_id, error = m.attempt_id, m.error
         waiting = self._expecting[attempt_id]
         waiting.left -= 1
         if error is not None and waiting.error is None:
@@ -242,7 +247,8 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         self._consumer[attempt.id] = attempt.consumer
         return dst
 
-    def _op_landed(self, outcome: Outcome) -> list[Update]:
+    def _op_landed(self, m: Landed) -> list[Update]:
+        outcome = m.outcome
         attempt = self.reservations.pop(outcome.transfer_id, None)
         if attempt is None:
             return []  # released meanwhile (aborted)
@@ -319,9 +325,10 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         if free:  # once every rank confirmed (counted on the loop): no byte lands after
             self._releasing[attempt_id] = len(refs)
             for ref in refs:
-                ref.future().add_done_callback(lambda _: self._post(("free", attempt_id)))
+                ref.future().add_done_callback(lambda _: self._post(Released(attempt_id)))
 
-    def _op_free(self, attempt_id: str) -> list[Update]:
+    def _op_released(self, m: Released) -> list[Update]:
+        attempt_id = m.attempt_id
         self._releasing[attempt_id] -= 1
         if not self._releasing[attempt_id]:
             del self._releasing[attempt_id]

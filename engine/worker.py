@@ -3,8 +3,8 @@
 The cluster wraps a worker class with ``ray.remote`` (a threaded actor), so its methods
 run on a small thread pool while a background thread runs the engine's step loop.
 Callers never touch the engine: ``add``/``abort`` go into an inbox the loop drains
-before each step as ``(kind, *args)`` ops, each applied by the handler its kind names in
-``self._ops`` (``on_loop`` runs a function there and returns its result), and
+before each step as typed messages (engine/inbox.py), each applied by the handler its
+type names in ``self._ops`` (``on_loop`` runs a function there and returns its result), and
 updates go into one outbox per consumer (the router, a benchmark) that ``poll`` hands
 over in one batch: everything produced since the last poll, so a busy instance costs
 its consumer one call per step at most, never one per token. The router calls neither
@@ -39,6 +39,7 @@ import torch
 from engine import EngineConfig, LLMEngine
 from engine.cache_log import CacheLog
 from engine.feed import FeedServer, FeedTicket
+from engine.inbox import Abort, Add, Call, ConsumerLeft
 from engine.llm_engine import StepFailed
 from engine.messages import Attempt, CacheCursor, Polled, Reserved, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
@@ -96,7 +97,7 @@ class EngineWorker:
         # where each consumer's poll waits for its updates (under _lock): a step wakes only
         # the consumers it gave updates to, or every one when the prefix cache changed
         self._waits: dict[str, threading.Condition] = {}
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque[Any] = deque()  # engine/inbox.py's messages
         self._outboxes: dict[str, list[Update]] = defaultdict(list)
         self._reserved: dict[str, list[Reserved]] = defaultdict(list)  # answers, per consumer
         self._consumer: dict[str, str] = {}  # request id -> whose outbox
@@ -109,12 +110,12 @@ class EngineWorker:
         # called on the step loop after each step, with its shape, its seconds (as
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
-        # the inbox's op kinds and their handlers (a role's ``_setup`` adds its own)
-        self._ops: dict[str, Callable[..., list[Update]]] = {
-            "call": self._op_call,
-            "abort": self._op_abort,
-            "add": self._op_add,
-            "consumer_left": self._op_consumer_left,
+        # each inbox message's type and its one handler (a role's ``_setup`` adds its own)
+        self._ops: dict[type, Callable[[Any], list[Update]]] = {
+            Call: lambda m: self._op_call(m.future, m.fn, m.args),
+            Abort: lambda m: self._op_abort(list(m.attempt_ids)),
+            Add: lambda m: self._op_add(m.attempt),
+            ConsumerLeft: lambda m: self._op_consumer_left(m.consumer),
         }
         self._setup(*setup)
         self._snapshot = self._stats()
@@ -153,16 +154,16 @@ class EngineWorker:
 
     def add(self, attempt: Attempt) -> None:
         """Queue a request; its updates go to ``attempt.consumer``'s outbox."""
-        self._post(("add", attempt))
+        self._post(Add(attempt))
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests (queued, running or not yet arrived) and free their blocks."""
-        self._post(("abort", list(request_ids)))
+        self._post(Abort(tuple(request_ids)))
 
     def consumer_left(self, consumer: str) -> None:
         """``consumer`` is gone (its update feed ended): drop its requests, freeing
         their blocks, and its outbox."""
-        self._post(("consumer_left", consumer))
+        self._post(ConsumerLeft(consumer))
 
     def poll(self, consumer: str, timeout_s: float, cache: CacheCursor | None = None) -> Polled:
         """Everything produced for ``consumer`` since its last poll, and with ``cache`` the
@@ -224,7 +225,7 @@ class EngineWorker:
     def on_loop(self, fn, *args):
         """Run ``fn(*args)`` on the step loop, between steps; its result (or exception)."""
         future: Future = Future()
-        self._post(("call", future, fn, args))
+        self._post(Call(future, fn, args))
         return future.result()
 
     def stop(self) -> None:
@@ -238,7 +239,7 @@ class EngineWorker:
 
     # ---- the step loop (its own thread; the only code that touches the engine) ----
 
-    def _post(self, op: tuple) -> None:
+    def _post(self, op: Any) -> None:
         with self._lock:
             self._inbox.append(op)
             self._work.notify()
@@ -307,8 +308,8 @@ class EngineWorker:
         """A role's own state (the KV transfer endpoints), before the step loop starts:
         ``setup`` is the constructor's, whatever the role takes (none here)."""
 
-    def _apply(self, op: tuple) -> list[Update]:
-        return self._ops[op[0]](*op[1:])
+    def _apply(self, op: Any) -> list[Update]:
+        return self._ops[type(op)](op)
 
     def _op_call(self, future: Future, fn, args: tuple) -> list[Update]:
         try:
