@@ -48,9 +48,7 @@ def offline_period(engine, batch: int, window_s: float, max_tokens: int) -> floa
     ids = [uuid.uuid4().hex for _ in range(batch)]
     for rid, p in zip(ids, prompts(batch, PROMPT, engine.model_config.vocab_size), strict=True):
         engine.add_request(rid, p, params)
-    while engine.scheduler.waiting or any(
-        r.num_pending_tokens > 1 for r in engine.scheduler.running
-    ):
+    while engine.has_prompts_to_compute():
         engine.step()  # the prompts
     engine.step()
     steps, start = 0, time.perf_counter()

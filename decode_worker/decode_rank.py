@@ -19,7 +19,7 @@ class DecodeRank(RankActor):
         self.layout = cache_layout(self.engine)
         self.receiver = get_transport(kv_config["backend"]).receiver(
             self.layout,
-            self.engine.runner.kv_cache,
+            self.engine.kv_view().cache,
             secret=kv_config["secret"],
             bind=kv_config["bind"],
             advertise=kv_config["advertise"],

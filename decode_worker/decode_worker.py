@@ -1,32 +1,30 @@
 """The decode instance: a Ray actor that reserves blocks, receives KV into them, and
 decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
 
-    reserve(attempt)  blocks for the prompt (and a resumed request's delivered tokens):
-                      for a model whose every layer slides, those wholly before the
-                      window of its next token are placeholders (``outside_blocks``,
-                      neither held nor sent); of the rest, its leading full blocks this
-                      instance already caches are shared (``cached_blocks``, not sent),
-                      the rest are new and expected by
-                      the KV receiver of every rank, each sliding layer's from the
-                      first in its window on (``layer_skip``); returns the
-                      KVDestination the prefill instance sends to (None: no room). No
-                      timer runs yet: the prefill may be queued.
+    reserve(attempt)  the engine takes the request as waiting for its KV
+                      (``LLMEngine.reserve``, engine/reservation.py: placeholders
+                      before a sliding window, a shared cached prefix, new blocks);
+                      the new blocks are expected by the KV receiver of every rank,
+                      each sliding layer's from the first in its window on
+                      (``layer_skip``); returns the KVDestination the prefill
+                      instance sends to (None: no room). No timer runs yet: the
+                      prefill may be queued.
     landed            (the receiver's one event, pushed to the loop's inbox) every
                       segment from every source rank, every END and every other rank's
-                      report are in: the request joins the running batch with the first
-                      token that source rank 0's END carried, and its tokens stream to
-                      the router
+                      report are in: the request lands (``LLMEngine.land``) with the
+                      first token that source rank 0's END carried, and its tokens
+                      stream to the router
     forward           (a replicated MLA latent under tensor parallelism only) the row
                       crossed the wire once, into rank 0's blocks; in the same turn of
                       the loop, before the request joins the batch, rank 0 copies those
                       blocks into the other ranks' over the instance's tensor-parallel
-                      group (``ModelRunner.copy_blocks``, ordered with the steps). A copy
+                      group (``LLMEngine.copy_landed``, ordered with the steps). A copy
                       that fails ends the instance as a failed step does (its ranks are
                       out of step): the router redoes the attempt elsewhere
     failed / expired  the transfer broke, or made no progress for kv_transfer.lease_s
                       (the lease: the only timer that frees a reservation, kept by rank
                       0's receiver): the reservation is released, Update(retryable)
-    abort             released in any state
+    abort             released in any state (``LLMEngine.release``)
 
 In hybrid mode without a prefill pool (docs/serving.md, "Hybrid mode") a decode
 instance also prefills prompts for its peers, beside its own decodes: ``prefill`` as a
@@ -47,9 +45,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from engine.block_manager import window_start
+from engine.inbox import Acked, Expected, Landed, Prefill, Released, Reserve
 from engine.messages import Attempt, Reserved, Update
 from engine.outputs import Logprobs
+from engine.reservation import NoRoom
 from engine.worker import EngineWorker
 from kv_transfer import KVDestination, Outcome, State, backend_options, get_transport
 from kv_transfer.layout import cache_layout
@@ -60,18 +59,6 @@ def _one_line(e: BaseException) -> str:
     """An exception as a ``Reserved`` error: its type and its message's first line."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
-
-
-def layer_skip(windows, n: int, block_size: int, sent_from: int) -> tuple[int, ...]:
-    """``KVDestination.layer_skip``: per layer (``windows``: each one's window, None for a
-    global layer), the leading blocks of the sent list (the table from ``sent_from`` on)
-    it never reads. The next token sits at position ``n``; a layer of window W reads
-    n - W + 1 .. n, so the blocks wholly before that one's are skipped (as
-    ``BlockManager.window_start``; capped: the last block is always sent). Empty when
-    no layer skips a block."""
-    last = -(-n // block_size) - 1
-    skip = [max(0, min(window_start(n, w, block_size), last) - sent_from) for w in windows]
-    return tuple(skip) if any(skip) else ()
 
 
 @dataclass
@@ -92,18 +79,16 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
 
     def _setup(self, kv_config: dict) -> None:
         self.layout = cache_layout(self.engine)
-        cfg = self.engine.model.cfg
-        self.windows = [cfg.window(layer) for layer in range(cfg.num_layers)]  # None: global
         self.transport = get_transport(kv_config["backend"])
         self.receiver = self.transport.receiver(
             self.layout,
-            self.engine.runner.kv_cache,
+            self.engine.kv_view().cache,
             secret=kv_config["secret"],
             bind=kv_config["bind"],
             advertise=kv_config["advertise"],
             **backend_options(kv_config),
         )
-        self.receiver.on_event = lambda outcome: self._post(("landed", outcome))
+        self.receiver.on_event = lambda outcome: self._post(Landed(outcome))
         self.lease_s = kv_config["lease_s"]
         # a replicated latent crosses the wire once, to rank 0, which forwards it
         self.forwards = bool(self.ranks) and self.layout.replicated
@@ -118,12 +103,14 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
                 i["kv_address"] for i in ray.get([r.ready.remote() for r in self.ranks])
             ]
         self._ops.update(
-            landed=self._op_landed,
-            free=self._op_free,
-            prefill=self._op_prefill,
-            acked=self._op_acked,
-            reserve=self._op_reserve,
-            expected=self._op_expected,
+            {
+                Landed: self._op_landed,
+                Released: self._op_released,
+                Prefill: self._op_prefill,
+                Acked: self._op_acked,
+                Reserve: self._op_reserve,
+                Expected: self._op_expected,
+            }
         )
         self._expecting: dict[str, Expecting] = {}  # by attempt id
         self._totals.update(kv_bytes_total=0, leases_expired_total=0)
@@ -148,7 +135,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         None when this instance has no room. Raises ``RuntimeError`` naming what failed
         (nothing is held then)."""
         future: Future = Future()
-        self._post(("reserve", attempt, future.set_result))
+        self._post(Reserve(attempt, future.set_result))
         answer: Reserved = future.result()
         if answer.error is not None:
             raise RuntimeError(answer.error)
@@ -157,7 +144,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
     def reserve_for(self, attempt: Attempt) -> None:
         """``reserve`` sent up the update feed (the router's way): its answer, a
         ``Reserved``, goes down the feed of ``attempt.consumer``."""
-        self._post(("reserve", attempt, lambda answer: self._answer(attempt.consumer, answer)))
+        self._post(Reserve(attempt, lambda answer: self._answer(attempt.consumer, answer)))
 
     def rank_landed(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
         """Rank ``rank``'s part of a transfer landed (or failed): pushed by that rank."""
@@ -170,10 +157,11 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
 
     # ---- on the step loop ----
 
-    def _op_reserve(self, attempt: Attempt, tell: Callable[[Reserved], None]) -> list[Update]:
+    def _op_reserve(self, m: Reserve) -> list[Update]:
         """Reserve, then ``tell`` the answer; with other ranks that receive, once each
-        has answered ``expect`` (their Ray calls complete off the loop, as ``expected``
-        ops): nothing may be sent to a rank that does not expect it."""
+        has answered ``expect`` (their Ray calls complete off the loop, as ``Expected``
+        messages): nothing may be sent to a rank that does not expect it."""
+        attempt, tell = m.attempt, m.tell
         try:
             dst = self._reserve(attempt)
         except Exception as e:  # a layout the receiver refuses, an id in use
@@ -196,11 +184,12 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         self._expecting[attempt.id] = Expecting(len(refs), tell)
         for ref in refs:
             ref.future().add_done_callback(
-                lambda f, rid=attempt.id: self._post(("expected", rid, f.exception()))
+                lambda f, rid=attempt.id: self._post(Expected(rid, f.exception()))
             )
         return []
 
-    def _op_expected(self, attempt_id: str, error: BaseException | None) -> list[Update]:
+    def _op_expected(self, m: Expected) -> list[Update]:
+        attempt_id, error = m.attempt_id, m.error
         waiting = self._expecting[attempt_id]
         waiting.left -= 1
         if error is not None and waiting.error is None:
@@ -218,64 +207,57 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
     def _reserve(self, attempt: Attempt) -> KVDestination | None:
         if self._take_early_abort(attempt.id):
             return None
-        e, tokens = self.engine, [*attempt.prompt_ids, *attempt.delivered]
-        n = len(tokens)
-        busy = len(self.reservations) + len(e.scheduler.running) + len(e.scheduler.waiting)
-        # every layer slides: the blocks before the window of the next token (at n) are
-        # placeholders, neither held nor sent (capped: at least one block is sent)
-        outside = min(e.blocks.window_start(n), e.blocks.blocks_for(n) - 1)
-        # the leading blocks this instance caches (capped: at least one block is sent);
-        # those past the outside ones are shared
-        prefix = e.blocks.match(tokens)
-        # room for the prompt's KV and the first decoded token
-        room = e.blocks.can_allocate(attempt.id, n + 1, prefix, outside)
-        if busy >= e.config.max_batch_size or not room:
-            return None
-        if attempt.id in self.reservations or attempt.id in e.requests:
+        if attempt.id in self.reservations:
             raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
-        block_ids = e.blocks.allocate(attempt.id, n, prefix, outside)  # only the new blocks
-        cached = max(0, len(prefix) - outside)
-        skip = layer_skip(self.windows, n, e.blocks.block_size, outside + cached)
+        r = self.engine.reserve(
+            attempt.id,
+            list(attempt.prompt_ids),
+            attempt.params,
+            attempt.delivered,
+            attempt.delivered_chars,
+        )
+        if isinstance(r, NoRoom):
+            return None
         src = replace(self.layout, tp_size=attempt.prefill_tp, tp_rank=0)
         try:  # the receiver mints the transfer's token: its only name on the wire
             ranks = 1 if self.forwards else 1 + len(self.ranks)
             token = self.receiver.expect(
                 attempt.id,
-                block_ids,
+                list(r.block_ids),
                 src,
                 self.lease_s,
                 ranks,
                 sender=attempt.prefill,
-                layer_skip=skip,
+                layer_skip=r.layer_skip,
             )
         except Exception:  # a layout the receiver refuses: nothing stays held
-            e.blocks.free(attempt.id)
+            self.engine.release(attempt.id)
             raise
         dst = KVDestination(
             tuple(self.addresses),
-            tuple(block_ids),
+            r.block_ids,
             self.layout,
             self.transport.name,
             token,
-            cached,
-            outside,
-            skip,
+            r.cached_blocks,
+            r.outside_blocks,
+            r.layer_skip,
         )
         self.reservations[attempt.id], self.destinations[attempt.id] = attempt, dst
         self._consumer[attempt.id] = attempt.consumer
         return dst
 
-    def _op_landed(self, outcome: Outcome) -> list[Update]:
+    def _op_landed(self, m: Landed) -> list[Update]:
+        outcome = m.outcome
         attempt = self.reservations.pop(outcome.transfer_id, None)
         if attempt is None:
             return []  # released meanwhile (aborted)
         dst = self.destinations.pop(attempt.id)
-        cached = dst.cached_blocks
         start = outcome.state == State.LANDED and outcome.handoff is not None
         self._release(attempt.id, free=not start)
         if start and self.forwards:  # before the request runs; its cached prefix is alike
             try:
-                self.engine.runner.copy_blocks(self.engine.blocks.block_table(attempt.id)[cached:])
+                self.engine.copy_landed(attempt.id)
             except Exception:  # a rank gone or a broken group: the process ends here
                 return self._fail([attempt.id])
         if start:
@@ -297,7 +279,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         the ``kv_cached_tokens`` this instance held, whole blocks, less those a sliding
         layer skipped), ``cached_tokens`` (the prefill instance's prefix hit), phases.
         The blocks some layer did not receive hold stale KV in that layer: they are
-        never registered in the prefix cache (``add_prefilled``'s ``partial_blocks``)."""
+        never registered in the prefix cache (``Reservation.partial_blocks``)."""
         h, now = outcome.handoff, time.time()
         assert h is not None  # _op_landed starts only a landed transfer, with its handoff
         times = {**h.phase_times, "transfer_end": now}
@@ -305,19 +287,8 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         if h.first_logprob is not None:
             first = Logprobs(h.first_token, h.first_logprob, h.top_ids, h.top_logprobs)
         try:
-            partial = dst.outside_blocks + dst.cached_blocks + max(dst.layer_skip, default=0)
-            out = self.engine.add_prefilled(
-                attempt.id,
-                list(attempt.prompt_ids),
-                h.first_token,
-                attempt.params,
-                attempt.delivered,
-                attempt.delivered_chars,
-                first,
-                partial,
-            )
-        except ValueError as e:
-            self.engine.blocks.free(attempt.id)
+            out = self.engine.land(attempt.id, h.first_token, first)
+        except ValueError as e:  # the engine released it
             return [Update(attempt.id, error=str(e))]
         times["decode_start"] = time.time()
         self._totals["requests_total"] += 1
@@ -348,19 +319,20 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         self.receiver.release(attempt_id)
         if not self.ranks or self.forwards:  # the other ranks' receivers hold nothing
             if free:
-                self.engine.blocks.free(attempt_id)
+                self.engine.release(attempt_id)
             return
         refs = [r.release.remote(attempt_id) for r in self.ranks]
         if free:  # once every rank confirmed (counted on the loop): no byte lands after
             self._releasing[attempt_id] = len(refs)
             for ref in refs:
-                ref.future().add_done_callback(lambda _: self._post(("free", attempt_id)))
+                ref.future().add_done_callback(lambda _: self._post(Released(attempt_id)))
 
-    def _op_free(self, attempt_id: str) -> list[Update]:
+    def _op_released(self, m: Released) -> list[Update]:
+        attempt_id = m.attempt_id
         self._releasing[attempt_id] -= 1
         if not self._releasing[attempt_id]:
             del self._releasing[attempt_id]
-            self.engine.blocks.free(attempt_id)
+            self.engine.release(attempt_id)
         return []
 
     def _owns(self, request_id: str) -> bool:

@@ -5,6 +5,11 @@ way the offline ``LLM`` does. A step that raises fails only the request that
 caused it (``StepFailed``): a failed step of several requests runs each of them
 again alone first (engine/scheduler.py, ``isolate``), unless KV was being sent
 during it (a hand-off's last chunk, engine/prefilled.py): then all of them fail.
+
+A request whose KV another instance computes is ``reserve``d (engine/reservation.py),
+its KV written into the reservation's blocks through ``kv_view``, then ``land``ed, or
+``release``d. Callers reach the scheduler, the block manager and the runner only
+through these methods.
 """
 
 from __future__ import annotations
@@ -15,16 +20,20 @@ import time
 import torch
 
 from engine.attention import default_backend_name, get_backend
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, CacheEvents
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
+from engine.engine_stats import EngineStats
+from engine.kv_view import KVView
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import Logprobs, RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from engine.prefilled import LastChunkHook, Prefilled
 from engine.request import Request, RequestStatus
+from engine.request_checks import check_delivered, check_prompt
+from engine.reservation import NoRoom, Reservation
 from engine.sampler import Sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, StepShape
@@ -70,10 +79,16 @@ class LLMEngine:
             config.enable_prefix_caching,
             window=self.model.cfg.cache_window,
         )
+        cfg = self.model.cfg
         self.scheduler = Scheduler(
-            self.blocks, config.max_batch_tokens, config.max_batch_size, config.mixed_prefill_tokens
+            self.blocks,
+            config.max_batch_tokens,
+            config.max_batch_size,
+            config.mixed_prefill_tokens,
+            tuple(cfg.window(layer) for layer in range(cfg.num_layers)),
         )
         self.runner = ModelRunner(self.model, self.blocks, config.seed)
+        # the requests a step may run (waiting or running; not those waiting for KV)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.last_shape: StepShape | None = None  # of the latest step's batch
@@ -112,41 +127,47 @@ class LLMEngine:
         self.scheduler.add(request)
         return request
 
-    def add_prefilled(
+    def reserve(
         self,
         request_id: str,
         prompt_ids: list[int],
-        first_token: int,
         params: SamplingParams,
         delivered: tuple[int, ...] = (),
         delivered_chars: int = 0,
-        first_logprobs: Logprobs | None = None,
-        partial_blocks: int = 0,
+    ) -> Reservation | NoRoom:
+        """Take a request whose KV another instance computes (engine/reservation.py): the
+        KV of its prompt + ``delivered`` (see ``add_request``) is to be written into the
+        reservation's ``block_ids``; then ``land``, or ``release``. ``NoRoom`` when the
+        batch or the cache has none now (``Scheduler.admit_remote``). Raises ValueError
+        (nothing held) for a request ``add_request`` would refuse or an id in use."""
+        request, detok = self._new_request(
+            request_id, prompt_ids, params, delivered, delivered_chars
+        )
+        got = self.scheduler.admit_remote(request)
+        if isinstance(got, Reservation) and detok is not None:
+            self.detokenizers[request_id] = detok
+        return got
+
+    def land(
+        self, request_id: str, first_token: int, first_logprobs: Logprobs | None = None
     ) -> RequestOutput:
-        """Admit a request prefilled elsewhere: the KV of its prompt + ``delivered`` (see
-        ``add_request``) already sits in the blocks this engine holds for ``request_id``
-        (reserved with ``blocks.allocate`` and filled by the KV transfer; its first
-        ``partial_blocks`` table entries, which some layer did not receive, are never
-        registered), and ``first_token`` was sampled there at output position
-        ``len(delivered)`` (with ``first_logprobs``, required exactly when
-        ``params.logprobs`` is set). Returns that token's output (it may end the request)."""
-        cached = len(prompt_ids) + len(delivered)
-        have, need = len(self.blocks.block_table(request_id)), self.blocks.blocks_for(cached)
-        if have != need:
+        """The reserved KV of ``request_id`` is in its blocks, and ``first_token`` was
+        sampled where it was computed, at output position ``len(delivered)`` (with
+        ``first_logprobs``, required exactly when the request asked for logprobs): the
+        request runs from the next step. Returns that token's output (it may end the
+        request). Raises ValueError for an id that waits for no KV here, or logprobs
+        that do not match the request's (then it is released)."""
+        request = self.scheduler.remote.get(request_id)
+        if request is None:
+            raise ValueError(f"request_id={request_id!r}: no reservation waits for KV here")
+        if (first_logprobs is None) != (request.params.logprobs is None):
+            self.release(request_id)
             raise ValueError(
-                f"request {request_id!r}: {cached} prompt and delivered tokens need {need} "
-                f"reserved blocks, {have} are held"
+                f"request {request_id!r}: logprobs={request.params.logprobs!r} but the first "
+                f"token came {'without' if first_logprobs is None else 'with'} logprobs"
             )
-        if (first_logprobs is None) != (params.logprobs is None):
-            raise ValueError(
-                f"request {request_id!r}: logprobs={params.logprobs!r} but the first token "
-                f"came {'without' if first_logprobs is None else 'with'} logprobs"
-            )
-        request = self._admit(request_id, prompt_ids, params, delivered, delivered_chars)
-        request.num_computed_tokens = cached
-        self.blocks.release_outside(request_id, cached)  # before commit registers them
-        self.blocks.commit(request_id, request.token_ids, cached, partial_blocks)
-        self.scheduler.add_running(request)
+        self.scheduler.land(request)
+        self.requests[request_id] = request
         return self._append(Sample(request, first_token, first_logprobs))
 
     def _admit(
@@ -159,11 +180,27 @@ class LLMEngine:
     ) -> Request:
         """The checked ``Request`` and its detokenizer, registered under ``request_id``
         (not yet scheduled)."""
-        delivered = tuple(delivered)
-        self.validate_prompt(ids, delivered)
+        request, detok = self._new_request(request_id, ids, params, delivered, delivered_chars)
+        self.requests[request_id] = request
+        if detok is not None:
+            self.detokenizers[request_id] = detok
+        return request
+
+    def _new_request(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        delivered: tuple[int, ...],
+        delivered_chars: int,
+    ) -> tuple[Request, Detokenizer | None]:
+        """The checked ``Request`` and its detokenizer (None without a tokenizer); ValueError
+        naming what is refused, an id in use here included."""
+        delivered, b, m = tuple(delivered), self.blocks, self.model_config
+        check_prompt(ids, delivered, self.max_context, b.num_blocks, b.block_size, m.vocab_size)
         params.validate()
-        self._validate_delivered(delivered, params)
-        if request_id in self.requests:
+        check_delivered(delivered, params, m.eos_token_ids)
+        if request_id in self.requests or request_id in self.scheduler.remote:
             raise ValueError(f"request_id={request_id!r}: already in use")
         detok = None
         if self.tokenizer is not None:
@@ -173,53 +210,11 @@ class LLMEngine:
                 f"delivered_chars={delivered_chars}: this model has no tokenizer, so no "
                 "text was delivered; must be 0"
             )
-        request = Request(request_id, ids, params, delivered=delivered)
-        self.requests[request_id] = request
-        if detok is not None:
-            self.detokenizers[request_id] = detok
-        return request
-
-    def _validate_delivered(self, delivered: tuple[int, ...], params: SamplingParams) -> None:
-        """A resumed request has output left to generate: fewer delivered tokens than
-        ``max_tokens``, none of them one that ends the request."""
-        if len(delivered) >= params.max_tokens:
-            raise ValueError(
-                f"delivered: {len(delivered)} tokens, max_tokens={params.max_tokens}; "
-                "a resumed request must have fewer (it would already have finished)"
-            )
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= set(self.model_config.eos_token_ids)
-        ended = next((t for t in delivered if t in stops), None)
-        if ended is not None:
-            raise ValueError(
-                f"delivered: holds token {ended}, which stops this request (stop_token_ids "
-                "or EOS); a request that stopped cannot be resumed"
-            )
-
-    def validate_prompt(self, ids: list[int], delivered: tuple[int, ...] = ()) -> None:
-        """A prompt (and a resumed request's ``delivered`` output) that can run here: in
-        the vocabulary, leaving room in the context and the KV cache for one more token."""
-        if not ids:
-            raise ValueError("prompt: empty; give at least one token")
-        what = "prompt" if not delivered else f"prompt + delivered ({len(delivered)})"
-        total = len(ids) + len(delivered)
-        if total >= self.max_context:
-            raise ValueError(
-                f"{what}: {total} tokens, the context holds {self.max_context} "
-                "(they must leave room for one generated token)"
-            )
-        if self.blocks.blocks_for(total + 1) > self.blocks.num_blocks:
-            raise ValueError(
-                f"{what}: {total} tokens need more than the {self.blocks.num_blocks} "
-                f"KV blocks of {self.blocks.block_size} tokens this engine has"
-            )
-        vocab = self.model_config.vocab_size
-        for key, values in (("prompt", ids), ("delivered", delivered)):
-            if values and (min(values) < 0 or max(values) >= vocab):
-                raise ValueError(f"{key}: token ids must be in [0, {vocab})")
+        return Request(request_id, ids, params, delivered=delivered), detok
 
     def abort_request(self, request_id: str) -> None:
+        """Drop a request of the batch (waiting or running; one waiting for KV is
+        ``release``d instead, once its transfer writes no more): its blocks are freed."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return
@@ -235,9 +230,64 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_prompts_to_compute(self) -> bool:
+        """Whether a request waits, or runs part-way through its prompt (the benchmarks
+        step until only decodes remain)."""
+        s = self.scheduler
+        return bool(s.waiting) or any(r.num_pending_tokens > 1 for r in s.running)
+
     def release(self, request_id: str) -> None:
-        """Free the blocks of a hand-off request that left (its transfer is over)."""
-        self.blocks.free(request_id)
+        """Free the blocks of a hand-off request that left (its transfer is over), or drop
+        a reservation that did not land (no byte of its transfer lands after this); a
+        no-op for an id that holds no blocks."""
+        request = self.scheduler.remote.get(request_id)
+        if request is None:
+            self.blocks.free(request_id)
+            return
+        self.scheduler.remove(request)
+        self.detokenizers.pop(request_id, None)
+        request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
+
+    def copy_landed(self, request_id: str) -> None:
+        """Tensor parallelism, rank 0: the reserved blocks of ``request_id``, waiting for
+        KV (which landed here alone: a replicated MLA latent), into the same blocks of
+        every other rank, between steps, before it lands (``StepPlan.copy_blocks``)."""
+        reservation = self.scheduler.remote[request_id].reservation
+        assert reservation is not None  # set by admit_remote for every remote request
+        self.runner.copy_blocks(list(reservation.block_ids))
+
+    def kv_view(self) -> KVView:
+        """The cache's tensors and block tables, for the KV transfer (engine/kv_view.py)."""
+        return KVView(self.runner, self.blocks)
+
+    def stats(self) -> EngineStats:
+        s, b = self.scheduler, self.blocks
+        return EngineStats(
+            waiting=len(s.waiting),
+            running=len(s.running),
+            waiting_for_kv=len(s.remote),
+            free_blocks=b.num_free_blocks,
+            total_blocks=b.num_blocks,
+            cached_blocks=b.num_cached_blocks,
+            preemptions=s.num_preemptions,
+            queried_tokens=s.num_queried_tokens,
+            hit_tokens=s.num_hit_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """The block manager's ``check_integrity``, and every request waiting for KV holds
+        its reservation's blocks; AssertionError naming what disagrees."""
+        self.blocks.check_integrity()
+        for rid, request in self.scheduler.remote.items():
+            held, reservation = self.blocks.block_table(rid), request.reservation
+            if reservation is None or tuple(held[-len(reservation.block_ids) :]) != (
+                reservation.block_ids
+            ):
+                raise AssertionError(f"{rid!r}: holds {held}, reserved {reservation}")
+
+    def take_cache_events(self) -> CacheEvents:
+        """The prefix cache's changes since the last call (``BlockManager.take_events``)."""
+        return self.blocks.take_events()
 
     def step(self, on_last_chunk: LastChunkHook | None = None) -> list[RequestOutput | Prefilled]:
         """One step: a ``RequestOutput`` per request that got a token, a ``Prefilled`` per

@@ -7,13 +7,17 @@ import time
 from dataclasses import InitVar, dataclass, field
 
 from engine.outputs import Logprobs
+from engine.reservation import Reservation
 from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    """WAITING -> RUNNING -> FINISHED; RUNNING -> WAITING when preempted (KV recomputed)."""
+    """WAITING -> RUNNING -> FINISHED; RUNNING -> WAITING when preempted (KV recomputed).
+    A request whose KV arrives from elsewhere (engine/reservation.py) starts
+    WAITING_FOR_KV -> RUNNING when it lands, or FINISHED when released first."""
 
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -44,6 +48,8 @@ class Request:
     # (engine/prefilled.py)
     hand_off: bool = False
     started_s: float | None = None  # a hand-off's: wall clock of its first scheduled chunk
+    # the blocks held for its KV arriving from elsewhere (set by ``admit_remote``)
+    reservation: Reservation | None = None
     delivered: InitVar[tuple[int, ...]] = ()
 
     def __post_init__(self, delivered: tuple[int, ...]):

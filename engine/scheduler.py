@@ -17,6 +17,15 @@ them unless they were evicted meanwhile). After each step, ``commit`` registers 
 blocks that step filled and, with a sliding-window block manager, releases each
 request's blocks that fell out of the window of its next token.
 
+A request whose KV arrives from elsewhere (engine/reservation.py) is admitted by
+``admit_remote`` as WAITING_FOR_KV when the running, waiting and remote requests leave
+the batch room and the free blocks hold its tokens: its blocks are held from then on
+(they count against every later admission, and a lone running request that cannot grow
+waits for them to come back instead of ending); no step computes it until ``land``
+moves it to the running batch, its KV in those blocks. ``remove`` frees it in either
+state. (Admitting a waiting request counts the running ones only: a reservation that
+waits for a prompt queued here, a peer's in hybrid mode, must not block that prompt.)
+
 A step that failed (``isolate``): each of its requests is recomputed the same way,
 but alone: while suspects remain, a step holds one suspect and nothing else, and a
 suspect is cleared once a step of its own samples its next token (``cleared``). So
@@ -31,6 +40,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
+from engine.reservation import NoRoom, Reservation, layer_skip
 
 
 @dataclass
@@ -91,12 +101,17 @@ class Scheduler:
         max_batch_tokens: int,
         max_batch_size: int,
         mixed_prefill_tokens: int | None = None,
+        layer_windows: tuple[int | None, ...] = (),
     ):
+        """``layer_windows``: each layer's sliding window (None: global), for the layer
+        skips of remote KV (``Reservation.layer_skip``; empty: no layer skips)."""
         self.blocks = blocks
+        self.layer_windows = layer_windows
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.mixed_prefill_tokens = mixed_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_KV, by id: blocks held, no step
         self.suspects: set[str] = set()  # ids of a failed step's requests, run alone
         self.num_preemptions = 0  # running requests preempted so far
         # prompt tokens of first admissions, and those of them the prefix cache held
@@ -105,21 +120,67 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def add_running(self, request: Request) -> None:
-        """A request whose prompt KV is already in its blocks (received from the prefill
-        pool): it joins the running batch and decodes from the next step."""
+    def admit_remote(self, request: Request) -> Reservation | NoRoom:
+        """Hold blocks for ``request``'s tokens (prompt + delivered), whose KV another
+        instance computes and sends here, and take it as WAITING_FOR_KV; ``NoRoom``
+        (nothing held) when the running, waiting and remote requests fill the batch
+        (``max_batch_size``) or the free blocks cannot hold its tokens and one more.
+        A model whose every layer slides starts its table with placeholders for the
+        blocks before the window of its next token (at least one block is sent); of
+        the rest, the leading blocks the prefix cache holds are shared (capped below the
+        last token: at least one block is sent); the new ones are the reservation's
+        ``block_ids``. Raises ValueError when its id already holds blocks here."""
+        rid, tokens = request.request_id, request.token_ids
+        if rid in self.remote or self.blocks.block_table(rid):
+            raise ValueError(f"request_id={rid!r}: already in use")
+        busy = len(self.running) + len(self.waiting) + len(self.remote)
+        if busy >= self.max_batch_size:
+            why = f"{busy} requests running, waiting or waiting for KV"
+            return NoRoom(rid, f"{why}; max_batch_size={self.max_batch_size}")
+        n, blocks = len(tokens), self.blocks
+        outside = min(blocks.window_start(n), blocks.blocks_for(n) - 1)
+        prefix = blocks.match(tokens)
+        if not blocks.can_allocate(rid, n + 1, prefix, outside):  # and the first decode's
+            need = blocks.num_new_blocks(rid, n + 1, prefix, outside)
+            why = f"{n} tokens and one more need {need} free blocks"
+            return NoRoom(rid, f"{why}, {blocks.num_free_blocks} are free")
+        new = blocks.allocate(rid, n, prefix, outside)
+        cached = max(0, len(prefix) - outside)
+        skip = layer_skip(self.layer_windows, n, blocks.block_size, outside + cached)
+        request.reservation = Reservation(rid, tuple(new), cached, outside, skip)
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.remote[rid] = request
+        return request.reservation
+
+    def land(self, request: Request) -> None:
+        """The KV of a WAITING_FOR_KV ``request``'s tokens is in its blocks: it joins the
+        running batch (the caller appends its first token, sampled where the KV was
+        computed, so it decodes from the next step). Its full blocks are registered in
+        the prefix cache, but for the reservation's ``partial_blocks``."""
+        reservation = request.reservation
+        if self.remote.pop(request.request_id, None) is None or reservation is None:
+            raise ValueError(f"request_id={request.request_id!r}: not waiting for KV here")
+        rid, done = request.request_id, request.num_tokens
+        request.num_computed_tokens = done
+        self.blocks.release_outside(rid, done)  # before commit registers them
+        self.blocks.commit(rid, request.token_ids, done, reservation.partial_blocks)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
     def has_unfinished(self) -> bool:
+        """Whether a step has work: requests waiting or running (not those waiting for
+        KV: their KV arrives without a step)."""
         return bool(self.waiting or self.running)
 
     def remove(self, request: Request) -> None:
-        """Take a request out of the queues and free its blocks (finish or abort)."""
+        """Take a request out of the queues and free its blocks (finish, abort, or the
+        release of one waiting for KV)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            self.remote.pop(request.request_id, None)
         self.blocks.free(request.request_id)
         self.suspects.discard(request.request_id)
 
@@ -234,8 +295,9 @@ class Scheduler:
         return True
 
     def _held_outside(self, request: Request) -> bool:
-        """Whether owners other than ``request`` (the only running one) hold blocks: the
-        reservations of requests whose KV is on its way (``LLMEngine.add_prefilled``)."""
+        """Whether blocks held outside the running batch will come back: those of requests
+        waiting for KV (they land and end, or are released) and those of hand-off
+        requests that left, their KV being sent (``LLMEngine.release``)."""
         rid = request.request_id
         return any(self.blocks.num_held(o) for o in self.blocks.tables if o != rid)
 

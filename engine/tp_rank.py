@@ -22,6 +22,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_view import KVView
 from engine.llm_engine import load_model
 from engine.model_runner import ModelRunner
 from engine.parallel import TensorParallel, serve_store
@@ -34,8 +35,13 @@ class RankEngine:
     def __init__(self, model: str, config: EngineConfig, tp: TensorParallel):
         _, self.model = load_model(model, config, tp)
         self.tp, self.device = tp, torch.device(config.device)
-        blocks = BlockManager(config.num_kv_blocks, config.block_size)  # for the cache shape
-        self.runner = ModelRunner(self.model, blocks, config.seed)
+        # no request's table: rank 0 schedules; this one sizes the cache
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, self.blocks, config.seed)
+
+    def kv_view(self) -> KVView:
+        """This rank's cache, for its share of the KV transfer (engine/kv_view.py)."""
+        return KVView(self.runner, self.blocks)
 
     def serve(self, around: StepHook | None = None) -> int:
         """Run broadcast steps until rank 0 stops; returns how many ran. ``around(plan)``

@@ -3,8 +3,8 @@
 The cluster wraps a worker class with ``ray.remote`` (a threaded actor), so its methods
 run on a small thread pool while a background thread runs the engine's step loop.
 Callers never touch the engine: ``add``/``abort`` go into an inbox the loop drains
-before each step as ``(kind, *args)`` ops, each applied by the handler its kind names in
-``self._ops`` (``on_loop`` runs a function there and returns its result), and
+before each step as typed messages (engine/inbox.py), each applied by the handler its
+type names in ``self._ops`` (``on_loop`` runs a function there and returns its result), and
 updates go into one outbox per consumer (the router, a benchmark) that ``poll`` hands
 over in one batch: everything produced since the last poll, so a busy instance costs
 its consumer one call per step at most, never one per token. The router calls neither
@@ -39,6 +39,7 @@ import torch
 from engine import EngineConfig, LLMEngine
 from engine.cache_log import CacheLog
 from engine.feed import ATTEMPT_COMMANDS, FeedServer, FeedTicket
+from engine.inbox import Abort, Add, Call, ConsumerExpired, ConsumerLeft
 from engine.llm_engine import StepFailed
 from engine.messages import Attempt, CacheCursor, LiveAttempt, Polled, Reserved, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
@@ -98,7 +99,7 @@ class EngineWorker:
         # where each consumer's poll waits for its updates (under _lock): a step wakes only
         # the consumers it gave updates to, or every one when the prefix cache changed
         self._waits: dict[str, threading.Condition] = {}
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque[Any] = deque()  # engine/inbox.py's messages
         self._outboxes: dict[str, list[Update]] = defaultdict(list)
         self._reserved: dict[str, list[Reserved]] = defaultdict(list)  # answers, per consumer
         self._consumer: dict[str, str] = {}  # request id -> whose outbox
@@ -106,18 +107,18 @@ class EngineWorker:
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
         self._steps = StepLog()
-        self._cache_log = CacheLog(retain=self.engine.blocks.num_blocks)  # under _lock
+        self._cache_log = CacheLog(retain=self.engine.kv_view().num_blocks)  # under _lock
         self._last_step: list[float] = []  # the latest ``step_log`` row, in ``stats()``
         # called on the step loop after each step, with its shape, its seconds (as
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
-        # the inbox's op kinds and their handlers (a role's ``_setup`` adds its own)
-        self._ops: dict[str, Callable[..., list[Update]]] = {
-            "call": self._op_call,
-            "abort": self._op_abort,
-            "add": self._op_add,
-            "consumer_left": self._op_consumer_left,
-            "consumer_expired": self._op_consumer_expired,
+        # each inbox message's type and its one handler (a role's ``_setup`` adds its own)
+        self._ops: dict[type, Callable[[Any], list[Update]]] = {
+            Call: lambda m: self._op_call(m.future, m.fn, m.args),
+            Abort: lambda m: self._op_abort(list(m.attempt_ids)),
+            Add: lambda m: self._op_add(m.attempt),
+            ConsumerLeft: lambda m: self._op_consumer_left(m.consumer),
+            ConsumerExpired: lambda m: self._op_consumer_expired(m.consumer, m.token),
         }
         # rejoining (engine/feed.py): the attempts sent up a feed and what they produced,
         # kept while held and ``rejoin_grace_s`` after their end (under _lock); none
@@ -156,24 +157,24 @@ class EngineWorker:
             "threads": torch.get_num_threads(),
             "max_context": e.max_context,
             "vocab_size": e.model_config.vocab_size,
-            "num_blocks": e.blocks.num_blocks,
-            "block_size": e.blocks.block_size,
+            "num_blocks": e.kv_view().num_blocks,
+            "block_size": e.kv_view().block_size,
             "max_batch_size": e.config.max_batch_size,
             "max_batch_tokens": e.config.max_batch_tokens,
             "mixed_prefill_tokens": e.config.mixed_prefill_tokens,
             "tensor_parallel": e.model.tp.size,
             # this rank's KV cache bytes per token (a replicated MLA latent counts whole);
             # a decode instance adds ``kv_bytes_per_token``, what a handoff moves per token
-            "kv_cache_bytes_per_token": e.runner.kv_bytes_per_token,
+            "kv_cache_bytes_per_token": e.kv_view().bytes_per_token,
         }
 
     def add(self, attempt: Attempt) -> None:
         """Queue a request; its updates go to ``attempt.consumer``'s outbox."""
-        self._post(("add", attempt))
+        self._post(Add(attempt))
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests (queued, running or not yet arrived) and free their blocks."""
-        self._post(("abort", list(request_ids)))
+        self._post(Abort(tuple(request_ids)))
 
     def consumer_left(self, consumer: str) -> None:
         """``consumer`` is gone (its update feed ended): its requests run on and their
@@ -181,13 +182,13 @@ class EngineWorker:
         are dropped, freeing their blocks, with its outbox. A ``consumer_joined`` within
         the grace keeps them."""
         if self._rejoin_grace_s <= 0:
-            self._post(("consumer_left", consumer))
+            self._post(ConsumerLeft(consumer))
             return
         token = object()
         with self._lock:
             self._departed[consumer] = token
         timer = threading.Timer(
-            self._rejoin_grace_s, self._post, (("consumer_expired", consumer, token),)
+            self._rejoin_grace_s, self._post, (ConsumerExpired(consumer, token),)
         )
         timer.daemon = True
         timer.start()
@@ -283,19 +284,19 @@ class EngineWorker:
         return self._steps.take()
 
     def check_integrity(self) -> dict:
-        """Run the block manager's ``check_integrity()`` between steps; the block counts."""
+        """Run the engine's ``check_integrity()`` between steps; the block counts."""
 
         def check() -> dict:
-            self.engine.blocks.check_integrity()
-            blocks = self.engine.blocks
-            return {"free_blocks": blocks.num_free_blocks, "total_blocks": blocks.num_blocks}
+            self.engine.check_integrity()
+            s = self.engine.stats()
+            return {"free_blocks": s.free_blocks, "total_blocks": s.total_blocks}
 
         return self.on_loop(check)
 
     def on_loop(self, fn, *args):
         """Run ``fn(*args)`` on the step loop, between steps; its result (or exception)."""
         future: Future = Future()
-        self._post(("call", future, fn, args))
+        self._post(Call(future, fn, args))
         return future.result()
 
     def stop(self) -> None:
@@ -309,7 +310,7 @@ class EngineWorker:
 
     # ---- the step loop (its own thread; the only code that touches the engine) ----
 
-    def _post(self, op: tuple) -> None:
+    def _post(self, op: Any) -> None:
         with self._lock:
             self._inbox.append(op)
             self._work.notify()
@@ -337,7 +338,7 @@ class EngineWorker:
                 if self.engine.last_shape is not None:  # recorded before its updates go out
                     step = (self.engine.last_shape, time.perf_counter() - started)
                     self._last_step = self._steps.record(*step)
-            cache_events = self.engine.blocks.take_events()
+            cache_events = self.engine.take_cache_events()
             with self._lock:
                 self._cache_log.record(cache_events)
                 fed = self._route(produced)
@@ -387,8 +388,8 @@ class EngineWorker:
         """A role's own state (the KV transfer endpoints), before the step loop starts:
         ``setup`` is the constructor's, whatever the role takes (none here)."""
 
-    def _apply(self, op: tuple) -> list[Update]:
-        return self._ops[op[0]](*op[1:])
+    def _apply(self, op: Any) -> list[Update]:
+        return self._ops[type(op)](op)
 
     def _op_call(self, future: Future, fn, args: tuple) -> list[Update]:
         try:
@@ -520,18 +521,18 @@ class EngineWorker:
         return [Update(request_id, error=message) for request_id in request_ids]
 
     def _stats(self) -> dict:
-        s = self.engine.scheduler
+        s = self.engine.stats()
         return {
             "name": self.name,
-            "queued": len(s.waiting) + len(self._inbox),
-            "running": len(s.running),
-            "free_blocks": self.engine.blocks.num_free_blocks,
-            "total_blocks": self.engine.blocks.num_blocks,
-            "preemptions_total": s.num_preemptions,
+            "queued": s.waiting + len(self._inbox),
+            "running": s.running,
+            "free_blocks": s.free_blocks,
+            "total_blocks": s.total_blocks,
+            "preemptions_total": s.preemptions,
             # prefix cache: prompt tokens looked up at admission, and those found cached
-            "prefix_cache_queries_total": s.num_queried_tokens,
-            "prefix_cache_hits_total": s.num_hit_tokens,
-            "prefix_cached_blocks": self.engine.blocks.num_cached_blocks,
+            "prefix_cache_queries_total": s.queried_tokens,
+            "prefix_cache_hits_total": s.hit_tokens,
+            "prefix_cached_blocks": s.cached_blocks,
             "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
             # the ISA of its CPU kernels (engine/native.py), or "torch" without them
             "kernels": self.engine.model.kernels or "torch",

@@ -274,11 +274,11 @@ class KVLayout:
 
 def cache_layout(engine) -> KVLayout:
     """The layout of one rank's cache, from its engine (``engine.LLMEngine`` or a rank's
-    ``RankEngine``: the model shard's config, dtype and tensor-parallel place, and the
-    block size of its runner's block manager). A model with ``cfg.mla``
+    ``RankEngine``: the model shard's config, dtype and tensor-parallel place, and its
+    ``kv_view()``'s block size). A model with ``cfg.mla``
     (``engine/mla_config.py``) caches a latent row per token: MLA's one latent replicated
     on every rank, GLA's latent heads and GTA's tied states sharded across them."""
-    m, cfg, size = engine.model, engine.model.cfg, engine.runner.blocks.block_size
+    m, cfg, size = engine.model, engine.model.cfg, engine.kv_view().block_size
     dtype, mla = dtype_name(m.dtype), cfg.mla
     if mla is not None:
         return KVLayout(

@@ -14,8 +14,8 @@ hybrid mode without a prefill pool hands off the prompts it computes for a peer
     handed(prefilled)    the first token is sampled: all layers sent now unless sent
                          layer-wise; on an ack thread, the END carrying the ``Handoff``
                          to every decode rank this rank sends to, then every answer
-                         awaited; the outcome posted to the worker's loop as
-                         ("acked", id, rank, bytes, seconds, error)
+                         awaited; the outcome posted to the worker's loop as an
+                         ``Acked`` (engine/inbox.py)
     acked(...)           every rank of the instance heard every END answered OK: the
                          blocks are released, Update(handed_off)            [acked]
                          a refusal, a broken link or no answer within the ack timeout:
@@ -23,7 +23,8 @@ hybrid mode without a prefill pool hands off the prompts it computes for a peer
                          request on another pair                           [failed]
 
 Runs on the worker's step loop (``handed``'s ack threads only post to it).
-``PrefillsForOthers`` is the worker's part: its ``prefill`` call and inbox ops.
+``PrefillsForOthers`` is the worker's part: its ``prefill`` call and the handlers of its
+inbox messages (``Prefill``, ``Acked``: engine/inbox.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.inbox import Acked, Prefill
 from engine.messages import Attempt, Update
 from engine.prefilled import LastChunkHook, Prefilled
 from kv_transfer import Handoff, KVDestination, backend_options, get_transport
@@ -69,6 +71,7 @@ class PrefillSide:
         ranks (each sends its heads and reports through the worker's ``rank_acked``);
         ``post``: puts an op in the worker's inbox."""
         self.name, self.engine, self.layout = name, engine, layout
+        self.kv = engine.kv_view()
         self.ranks, self.post = ranks, post
         self.sender = get_transport(kv_config["backend"]).sender(
             layout,
@@ -124,12 +127,12 @@ class PrefillSide:
         jobs = [self.jobs[r.request_id] for r in last]
         tables = {}  # what each sends: its table past the blocks the destination holds
         for j in jobs:
-            table = self.engine.blocks.block_table(j.attempt.id)
+            table = self.kv.block_table(j.attempt.id)
             try:
                 tables[j.attempt.id] = j.destination.source_blocks(table)
             except ValueError as e:  # sends nothing (the other ranks fail on no blocks)
                 tables[j.attempt.id], j.send_error = [], f"{type(e).__name__}: {e}"
-        caches = self.engine.runner.kv_caches
+        caches = self.kv.layers
 
         def on_layer(layer: int) -> None:
             # (layer, k, v), or (layer, latent row) for a latent layout
@@ -168,7 +171,7 @@ class PrefillSide:
             del self.jobs[tid]
             return [Update(tid, error=p.error, retryable=True)]
         if not self.layerwise:
-            kv, dst = self.engine.runner.kv_cache, job.destination
+            kv, dst = self.kv.cache, job.destination
             self._send(
                 job, lambda: self.sender.send_all(tid, kv, dst.source_blocks(p.block_ids), dst)
             )
@@ -198,15 +201,16 @@ class PrefillSide:
                 error = f"{type(e).__name__}: {e}"
         else:
             self.sender.abort(tid)
-        self.post(("acked", tid, 0, nbytes, seconds, error))
+        self.post(Acked(tid, 0, nbytes, seconds, error))
 
-    def acked(self, tid: str, rank: int, nbytes: int, seconds: float, error: str | None):
-        """Rank ``rank``'s outcome of transfer ``tid``; the request's update once every
+    def acked(self, m: Acked) -> list[Update]:
+        """Rank ``m.rank``'s outcome of its transfer; the request's update once every
         rank's is in."""
+        tid = m.attempt_id
         job = self.jobs.get(tid)
         if job is None:
             return []
-        job.results[rank] = (nbytes, seconds, error)
+        job.results[m.rank] = (m.nbytes, m.seconds, m.error)
         if len(job.results) < 1 + self.ranks:
             return []
         self.engine.release(tid)
@@ -228,8 +232,8 @@ class PrefillSide:
 
 class PrefillsForOthers(_Host):
     """Mixed into an ``EngineWorker`` subclass (before it) whose ``_setup`` makes
-    ``self.side``, a ``PrefillSide``: the ``prefill`` call, its ops on the step loop
-    (``prefill``, ``acked``), the step's hand-offs and failures. A role with more
+    ``self.side``, a ``PrefillSide``: the ``prefill`` call, its handlers on the step loop
+    (``Prefill``, ``Acked``), the step's hand-offs and failures. A role with more
     requests of its own chains ``_owns`` and ``_abort`` to these."""
 
     side: PrefillSide
@@ -246,9 +250,10 @@ class PrefillsForOthers(_Host):
     def prefill(self, attempt: Attempt) -> None:
         """Prefill ``attempt``'s prompt and send its KV to ``attempt.destination`` (the
         reservation of the decode instance ``attempt.decode``)."""
-        self._post(("prefill", attempt))
+        self._post(Prefill(attempt))
 
-    def _op_prefill(self, attempt: Attempt) -> list[Update]:
+    def _op_prefill(self, m: Prefill) -> list[Update]:
+        attempt = m.attempt
         if self._take_early_abort(attempt.id):
             return []
         self._consumer[attempt.id] = attempt.consumer
@@ -261,8 +266,8 @@ class PrefillsForOthers(_Host):
         self._totals["requests_total"] += 1
         return []
 
-    def _op_acked(self, tid: str, rank: int, nbytes: int, seconds: float, error: str | None):
-        updates = self.side.acked(tid, rank, nbytes, seconds, error)
+    def _op_acked(self, m: Acked) -> list[Update]:
+        updates = self.side.acked(m)
         self._totals["kv_bytes_total"] += sum(u.info.get("kv_bytes", 0) for u in updates)
         return updates
 

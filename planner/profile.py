@@ -76,9 +76,7 @@ def profile_engine(engine, cfg: ProfileConfig):
             params = SamplingParams(max_tokens=cfg.decode_steps + 3, temperature=0, ignore_eos=True)
             for _ in range(batch):
                 engine.add_request(f"d{next(salt)}", _ids(ctx, vocab, next(salt)), params)
-            while any(r.num_pending_tokens > 1 for r in engine.scheduler.running) or (
-                engine.scheduler.waiting
-            ):
+            while engine.has_prompts_to_compute():
                 engine.step()
             engine.step()  # the first full decode step (warm-up)
             for i in range(cfg.decode_steps):

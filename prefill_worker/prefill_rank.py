@@ -38,7 +38,7 @@ class PrefillRank(RankActor):
             (s.transfer_id, list(s.src_block_ids), KVDestination.from_proto(s.destination))
             for s in msg.sends
         ]
-        caches = self.engine.runner.kv_caches
+        caches = self.engine.kv_view().layers
         errors: dict[str, str] = {}
 
         def send(tid, fn):
@@ -56,7 +56,7 @@ class PrefillRank(RankActor):
                 send(tid, lambda t=tid, i=ids, d=dst: self.sender.send_layers(t, entry, i, d))
 
         def after() -> None:
-            kv = self.engine.runner.kv_cache
+            kv = self.engine.kv_view().cache
             for tid, ids, dst in jobs:
                 if not msg.layerwise:
                     send(tid, lambda t=tid, i=ids, d=dst: self.sender.send_all(t, kv, i, d))

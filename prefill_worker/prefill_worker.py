@@ -15,6 +15,7 @@ Ranks 1..N-1 (``PrefillRank``) send their heads and push their own outcome here.
 
 from __future__ import annotations
 
+from engine.inbox import Acked, Prefill
 from engine.messages import Update
 from engine.worker import EngineWorker
 from kv_transfer.layout import cache_layout
@@ -31,7 +32,7 @@ class PrefillWorker(PrefillsForOthers, EngineWorker):
         self.side = PrefillSide(
             self.name, self.engine, self.layout, kv_config, len(self.ranks), self._post
         )
-        self._ops.update(prefill=self._op_prefill, acked=self._op_acked)
+        self._ops.update({Prefill: self._op_prefill, Acked: self._op_acked})
         self._totals["kv_bytes_total"] = 0
 
     def ready(self) -> dict:
@@ -39,7 +40,7 @@ class PrefillWorker(PrefillsForOthers, EngineWorker):
 
     def rank_acked(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
         """Rank ``rank``'s ENDs of a transfer were answered (or failed): pushed by it."""
-        self._post(("acked", transfer_id, rank, nbytes, 0.0, error))
+        self._post(Acked(transfer_id, rank, nbytes, 0.0, error))
 
     def stop(self) -> None:
         super().stop()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.reservation import Reservation
 from tests.engine_utils import run_staggered
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -74,7 +75,7 @@ def test_preemption_happens_with_small_cache(reference):
 
 def test_blocks_reserved_for_arriving_kv_make_a_request_wait_not_end(reference):
     """A running request that cannot grow because blocks are reserved for KV on its way
-    (a decode instance's reservation: an owner outside the scheduler) is preempted and
+    (a decode instance's reservation: a request waiting for KV) is preempted and
     waits; it is not finished as too long for the cache. Once the reservation is
     released it resumes and its output is the ample-cache output."""
     path, prompts, expected = reference
@@ -82,13 +83,14 @@ def test_blocks_reserved_for_arriving_kv_make_a_request_wait_not_end(reference):
     engine = LLMEngine(path, EngineConfig(max_batch_tokens=64, num_kv_blocks=8, block_size=16))
     request = engine.add_request("r", prompts[i], GREEDY)
     engine.step()  # its prompt in one chunk
-    engine.blocks.allocate("arriving", 16 * engine.blocks.num_free_blocks)  # every free block
+    arriving = list(range(3, 3 + 16 * engine.blocks.num_free_blocks - 1))  # and one more:
+    assert isinstance(engine.reserve("arriving", arriving, GREEDY), Reservation)  # all free
     made = list(request.output_token_ids)
     while request.status.name == "RUNNING":
         engine.step()
     assert request.finish_reason is None and request.num_preemptions == 1
     assert engine.has_unfinished_requests()
-    engine.blocks.free("arriving")  # the reservation ends (its request landed and left)
+    engine.release("arriving")  # the reservation ends (its transfer failed)
     while engine.has_unfinished_requests():
         engine.step()
         engine.blocks.check_integrity()

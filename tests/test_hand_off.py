@@ -3,7 +3,7 @@
 - in mixed steps, a hand-off request's prompt runs in chunks with the running decodes;
   it leaves as a ``Prefilled`` carrying the first token the offline engine samples, its
   blocks held; that KV, copied into a second engine's reserved blocks
-  (``add_prefilled``), decodes what the offline engine does; the decoding requests are
+  (``reserve``, then ``land``), decodes what the offline engine does; the decoding requests are
   untouched; ``release`` frees its blocks;
 - the last-chunk hook sees exactly the hand-off requests whose prompt completes in the
   step, and its per-layer callback runs once per layer of that step;
@@ -19,6 +19,7 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.llm_engine import StepFailed
 from engine.outputs import RequestOutput
 from engine.prefilled import Prefilled
+from engine.reservation import Reservation
 from tests.test_step_isolation import POISON, poison
 
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 24}  # blocks of 16 tokens
@@ -75,11 +76,12 @@ def test_a_hand_off_leaves_at_its_first_token_and_its_kv_decodes_elsewhere(offli
     assert engine.blocks.block_table("h") == p.block_ids  # held until released
 
     other = LLMEngine(path, EngineConfig(**CONFIG))
-    ids = other.blocks.allocate("h", len(HANDED))
-    src, dst = engine.runner.kv_cache, other.runner.kv_cache
-    for i, j in zip(p.block_ids, ids, strict=True):
+    reservation = other.reserve("h", HANDED, GREEDY)
+    assert isinstance(reservation, Reservation)
+    src, dst = engine.kv_view().cache, other.kv_view().cache
+    for i, j in zip(p.block_ids, reservation.block_ids, strict=True):
         dst[:, :, j] = src[:, :, i]
-    first = other.add_prefilled("h", HANDED, p.first_token, GREEDY)
+    first = other.land("h", p.first_token)
     tokens = list(first.new_token_ids)
     while other.has_unfinished_requests():
         tokens += [t for o in other.step() for t in o.new_token_ids]
