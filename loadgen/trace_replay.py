@@ -213,9 +213,3 @@ def warmup_requests(spec: WorkloadSpec, tokenizer, n: int, max_model_len: int) -
     window = trace_window(spec)
     rows = tuple(window.rows[i % len(window.rows)] for i in range(n))
     return _requests(spec, window, rows, tokenizer, max_model_len, f"{spec.seed}-warmup", True)
-
-
-def describe_spec(spec: WorkloadSpec) -> str | None:
-    """The window and scales of a trace replay, for a result's header; None for other
-    workloads."""
-    return trace_window(spec).describe() if spec.name in PRODUCTION_TRACES else None

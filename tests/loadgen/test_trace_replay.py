@@ -10,6 +10,7 @@ import argparse
 import pytest
 
 from engine.block_hash import block_hashes
+from loadgen.report import html_report, replay_line
 from loadgen.trace_replay import block_tokens, read_rows, trace_window
 from loadgen.workload_args import add_workload_arguments, parse_common
 from loadgen.workloads import WorkloadSpec, make_workload, model_info
@@ -174,3 +175,21 @@ def test_cli_options(tok):
         parse_common(p.parse_args(["--start", "10"]), None)
     with pytest.raises(ValueError, match="trace window 100-100.5 s .*no request"):
         trace_window(spec("azure", trace_start_s=100, trace_duration_s=0.5))
+
+
+def test_the_compare_report_states_the_window_and_scales():
+    s = spec("azure", trace_start_s=600, trace_duration_s=30, time_scale=4, token_scale=0.1)
+    contender = {"name": "a", "devices": 2, "runs": [], "goodput": {"goodput": 0, "met": False}}
+    results = {
+        "workload": {"name": "azure", "seed": 0},
+        "duration_s": 30,
+        "slo": {"ttft_ms": 1000, "tpot_ms": 150, "attainment": 0.9},
+        "contenders": [contender],
+        "devices": {"a": 2},
+        "same_devices": True,
+        "trace_replay": trace_window(s).to_dict(),
+    }
+    line = "azure trace azure-llm-2023-code.csv, window 600-630 s of 3436 s, time scale 4"
+    assert f"<p>Replay of {line}" in html_report(results, {})
+    assert replay_line(results).startswith(line) and "token scale 0.1: " in replay_line(results)
+    assert replay_line({**results, "trace_replay": None}) is None
