@@ -23,7 +23,7 @@ from pathlib import Path
 from loadgen.metrics import SLO, Record, attainment
 from loadgen.runner import run_bench
 from loadgen.workload_args import NO_MULTITURN_ENDPOINT, add_workload_arguments, parse_common
-from loadgen.workloads import WorkloadSpec
+from loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec
 
 SLO_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
 
@@ -96,6 +96,10 @@ def run_compare(
         "rates": sorted(set(rates)),
         "contenders": [],
     }
+    if spec.name in PRODUCTION_TRACES:
+        from loadgen.trace_replay import trace_window
+
+        results["trace_replay"] = trace_window(spec).to_dict()
 
     def save() -> None:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))

@@ -124,10 +124,17 @@ figure{{display:inline-block;margin:1em}}</style></head>
 <p>Workload {e(w["name"])} (seed {w["seed"]}), {results["duration_s"]:g} s of arrivals per
 rate; goodput: the highest rate at which {slo["attainment"]:.0%} of requests meet TTFT
 {slo["ttft_ms"]:g} ms and TPOT {slo["tpot_ms"]:g} ms. {e(devices_note(results))}</p>
+{f"<p>Replay of {e(replay_line(results))}</p>" if replay_line(results) else ""}
 <table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
 {images}
 </body></html>
 """
+
+
+def replay_line(results: dict) -> str | None:
+    """The window and scales of a trace replay (workloads azure, mooncake), else None."""
+    replay = results.get("trace_replay")
+    return replay["summary"] if replay else None
 
 
 def write_report(results: dict, out_dir: str | Path) -> str:
@@ -137,4 +144,5 @@ def write_report(results: dict, out_dir: str | Path) -> str:
     for name, data in pngs.items():
         (out_dir / name).write_bytes(data)
     (out_dir / "report.html").write_text(html_report(results, pngs))
-    return text_table(*table(results)) + "\n" + devices_note(results)
+    text = text_table(*table(results)) + "\n" + devices_note(results)
+    return text + (f"\nReplay of {replay_line(results)}" if replay_line(results) else "")

@@ -8,7 +8,10 @@ request to a JSON file.
 Each rate sends ``round(rate * duration)`` requests (its own sample: the rate is in
 the seed, so that no rate finds another's prompts in a prefix cache) open-loop
 (``loadgen.replay``); ``multiturn`` starts that many conversations and replays them
-closed-loop (``loadgen.chat_replay``), a record per turn. Requests ask for
+closed-loop (``loadgen.chat_replay``), a record per turn. ``azure`` and ``mooncake``
+replay a trace window once, at its own pace (``loadgen.trace_replay``): their one
+"rate" is the window's offered rate, and its window and scales are printed before the
+run and with the goodput line, and stored as ``trace_replay`` in the results. Requests ask for
 ``output_len`` tokens with ``ignore_eos`` and greedy sampling, so their lengths are
 the workload's. ``pdserve compare`` (``loadgen.compare``) runs this for several configs.
 """
@@ -31,7 +34,7 @@ from loadgen.metrics import SLO, GoodputResult, Record, search_goodput, summariz
 from loadgen.multiturn import first_turns, make_conversations
 from loadgen.replay import replay
 from loadgen.workload_args import NO_MULTITURN_ENDPOINT, add_workload_arguments, parse_common
-from loadgen.workloads import WorkloadSpec, make_workload, model_info
+from loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec, make_workload, model_info
 
 # The clusters a benchmark launches log at WARNING: the router's line per request
 # (docs/serving.md, "Metrics and logs") would bury the progress; the report has the figures.
@@ -170,6 +173,13 @@ def run_bench(
         "runs": [],
         "goodput": None,
     }
+    replay_line = None
+    if spec.name in PRODUCTION_TRACES:
+        from loadgen.trace_replay import trace_window
+
+        results["trace_replay"] = trace_window(spec).to_dict()
+        replay_line = f"bench: replay of {results['trace_replay']['summary']}"
+        log(replay_line)
 
     def save() -> None:
         if out:
@@ -199,6 +209,8 @@ def run_bench(
     results["goodput"] = goodput_dict(result, n_devices)
     save()
     log(describe_goodput(result, slo, n_devices))
+    if replay_line:
+        log(replay_line)
     return results
 
 

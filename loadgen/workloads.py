@@ -18,6 +18,11 @@ Workloads (``WORKLOADS``):
   rescaled to the asked rate.
 - ``sharedprefix``: long system prompts shared by many short questions
   (``loadgen.sharedprefix``).
+- ``azure``, ``mooncake``: a window of a production trace (the Azure LLM inference
+  trace 2023's CSV, a Mooncake JSONL trace) replayed with its own arrivals, scaled in
+  time (``time_scale``) and tokens (``token_scale``), Mooncake's shared prefixes kept
+  (``loadgen.trace_replay``); one pace, so ``n`` and the rate are not used, except that an
+  infinite rate asks for a warm-up of ``n`` requests.
 - ``multiturn``: ShareGPT conversations turn by turn, closed-loop: not a list of
   ``Request`` but of ``loadgen.multiturn.Conversation`` (``make_conversations``), replayed
   by ``loadgen.chat_replay``.
@@ -43,8 +48,11 @@ from typing import NamedTuple
 
 from loadgen import datasets
 
-WORKLOADS = ("sharegpt", "humaneval", "longprompt", "trace", "sharedprefix", "multiturn")
+PRODUCTION_TRACES = ("azure", "mooncake")  # replayed by loadgen.trace_replay
+OPEN_LOOP = ("sharegpt", "humaneval", "longprompt", "trace", "sharedprefix")  # at a rate
+WORKLOADS = (*OPEN_LOOP, "multiturn", *PRODUCTION_TRACES)
 WHOLE_PROMPTS = ("sharedprefix", "multiturn")  # prompts built whole: no prompt_scale
+TRACE_DEFAULTS = {"time_scale": 1.0, "token_scale": 1.0, "trace_start_s": 0.0}
 MIN_TOKENS = 4  # vLLM's filter for ShareGPT pairs
 
 
@@ -71,12 +79,17 @@ class WorkloadSpec:
     system_prompt_tokens: int = 750  # sharedprefix: their mean length
     max_turns: int = 5  # multiturn: turns of a conversation at most
     think_time_s: float = 5.0  # multiturn: mean pause between an answer and the next turn
+    time_scale: float = 1.0  # azure, mooncake: every arrival gap multiplied by this
+    token_scale: float = 1.0  # azure, mooncake: prompt and output lengths multiplied by this
+    trace_start_s: float = 0.0  # azure, mooncake: the window's start, trace seconds
+    trace_duration_s: float | None = None  # its length, trace seconds (None: to the end)
 
     def __post_init__(self):
         if self.name not in WORKLOADS:
             raise ValueError(f"workload {self.name!r}: expected one of {', '.join(WORKLOADS)}")
-        if self.name == "trace" and not self.trace:
-            raise ValueError("workload trace: give the trace file (--trace)")
+        if self.name in ("trace", *PRODUCTION_TRACES) and not self.trace:
+            raise ValueError(f"workload {self.name}: give the trace file (--trace)")
+        self._check_trace_replay()
         if self.burstiness <= 0 or self.prompt_scale <= 0 or self.output_scale <= 0:
             raise ValueError("burstiness and the length scales must be > 0")
         if self.name in WHOLE_PROMPTS and self.prompt_scale != 1.0:
@@ -89,6 +102,30 @@ class WorkloadSpec:
                 raise ValueError(f"{key} {getattr(self, key)}: must be >= 1")
         if self.think_time_s < 0:
             raise ValueError(f"think_time_s {self.think_time_s:g}: must be >= 0")
+
+    def _check_trace_replay(self) -> None:
+        if self.name not in PRODUCTION_TRACES:
+            for key, default in (*TRACE_DEFAULTS.items(), ("trace_duration_s", None)):
+                if getattr(self, key) != default:
+                    raise ValueError(
+                        f"{key} {getattr(self, key)}: only for workloads "
+                        f"{', '.join(PRODUCTION_TRACES)}, not {self.name}"
+                    )
+            return
+        for key in ("time_scale", "token_scale"):
+            value = getattr(self, key)
+            if not (0 < value < math.inf):
+                raise ValueError(f"{key} {value}: must be a finite number > 0")
+        if not (0 <= self.trace_start_s < math.inf):
+            raise ValueError(f"trace_start_s {self.trace_start_s}: must be >= 0 (seconds)")
+        if self.trace_duration_s is not None and not (0 < self.trace_duration_s < math.inf):
+            raise ValueError(f"trace_duration_s {self.trace_duration_s}: must be > 0 (seconds)")
+        for key in ("prompt_scale", "output_scale", "burstiness"):
+            if getattr(self, key) != 1.0:
+                raise ValueError(
+                    f"{key} {getattr(self, key):g}: workload {self.name} keeps the trace's "
+                    "arrivals and scales lengths by token_scale; only 1 is allowed"
+                )
 
 
 def model_info(model: str):
@@ -125,7 +162,9 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
 def make_workload(
     spec: WorkloadSpec, tokenizer, n: int, rate: float, max_model_len: int
 ) -> list[Request]:
-    """n requests arriving at ``rate`` per second (on average)."""
+    """n requests arriving at ``rate`` per second (on average); ``azure``, ``mooncake``:
+    the trace window's requests (n and rate unused), or at an infinite rate n warm-up
+    requests (``loadgen.trace_replay``)."""
     if spec.name == "multiturn":
         raise ValueError(
             "workload multiturn is closed-loop: loadgen.multiturn.make_conversations makes it"
@@ -136,6 +175,12 @@ def make_workload(
         return shared_prefix_requests(spec, tokenizer, n, rate, max_model_len)
     if spec.name == "trace":
         return _trace(spec, tokenizer, n, rate, max_model_len)
+    if spec.name in PRODUCTION_TRACES:
+        from loadgen.trace_replay import trace_requests, warmup_requests
+
+        if math.isinf(rate):
+            return warmup_requests(spec, tokenizer, n, max_model_len)
+        return trace_requests(spec, tokenizer, max_model_len)
     samples = sample_requests(spec, tokenizer, n, max_model_len, rate)
     times = arrival_times(n, rate, spec.burstiness, spec.seed)
     return [Request(t, ids, out) for t, (ids, out) in zip(times, samples, strict=True)]
@@ -147,7 +192,7 @@ def sample_requests(
     """n (prompt token ids, output length) pairs of a dataset workload: the sample of a
     run at ``rate`` (``sample_seed``), or with None the spec's seed alone (a sample of
     the workload, for a planner or a tool that sends it once)."""
-    if spec.name in WHOLE_PROMPTS:
+    if spec.name in (*WHOLE_PROMPTS, *PRODUCTION_TRACES):
         raise ValueError(f"workload {spec.name}: its requests come whole, not as pairs")
     rng = random.Random(spec.seed if rate is None else sample_seed(spec.seed, rate))
     if spec.name == "longprompt":
@@ -195,7 +240,7 @@ def _scaled(spec: WorkloadSpec, ids: list[int], out_len: int) -> tuple[list[int]
     return ids, out_len
 
 
-def _token_pool(tokenizer, needed: int, rng: random.Random, limit: int | None) -> list[int]:
+def token_pool(tokenizer, needed: int, rng: random.Random, limit: int | None) -> list[int]:
     """At least ``needed`` tokens of ShareGPT text (prompts and answers, in a seeded order)."""
     pool: list[int] = []
     for prompt, answer in shuffled_cycle(list(datasets.sharegpt_pairs(limit)), rng, needed):
@@ -205,7 +250,7 @@ def _token_pool(tokenizer, needed: int, rng: random.Random, limit: int | None) -
     return pool
 
 
-def _fit_prompt(ids: list[int], out_len: int, max_model_len: int) -> tuple[list[int], int]:
+def fit_prompt(ids: list[int], out_len: int, max_model_len: int) -> tuple[list[int], int]:
     out_len = min(out_len, max_model_len - 1)
     return ids[: max(1, max_model_len - out_len)], out_len
 
@@ -218,11 +263,11 @@ def _longprompt(spec, tokenizer, n, max_model_len, rng) -> list[tuple[list[int],
         )
         for _ in range(n)
     ]
-    pool = _token_pool(tokenizer, sum(p for p, _ in wanted), rng, spec.dataset_limit)
+    pool = token_pool(tokenizer, sum(p for p, _ in wanted), rng, spec.dataset_limit)
     out, at = [], 0
     for prompt_len, out_len in wanted:
         ids, at = pool[at : at + prompt_len], at + prompt_len
-        out.append(_fit_prompt(*_scaled(spec, ids, out_len), max_model_len))
+        out.append(fit_prompt(*_scaled(spec, ids, out_len), max_model_len))
     return out
 
 
@@ -238,7 +283,7 @@ def _trace(spec, tokenizer, n, rate, max_model_len) -> list[Request]:
     factor = 0.0 if math.isinf(rate) else 1.0 / (rate * gap)
     by_length = sum(e.prompt_len or 0 for e in entries[: min(n, len(entries))])
     rng = random.Random(sample_seed(spec.seed, rate))
-    pool = _token_pool(tokenizer, by_length, rng, spec.dataset_limit) if by_length else []
+    pool = token_pool(tokenizer, by_length, rng, spec.dataset_limit) if by_length else []
     out, at = [], 0
     for i in range(n):
         e = entries[i % len(entries)]
@@ -248,5 +293,5 @@ def _trace(spec, tokenizer, n, rate, max_model_len) -> list[Request]:
         else:
             ids = [pool[(at + k) % len(pool)] for k in range(max(1, e.prompt_len))]
             at += e.prompt_len
-        out.append(Request(t, *_fit_prompt(*_scaled(spec, ids, e.output_len), max_model_len)))
+        out.append(Request(t, *fit_prompt(*_scaled(spec, ids, e.output_len), max_model_len)))
     return out

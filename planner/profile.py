@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from loadgen.workload_args import add_trace_arguments
 from loadgen.workloads import WORKLOADS
 from planner.fitted import FittedCost, fit_linear
 
@@ -197,9 +198,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     served = p.add_argument_group("--served: fit the steps the configs' clusters serve")
     served.add_argument("--served", action="store_true", help="launch each config, replay load")
     served.add_argument("--workload", default="longprompt", choices=WORKLOADS)
-    served.add_argument("--trace", help="JSONL trace file (--workload trace)")
-    served.add_argument("--rate", type=float, default=0.4, help="requests per second")
-    served.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    served.add_argument("--trace", help="trace file (--workload trace, azure, mooncake)")
+    served.add_argument(
+        "--rate", type=float, default=0.4, help="requests per second (not azure, mooncake)"
+    )
+    served.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="seconds of arrivals (azure, mooncake: trace seconds of the window)",
+    )
+    add_trace_arguments(served)
     served.add_argument("--seed", type=int, default=1)
     served.add_argument("--long-prompt-mean", type=int, default=384)
     served.add_argument("--long-output-mean", type=int, default=96)

@@ -25,7 +25,8 @@ import math
 import time
 from collections import defaultdict
 
-from loadgen.workloads import WorkloadSpec, make_workload, model_info
+from loadgen.trace_replay import trace_window
+from loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec, make_workload, model_info
 from planner.fitted import FittedCost, fit_linear
 
 # (role, tensor-parallel degree) -> [prefill_tokens, sum_sq, decodes, context, seconds]
@@ -129,6 +130,9 @@ def profile_served(
     from planner.model_shape import ModelShape
     from planner.profile import profile_transfer
 
+    replay = trace_window(spec).to_dict() if spec.name in PRODUCTION_TRACES else None
+    if replay:  # the one pace of a trace replay: the rate is not used
+        log(f"profile: replay of {replay['summary']}")
     samples: Samples = defaultdict(list)
     capacity: dict[int, int] = {}
     for path in configs:
@@ -157,6 +161,8 @@ def profile_served(
     transfer = fit_linear([[n] for n, _ in moved], [s for _, s in moved])
     gbps = 1e-9 / max(transfer[1], 1e-18)
     log(f"profile: transfer {transfer[0] * 1e3:.2f} ms + bytes at {gbps:.2f} GB/s")
+    if replay:
+        log(f"profile: fitted on the replay of {replay['summary']}")
     config = load_config(configs[0], overrides)
     shape = ModelShape.from_model_config(
         load_checkpoint(config.model).config, config.model, config.dtype
@@ -166,6 +172,7 @@ def profile_served(
         "dtype": config.dtype,
         "served": configs,
         "workload": spec.name,
+        "trace_replay": replay,
         "rate": rate,
         "duration_s": duration_s,
         "points": {f"{role} tp {tp}": rows for (role, tp), rows in samples.items()},
