@@ -16,9 +16,8 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy engine/scheduler.py engine/block_manager.py engine/reservation.py \
-		engine/kv_view.py engine/engine_stats.py engine/request_checks.py engine/inbox.py \
-		engine/worker.py engine/feed.py engine/messages.py engine/tp_rank.py kv_transfer/ router/ prefill_worker/ \
-		decode_worker/
+		engine/kv_view.py engine/engine_stats.py engine/request_checks.py engine/tp_rank.py \
+		instance/ kv_transfer/ router/ prefill_worker/ decode_worker/
 
 test: lint
 	$(BIN)/pytest -q

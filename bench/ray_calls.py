@@ -1,7 +1,7 @@
 """What carrying one batch of updates from an instance to the router costs in CPU, each
 side: a Ray actor call (the long poll's way: ``poll`` answering a ``Polled``), the same
 with nothing in or out, one item of a streaming generator, and one frame of the update
-feed (engine/feed.py, read by router/feed_reader.py: the router's way).
+feed (instance/feed.py, read by router/feed_reader.py: the router's way).
 
     .venv/bin/python -m bench.ray_calls [--items 3000] [--updates 8]
 
@@ -20,7 +20,7 @@ import threading
 import time
 
 from bench.serving_overhead import cpu_seconds
-from engine.messages import CacheCursor, Polled, Update
+from instance.messages import CacheCursor, Polled, Update
 
 WAYS = ("nothing", "poll", "stream", "feed")
 STATS = {"running": 8, "queued": 0, "free_blocks": 500, "last_step": [0, 0, 8, 128, 0.01]}
@@ -32,7 +32,7 @@ def answer(updates: int) -> Polled:
 
 class Instance:
     def __init__(self, updates: int):
-        from engine.feed import FeedServer
+        from instance.feed import FeedServer
 
         self.updates = updates
         self._left = 0  # feed frames still to write

@@ -6,7 +6,7 @@ one run, on a tiny model so that the engine's share is small.
                                      [--prompt-tokens 16] [--max-tokens 8] [--model DIR]
 
 Both paths use the same two co-located instances, the same round-robin placement
-and each instance's update feed (engine/feed.py: requests up it, per-step output
+and each instance's update feed (instance/feed.py: requests up it, per-step output
 batches down it); the direct path has a consumer of its own on the instances.
 Latency is end to end at the caller (send -> last token); "added" is router minus
 direct at the same percentile.
@@ -26,9 +26,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engine.feed import encode_command, frames
-from engine.messages import Attempt
 from engine.sampling_params import SamplingParams
+from instance.feed import encode_command, frames
+from instance.messages import Attempt
 
 CONSUMER = "bench-direct"
 

@@ -30,8 +30,8 @@ import time
 import uuid
 
 from bench.serving_overhead import offline_engine
-from engine.messages import Attempt
 from engine.sampling_params import SamplingParams
+from instance.messages import Attempt
 
 CONSUMER = "bench-steps"  # this bench's outbox on the instance (the router has its own)
 PROMPT = 16

@@ -47,7 +47,7 @@ from pathlib import Path
 from bench.grpc_floor import GrpcFloor
 from bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
 from engine.sampling_params import SamplingParams
-from engine.step_log import StepLog
+from instance.step_log import StepLog
 from loadgen.endpoint import DONE, completion_body, parse_event
 from loadgen.workloads import Request
 

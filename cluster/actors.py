@@ -56,7 +56,7 @@ class InstanceHandles:
 
 
 def _feed_endpoint(bind: str | None, advertise: str | None, strategy) -> dict:
-    """Where rank 0's update feed listens (engine/feed.py): the pool's KV interface and
+    """Where rank 0's update feed listens (instance/feed.py): the pool's KV interface and
     address, resolved on the group's node when that takes the node's own address."""
     import ray
 
@@ -111,13 +111,13 @@ def start_instance(
     node holds it within ``placement_timeout_s``); rank 0's readiness is not awaited.
     ``metrics``: None, or rank 0 serves its metrics (``cluster.instance_metrics.metered``
     and its ``metrics`` argument). ``rejoin_grace_s``: how long its update feed keeps a
-    departed consumer's requests (engine/feed.py)."""
+    departed consumer's requests (instance/feed.py)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from decode_worker import DecodeRank, DecodeWorker
-    from engine.tp_rank import RankActor
-    from engine.worker import EngineWorker
+    from instance.rank_actor import RankActor
+    from instance.worker import EngineWorker
     from prefill_worker import PrefillRank, PrefillWorker
 
     classes = {"colocated": EngineWorker, "prefill": PrefillWorker, "decode": DecodeWorker}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.tp_rank import RankActor
+from instance.rank_actor import RankActor
 from kv_transfer import Outcome, backend_options, get_transport
 from kv_transfer.layout import cache_layout
 

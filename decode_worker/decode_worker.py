@@ -45,11 +45,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from engine.inbox import Acked, Expected, Landed, Prefill, Released, Reserve
-from engine.messages import Attempt, Reserved, Update
 from engine.outputs import Logprobs
 from engine.reservation import NoRoom
-from engine.worker import EngineWorker
+from instance.inbox import Acked, Expected, Landed, Prefill, Released, Reserve
+from instance.messages import Attempt, Reserved, Update
+from instance.worker import EngineWorker
 from kv_transfer import KVDestination, Outcome, State, backend_options, get_transport
 from kv_transfer.layout import cache_layout
 from kv_transfer.prefill_side import PrefillsForOthers, PrefillSide

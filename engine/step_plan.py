@@ -24,7 +24,7 @@ docs/kv_transfer.md "Latent caches"), on the same channel, so ordered with the s
 
 A rank writes the rows before it receives the next header: they are in place before any
 step that reads them. A collective that fails leaves the ranks out of step (the serving
-worker ends the instance, engine/worker.py).
+worker ends the instance, instance/worker.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ hybrid mode without a prefill pool hands off the prompts it computes for a peer
                          layer-wise; on an ack thread, the END carrying the ``Handoff``
                          to every decode rank this rank sends to, then every answer
                          awaited; the outcome posted to the worker's loop as an
-                         ``Acked`` (engine/inbox.py)
+                         ``Acked`` (instance/inbox.py)
     acked(...)           every rank of the instance heard every END answered OK: the
                          blocks are released, Update(handed_off)            [acked]
                          a refusal, a broken link or no answer within the ack timeout:
@@ -24,7 +24,7 @@ hybrid mode without a prefill pool hands off the prompts it computes for a peer
 
 Runs on the worker's step loop (``handed``'s ack threads only post to it).
 ``PrefillsForOthers`` is the worker's part: its ``prefill`` call and the handlers of its
-inbox messages (``Prefill``, ``Acked``: engine/inbox.py).
+inbox messages (``Prefill``, ``Acked``: instance/inbox.py).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.inbox import Acked, Prefill
-from engine.messages import Attempt, Update
 from engine.prefilled import LastChunkHook, Prefilled
+from instance.inbox import Acked, Prefill
+from instance.messages import Attempt, Update
 from kv_transfer import Handoff, KVDestination, backend_options, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
 
 if TYPE_CHECKING:  # the mixin's host, for the checker: its attributes and ``super()``
-    from engine.worker import EngineWorker as _Host
+    from instance.worker import EngineWorker as _Host
 else:
     _Host = object
 

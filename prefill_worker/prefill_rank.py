@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.tp_rank import RankActor
+from instance.rank_actor import RankActor
 from kv_transfer import KVDestination, backend_options, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
 from kv_transfer.layout import cache_layout

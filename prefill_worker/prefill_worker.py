@@ -15,9 +15,9 @@ Ranks 1..N-1 (``PrefillRank``) send their heads and push their own outcome here.
 
 from __future__ import annotations
 
-from engine.inbox import Acked, Prefill
-from engine.messages import Update
-from engine.worker import EngineWorker
+from instance.inbox import Acked, Prefill
+from instance.messages import Update
+from instance.worker import EngineWorker
 from kv_transfer.layout import cache_layout
 from kv_transfer.prefill_side import PrefillsForOthers, PrefillSide
 

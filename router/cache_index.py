@@ -1,5 +1,5 @@
 """The router's copy of one instance's prefix cache: the block hashes it holds, kept up
-to date from the ``CacheDelta`` each poll brings (engine/cache_log.py publishes them;
+to date from the ``CacheDelta`` each poll brings (instance/cache_log.py publishes them;
 docs/serving.md, "Cache-aware routing").
 
 The view lags the instance by at most one poll (one engine step): a hit it predicts may
@@ -9,7 +9,7 @@ way the instance's own cache decides what is reused; the view only steers routin
 
 from __future__ import annotations
 
-from engine.messages import CacheCursor, CacheDelta
+from instance.messages import CacheCursor, CacheDelta
 
 
 class CacheIndex:

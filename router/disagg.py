@@ -29,7 +29,7 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from engine.messages import Attempt, Update
+from instance.messages import Attempt, Update
 from router.instances import Instance
 from router.placement import Placement
 from router.stream import Delta, RequestStream

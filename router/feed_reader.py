@@ -1,10 +1,10 @@
-"""The router's end of an instance's update feed (engine/feed.py): an asyncio protocol
+"""The router's end of an instance's update feed (instance/feed.py): an asyncio protocol
 on the router's event loop that sends the ticket's token, then cuts the byte stream
 into frames and hands each decoded ``Polled`` to ``on_polled``, in order, on the loop;
 ``send`` writes a command (``add``, ``abort``) the other way.
 
 ``lost`` resolves (with why) when the connection ends, which is how the router learns
-an instance is gone; a frame whose length prefix exceeds ``engine.feed.MAX_FRAME``
+an instance is gone; a frame whose length prefix exceeds ``instance.feed.MAX_FRAME``
 ends it too (a broken stream).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from engine.feed import cut, decode
-from engine.messages import Polled
+from instance.feed import cut, decode
+from instance.messages import Polled
 from router.incidents import first_line
 
 
@@ -41,7 +41,7 @@ class FeedReader(asyncio.Protocol):
             self._on_polled(decode(body))
 
     def send(self, frame: bytes) -> None:
-        """A command frame (``engine.feed.encode_command``) to the instance."""
+        """A command frame (``instance.feed.encode_command``) to the instance."""
         # connection_made ran: create_connection hands out the protocol only after it
         assert self._transport is not None
         self._transport.write(frame)

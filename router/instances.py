@@ -1,6 +1,6 @@
 """The router's side of one engine instance: its handle, its load, its update stream.
 
-Data plane: the instance pushes, down its update feed (engine/feed.py; one TCP
+Data plane: the instance pushes, down its update feed (instance/feed.py; one TCP
 connection, opened with a ticket asked for through Ray), every update it produced since
 its previous frame, at most one frame per engine step whatever the number of requests;
 each frame's updates go to the placement (router/placement.py), which routes each to
@@ -23,8 +23,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from engine.feed import encode_command
-from engine.messages import Attempt, Polled
+from instance.feed import encode_command
+from instance.messages import Attempt, Polled
 from router.cache_index import CacheIndex
 from router.feed_reader import FeedReader
 from router.incidents import first_line

@@ -11,7 +11,7 @@ import itertools
 import uuid
 from abc import ABC, abstractmethod
 
-from engine.messages import Attempt, Update, attempt_id
+from instance.messages import Attempt, Update, attempt_id
 from router.instances import Instance
 from router.policies import InstanceLoad, RoutingPolicy
 from router.rebuild import context

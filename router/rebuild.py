@@ -6,7 +6,7 @@ The router stores its own record of each request in every ``Attempt`` it sends
 arrival's wall-clock time, and what its front end needs to render the rest
 (``RequestStream.front``). When a
 router replica dies, the instances keep its requests running for
-``router.rejoin_grace_s`` (engine/feed.py, "Rejoining"); the new incarnation connects
+``router.rejoin_grace_s`` (instance/feed.py, "Rejoining"); the new incarnation connects
 under the same consumer name and the first frame of each instance's feed hands back
 every ``LiveAttempt`` it holds. ``Rebuild.take`` turns each into a ``RequestStream``:
 
@@ -36,7 +36,7 @@ import time
 
 import msgpack
 
-from engine.messages import Attempt, LiveAttempt
+from instance.messages import Attempt, LiveAttempt
 from router.instances import Instance
 from router.request import Refusal, Refused
 from router.stream import Delta, RequestStream
@@ -60,7 +60,7 @@ def read_context(blob: bytes) -> dict:
 
 
 def request_id_of(attempt: Attempt) -> str:
-    """The request an attempt is a try of (``engine.messages.attempt_id``'s inverse)."""
+    """The request an attempt is a try of (``instance.messages.attempt_id``'s inverse)."""
     return attempt.id.rsplit("#", 1)[0]
 
 

@@ -131,8 +131,8 @@ def test_an_instance_serves_gemma3_with_its_bytes_per_token(hf_reference):
     bytes per token of its 4 layers, and the streamed tokens are HF's greedy ones."""
     import time
 
-    from engine.messages import Attempt
-    from engine.worker import EngineWorker
+    from instance.messages import Attempt
+    from instance.worker import EngineWorker
 
     path, prompts, expected = hf_reference("gemma3")
     worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)

@@ -1,4 +1,4 @@
-"""Rejoining an instance's update feed (engine/feed.py, "Rejoining") on a real
+"""Rejoining an instance's update feed (instance/feed.py, "Rejoining") on a real
 ``EngineWorker`` with a grace (``rejoin_grace_s``) and real sockets: a consumer that
 leaves and comes back under its name within the grace finds its requests still
 running, handed back with every token they produced (what it may have missed) and the
@@ -14,10 +14,11 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams, feed
-from engine.feed import FeedTicket, frames
-from engine.messages import Attempt, Polled
-from engine.worker import EngineWorker
+from engine import LLM, SamplingParams
+from instance import feed
+from instance.feed import FeedTicket, frames
+from instance.messages import Attempt, Polled
+from instance.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(120)
 

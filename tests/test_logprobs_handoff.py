@@ -15,8 +15,8 @@ import torch
 
 from decode_worker import DecodeWorker
 from engine import LLM, SamplingParams
-from engine.messages import Attempt
-from engine.worker import EngineWorker
+from instance.messages import Attempt
+from instance.worker import EngineWorker
 from prefill_worker import PrefillWorker
 from tests.kv_transfer.helpers import WORKER_KV
 

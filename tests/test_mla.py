@@ -152,8 +152,8 @@ def test_tensor_parallel_2_equals_one_rank(hf_reference):
 def test_an_instance_serves_it_and_reports_its_bytes_per_token(hf_reference):
     """The co-located worker (the pools' base) on an MLA model: ``ready()`` carries the
     latent cache's bytes per token, and the streamed tokens are HF's greedy ones."""
-    from engine.messages import Attempt
-    from engine.worker import EngineWorker
+    from instance.messages import Attempt
+    from instance.worker import EngineWorker
 
     path, prompts, expected = hf_reference("v3")
     worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)

@@ -22,7 +22,7 @@ import torch
 
 from decode_worker import DecodeWorker
 from engine import LLM, SamplingParams
-from engine.messages import Attempt, Update
+from instance.messages import Attempt, Update
 from tests.kv_transfer.helpers import WORKER_KV
 
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 32}  # blocks of 16 tokens

@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from decode_worker import DecodeWorker
-from engine import LLM, SamplingParams, feed
-from engine.messages import Attempt, Update
+from engine import LLM, SamplingParams
+from instance import feed
+from instance.messages import Attempt, Update
 from kv_transfer import KVDestination
 from prefill_worker import PrefillWorker
 from tests.kv_transfer.faults import ENV, write_plan

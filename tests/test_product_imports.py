@@ -1,7 +1,7 @@
 """The product does not import the benchmarks: no module of the installed packages but
 bench/ itself imports bench/ (imports inside functions included); and loadgen/, which the
 planner and the benchmarks share, imports neither of them; rendezvous/ and kernels/
-import nothing of ours."""
+import nothing of ours; engine/ (the model runtime) imports none of the serving folders."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("engine", "kernels", "cluster", "router", "prefill_worker", "decode_worker",
+PRODUCT = ("engine", "instance", "kernels", "cluster", "router", "prefill_worker", "decode_worker",
            "kv_transfer", "rendezvous", "planner", "loadgen")  # fmt: skip
 
 
@@ -47,3 +47,8 @@ def test_the_rendezvous_and_the_kernels_import_nothing_of_ours():
     for package in ("rendezvous", "kernels"):
         others = tuple(p for p in (*PRODUCT, "bench") if p != package)
         assert _crossings((package,), others) == set(), package
+
+
+def test_the_engine_imports_none_of_the_serving_folders():
+    serving = ("instance", "router", "cluster", "prefill_worker", "decode_worker", "kv_transfer")
+    assert _crossings(("engine",), serving) == set()

@@ -12,8 +12,8 @@ import pytest
 
 from decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine
-from engine.messages import Attempt
-from engine.worker import EngineWorker
+from instance.messages import Attempt
+from instance.worker import EngineWorker
 from prefill_worker import PrefillWorker
 from tests.kv_transfer.helpers import WORKER_KV
 from tests.resume_utils import (

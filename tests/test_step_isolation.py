@@ -11,8 +11,8 @@ import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.llm_engine import StepFailed
-from engine.messages import Attempt
-from engine.worker import EngineWorker
+from instance.messages import Attempt
+from instance.worker import EngineWorker
 
 POISON = 250
 PROMPTS = {"a": [3, 4, 5, 6, 7], "poisoned": [8, 9, POISON, 10], "c": list(range(20, 60))}

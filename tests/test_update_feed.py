@@ -1,4 +1,4 @@
-"""An instance's update feed (engine/feed.py) on a real ``EngineWorker`` and real
+"""An instance's update feed (instance/feed.py) on a real ``EngineWorker`` and real
 sockets: requests added up it stream down it equal to the offline engine's, cache
 changes come with them, an abort up it frees the request's blocks, so does its
 consumer leaving, anything but a
@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams, feed
-from engine.feed import HANDSHAKE_S, LENGTH, FeedTicket, decode, encode, frames
-from engine.messages import Attempt, CacheCursor, CacheDelta, Polled, Reserved, Update
+from engine import LLM, SamplingParams
 from engine.outputs import Logprobs
-from engine.worker import EngineWorker
+from instance import feed
+from instance.feed import HANDSHAKE_S, LENGTH, FeedTicket, decode, encode, frames
+from instance.messages import Attempt, CacheCursor, CacheDelta, Polled, Reserved, Update
+from instance.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -38,7 +38,7 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.messages import Attempt
+from instance.messages import Attempt
 from kv_transfer import KVDestination
 from tests.cluster.helpers import wait_until
 from tests.cluster.test_disagg import (

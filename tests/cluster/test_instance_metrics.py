@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.instance_metrics import metered
 from engine import SamplingParams
-from engine.messages import Attempt
-from engine.worker import EngineWorker
+from instance.messages import Attempt
+from instance.worker import EngineWorker
 from tests.cluster.helpers import wait_until
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""What an instance publishes of its prefix cache (engine/cache_log.py) and the router's
+"""What an instance publishes of its prefix cache (instance/cache_log.py) and the router's
 copy of it (router/cache_index.py), on their own: a real ``BlockManager``'s events, the
 snapshot a new, late or restarted-instance consumer gets, and the bound."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from engine.block_hash import block_hashes
 from engine.block_manager import BlockManager, CacheEvents
-from engine.cache_log import CacheLog
-from engine.messages import CacheCursor, CacheDelta
+from instance.cache_log import CacheLog
+from instance.messages import CacheCursor, CacheDelta
 from router.cache_index import CacheIndex
 
 BS = 4

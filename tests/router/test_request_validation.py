@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import feed
-from engine.messages import Attempt
+from instance import feed
+from instance.messages import Attempt
 from router.request import ChatMessage, GenerateRequest, SamplingOptions
 from router.validation import InvalidRequest, ModelLimits, RequestValidator
 

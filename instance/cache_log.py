@@ -17,7 +17,7 @@ Bound: the log retains at most ``retain`` events (oldest batches dropped first; 
 worker sets it to the instance's KV block count), and the snapshot holds at most one
 hash per KV block, so one delta carries at most ``max(retain, num_blocks)`` hashes.
 
-Not thread-safe: the worker calls it under its lock (engine/worker.py).
+Not thread-safe: the worker calls it under its lock (instance/worker.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import uuid
 from collections import deque
 
 from engine.block_manager import CacheEvents
-from engine.messages import CacheCursor, CacheDelta
+from instance.messages import CacheCursor, CacheDelta
 
 
 class CacheLog:

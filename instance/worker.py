@@ -3,21 +3,21 @@
 The cluster wraps a worker class with ``ray.remote`` (a threaded actor), so its methods
 run on a small thread pool while a background thread runs the engine's step loop.
 Callers never touch the engine: ``add``/``abort`` go into an inbox the loop drains
-before each step as typed messages (engine/inbox.py), each applied by the handler its
+before each step as typed messages (instance/inbox.py), each applied by the handler its
 type names in ``self._ops`` (``on_loop`` runs a function there and returns its result), and
 updates go into one outbox per consumer (the router, a benchmark) that ``poll`` hands
 over in one batch: everything produced since the last poll, so a busy instance costs
 its consumer one call per step at most, never one per token. The router calls neither
 ``poll`` nor ``add`` through Ray: it takes the same batches down the update feed and
 sends ``add``s and ``abort``s (and ``prefill``s and ``reserve``s: ``feed_commands``) up it
-(``open_feed``, engine/feed.py), which costs the step's threads far less. A consumer
+(``open_feed``, instance/feed.py), which costs the step's threads far less. A consumer
 that passes a ``CacheCursor`` also gets the prefix cache's changes since its last poll
-(engine/cache_log.py): the block hashes the router routes by.
+(instance/cache_log.py): the block hashes the router routes by.
 
 ``EngineWorker`` itself is the co-located instance: every step is the engine's mixed
 step, prompt chunks piggybacked on the running decodes (engine/scheduler.py). The
 disaggregated pools subclass it (``decode_worker.DecodeWorker``,
-``prefill_worker.PrefillWorker``); it lives here, in the runtime both pools share, so
+``prefill_worker.PrefillWorker``); it lives in instance/, which both pools import, so
 that the pools never import each other. No Ray import: the cluster wraps it.
 """
 
@@ -37,22 +37,22 @@ from typing import Any
 import torch
 
 from engine import EngineConfig, LLMEngine
-from engine.cache_log import CacheLog
-from engine.feed import ATTEMPT_COMMANDS, FeedServer, FeedTicket
-from engine.inbox import Abort, Add, Call, ConsumerExpired, ConsumerLeft
 from engine.llm_engine import StepFailed
-from engine.messages import Attempt, CacheCursor, LiveAttempt, Polled, Reserved, Update
 from engine.parallel import SINGLE, TensorParallel, serve_store
 from engine.prefilled import LastChunkHook, Prefilled
 from engine.scheduler import StepShape
-from engine.step_log import StepLog
+from instance.cache_log import CacheLog
+from instance.feed import ATTEMPT_COMMANDS, FeedServer, FeedTicket
+from instance.inbox import Abort, Add, Call, ConsumerExpired, ConsumerLeft
+from instance.messages import Attempt, CacheCursor, LiveAttempt, Polled, Reserved, Update
+from instance.step_log import StepLog
 
 log = logging.getLogger(__name__)
 
 
 class EngineWorker:
     role = "colocated"
-    # what a consumer may send up its feed (engine/feed.py): command -> the method applying it
+    # what a consumer may send up its feed (instance/feed.py): command -> the method applying it
     feed_commands = {"add": "add", "abort": "abort"}
 
     @property
@@ -73,14 +73,14 @@ class EngineWorker:
     ):
         """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts).
         ``feed``: ``{"bind": interface, "advertise": address}`` of the update feed's
-        listener (engine/feed.py; None: 127.0.0.1, for instances made outside a cluster),
+        listener (instance/feed.py; None: 127.0.0.1, for instances made outside a cluster),
         and optionally ``"rejoin_grace_s"``: how long a departed consumer's requests are
         kept for it to reconnect (``consumer_left``; absent or 0: dropped at once).
         ``parallel``: ``{"size": N, "address": host:port, "bind": interface, "secret":
         the cluster's, "ranks": [handles]}`` makes this rank 0 of a tensor-parallel
         instance: it serves the world's rendezvous on ``bind`` at that port, advertised
         as ``address``, to ranks that prove ``secret``;
-        ranks 1..N-1 are the given actors (``engine.tp_rank.RankActor`` and the pools'
+        ranks 1..N-1 are the given actors (``instance.rank_actor.RankActor`` and the pools'
         subclasses)."""
         torch.set_num_threads(max(1, num_threads))
         self.name = name
@@ -99,7 +99,7 @@ class EngineWorker:
         # where each consumer's poll waits for its updates (under _lock): a step wakes only
         # the consumers it gave updates to, or every one when the prefix cache changed
         self._waits: dict[str, threading.Condition] = {}
-        self._inbox: deque[Any] = deque()  # engine/inbox.py's messages
+        self._inbox: deque[Any] = deque()  # instance/inbox.py's messages
         self._outboxes: dict[str, list[Update]] = defaultdict(list)
         self._reserved: dict[str, list[Reserved]] = defaultdict(list)  # answers, per consumer
         self._consumer: dict[str, str] = {}  # request id -> whose outbox
@@ -120,7 +120,7 @@ class EngineWorker:
             ConsumerLeft: lambda m: self._op_consumer_left(m.consumer),
             ConsumerExpired: lambda m: self._op_consumer_expired(m.consumer, m.token),
         }
-        # rejoining (engine/feed.py): the attempts sent up a feed and what they produced,
+        # rejoining (instance/feed.py): the attempts sent up a feed and what they produced,
         # kept while held and ``rejoin_grace_s`` after their end (under _lock); none
         # kept with a grace of 0
         feed = feed or {"bind": "127.0.0.1", "advertise": "127.0.0.1"}
@@ -262,7 +262,7 @@ class EngineWorker:
     def open_feed(self, consumer: str, cache: CacheCursor | None = None) -> FeedTicket:
         """A ticket for one connection down which this instance pushes, for ``consumer``,
         what ``poll`` would answer, each time there is news, and up which it takes
-        ``add``s and ``abort``s (engine/feed.py): the cheap way to drive a busy
+        ``add``s and ``abort``s (instance/feed.py): the cheap way to drive a busy
         instance. ``cache``: the consumer's cursor to start from (None: no prefix cache
         changes)."""
         return self._feed.open(consumer, cache)
@@ -280,7 +280,7 @@ class EngineWorker:
 
     def step_log(self) -> list[list[float]]:
         """The steps served since the last call: ``[prefill_tokens, sum_sq, decodes,
-        context, seconds]`` each (``engine.step_log``)."""
+        context, seconds]`` each (``instance.step_log``)."""
         return self._steps.take()
 
     def check_integrity(self) -> dict:

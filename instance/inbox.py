@@ -1,4 +1,4 @@
-"""The serving worker's inbox (engine/worker.py): each event that reaches the step loop
+"""The serving worker's inbox (instance/worker.py): each event that reaches the step loop
 is one of these frozen messages, handled in one place, the handler its type names in
 the worker's ``_ops`` (a role adds its own). The loop drains them before each step.
 
@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.messages import Attempt, Reserved
+from instance.messages import Attempt, Reserved
 
 if TYPE_CHECKING:  # the KV transfer's event, carried as is (engine imports no transport)
     from kv_transfer import Outcome

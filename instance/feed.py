@@ -66,7 +66,9 @@ from typing import Any
 
 import msgpack
 
-from engine.messages import (
+from engine.outputs import Logprobs
+from engine.sampling_params import SamplingParams
+from instance.messages import (
     Attempt,
     CacheCursor,
     CacheDelta,
@@ -75,8 +77,6 @@ from engine.messages import (
     Reserved,
     Update,
 )
-from engine.outputs import Logprobs
-from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

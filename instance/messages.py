@@ -4,7 +4,7 @@
 router): a request's new tokens (with their ``Logprobs`` when the request asked), its
 end, or a failure, batched per engine step (``EngineWorker.poll``). ``CacheCursor``
 (consumer -> instance) and ``CacheDelta`` (instance -> consumer): what the instance's
-prefix cache holds, as changes since the consumer's last poll (engine/cache_log.py).
+prefix cache holds, as changes since the consumer's last poll (instance/cache_log.py).
 ``Polled`` is one poll's answer. No positional tuples cross the process boundary.
 """
 
@@ -155,7 +155,7 @@ class Reserved:
 @dataclass
 class LiveAttempt:
     """An attempt an instance holds for a consumer, as it hands it back when that
-    consumer reconnects (engine/feed.py, "Rejoining"): the ``attempt`` as sent, what it
+    consumer reconnects (instance/feed.py, "Rejoining"): the ``attempt`` as sent, what it
     produced so far (``token_ids`` and ``text`` after ``attempt.delivered``; ``marks``:
     ``[tokens, chars]`` at the end of each update, where the consumer's deltas can
     have ended) and how it ended, if it did. ``state``: ``pending`` (no token yet:
@@ -205,7 +205,7 @@ class Polled:
     prefix cache's changes when the consumer passed a ``CacheCursor`` (else None), and
     the answers to the ``reserve``s it sent up its feed. ``live``: on the first frame of
     a feed connection only (else None), the attempts the instance still holds for the
-    consumer (engine/feed.py, "Rejoining"); the updates of this and later frames
+    consumer (instance/feed.py, "Rejoining"); the updates of this and later frames
     follow what they hold."""
 
     updates: list[Update]
