@@ -91,7 +91,9 @@ class Served:
 
         async def start():
             await self._instance.wait_ready()
-            self._instance.start_feed(lambda inst, updates: None, self._dead)
+            self._instance.start_feed(
+                lambda inst, updates: None, self._dead, lambda inst, live: None
+            )
 
         asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=60)
 

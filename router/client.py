@@ -51,6 +51,10 @@ __all__ = [
     "make_request",
 ]
 
+# the channel's reconnect backoff after losing its router (gRPC's own: 1 s growing to 120 s)
+MIN_RECONNECT_MS = 100
+MAX_RECONNECT_MS = 1000
+
 
 class RouterClient:
     """The router's gRPC API, sync and async.
@@ -94,8 +98,16 @@ class RouterClient:
         """A channel of ``module`` (``grpc`` or ``grpc.aio``) to the router, on a
         connection of its own (not shared with another client's channel through gRPC's
         process-wide pool): router replicas share one port and each connection is one
-        replica's (router/replicas.py), so separate clients spread over them."""
-        options = [("grpc.use_local_subchannel_pool", 1)]
+        replica's (router/replicas.py), so separate clients spread over them. It tries to
+        reconnect at most ``MAX_RECONNECT_MS`` after losing its router: gRPC's default
+        backoff grows to 2 minutes, while a restarted router is back in seconds
+        (docs/serving.md, "Router restarts and resuming")."""
+        options = [
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", MIN_RECONNECT_MS),
+            ("grpc.min_reconnect_backoff_ms", MIN_RECONNECT_MS),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_MS),
+        ]
         if self._credentials is None:
             return module.insecure_channel(self.address, options=options)
         return module.secure_channel(self.address, self._credentials, options=options)
@@ -106,7 +118,10 @@ class RouterClient:
         """Stream a completion; keywords as ``make_request``."""
         request = self._request(prompt, kw)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        return Stream(call, request.request_id, self._resumer(self._stub), self._until(timeout))
+        again = self._regenerator(self._stub, request, timeout)
+        return Stream(
+            call, request.request_id, self._resumer(self._stub), again, self._until(timeout)
+        )
 
     def _request(self, prompt: str | None, kw: dict) -> pb.GenerateRequest:
         """``make_request``'s, with an id of its own when the caller gave none (a stream
@@ -127,6 +142,16 @@ class RouterClient:
             return stub.Resume(request, timeout=timeout, metadata=self._metadata)
 
         return resume
+
+    def _regenerator(self, stub, request: pb.GenerateRequest, timeout: float | None):
+        """What sends ``request`` again (a call that never reached a router's instances):
+        with what is left of ``timeout`` (none: none)."""
+
+        def regenerate(left: float):
+            again = None if timeout is None else left
+            return stub.Generate(request, timeout=again, metadata=self._metadata)
+
+        return regenerate
 
     def complete(self, prompt: str | None = None, **kw) -> Completion:
         out = Completion()
@@ -173,7 +198,10 @@ class RouterClient:
         request = self._request(prompt, kw)
         stub = self._astub()
         call = stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        return AsyncStream(call, request.request_id, self._resumer(stub), self._until(timeout))
+        again = self._regenerator(stub, request, timeout)
+        return AsyncStream(
+            call, request.request_id, self._resumer(stub), again, self._until(timeout)
+        )
 
     async def acomplete(self, prompt: str | None = None, **kw) -> Completion:
         out = Completion()

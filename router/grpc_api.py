@@ -141,10 +141,12 @@ class GrpcApi:
 
 
 async def _abort(context, refused: Refused) -> None:
-    """End the call with the refusal's status (and ``retry-after`` when it has one)."""
-    trailing: tuple[tuple[str, str], ...] = ()
+    """End the call with the refusal's status, its kind as trailing metadata
+    ``pdserve-refusal`` (what tells a client the router answered, from a call that never
+    reached one: router/client_streams.py), and ``retry-after`` when it has one."""
+    trailing: tuple[tuple[str, str], ...] = (("pdserve-refusal", refused.kind.value),)
     if refused.retry_after_s is not None:
-        trailing = (("retry-after", str(refused.retry_after_s)),)
+        trailing += (("retry-after", str(refused.retry_after_s)),)
     await context.abort(GRPC_STATUS[refused.kind], refused.message, trailing_metadata=trailing)
 
 

@@ -81,6 +81,25 @@ def stop_string_of(s: Stream) -> str:
     return s.text[at : at + 3]
 
 
+def streams_of(engine, requests: list[tuple]) -> list[Stream]:
+    """Run ``engine`` until every one of ``requests`` (``(request_id, prompt, params,
+    delivered, chars)``, added here together: one batch) ends; their streams, in order.
+    An output does not depend on what else is in its batch (docs/architecture.md)."""
+    added = [engine.add_request(rid, p, params, tuple(d), c) for rid, p, params, d, c in requests]
+    streams = {rid: Stream([], [], None) for rid, *_ in requests}
+    while any(s.finish_reason is None for s in streams.values()):
+        for out in engine.step():
+            s = streams.get(out.request_id)
+            if s is not None:
+                assert len(out.new_token_ids) == 1
+                s.token_ids += out.new_token_ids
+                s.deltas.append(out.new_text)
+                s.finish_reason = out.finish_reason
+    for request, s in zip(added, streams.values(), strict=True):
+        s.preemptions = request.num_preemptions
+    return list(streams.values())
+
+
 def assert_resumes(full: Stream, k: int, resumed: Stream) -> None:
     """``resumed`` (from ``full``'s first ``k`` tokens) is exactly the rest of ``full``."""
     where = f"resumed after {k} of {len(full.token_ids)} tokens"

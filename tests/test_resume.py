@@ -21,6 +21,7 @@ from tests.resume_utils import (
     sampling,
     stop_string_of,
     stream_of,
+    streams_of,
 )
 
 _ids = itertools.count()
@@ -54,10 +55,12 @@ def test_resumed_request_continues_the_uninterrupted_run(engine, lang, mode, wit
     if lang == "ja" and not with_stop:
         assert mid_char_cuts(tok, full.token_ids), "no cut inside a character was tried"
     held = 0
+    resumes = []  # every cut's resumed request, run together in one batch
     for k in cuts:
         client = full.client_text(k)
         held = max(held, len(tok.decode(full.token_ids[:k])) - len(client))
-        resumed = run(engine, prompt, params, full.token_ids[:k], len(client))
+        resumes.append((f"r{next(_ids)}", prompt, params, full.token_ids[:k], len(client)))
+    for k, resumed in zip(cuts, streams_of(engine, resumes), strict=True):
         assert_resumes(full, k, resumed)
     if with_stop:
         assert held > 0, "no cut where the client's text lagged the tokens was tried"

@@ -6,7 +6,8 @@ the router actor's process stopped by a real signal. Ray restarts a killed route
 keeper kills a hung one (SIGSTOP) and starts each new incarnation on the same ports; the
 new one rebuilds its streams from what the instances kept for it and the clients
 resume them: every stream ends with the offline greedy tokens, the instances keep
-their processes, and every block is free after. A router restarted after an instance's
+their processes, and every block is free after; requests sent while no router listens
+wait for the next one. A router restarted after an instance's
 restart routes to the new incarnation; a rebuilt request no client resumes is dropped
 after ``router.resume_retention_s``."""
 
@@ -28,6 +29,7 @@ from engine import LLM, SamplingParams
 from router import pdserve_pb2 as pb
 from router import pdserve_pb2_grpc as pb_grpc
 from router.client import RouterClient
+from router.client_types import make_request
 from tests.cluster.helpers import seconds_until_blocks_free, wait_until
 from tests.cluster.test_disagg import disagg_config, greedy_outputs
 
@@ -160,12 +162,14 @@ PROBES: list[float] = []  # probe requests that may have reached the instances
 
 
 def serves_new_requests(address: str) -> bool:
-    """A new request completes through the router at ``address`` (within 5 s)."""
+    """A new request completes through the router at ``address`` (within 5 s); a plain
+    stub, failing at once while no router listens (``RouterClient`` would wait for one)."""
     try:
-        with RouterClient(address, resume_s=0) as client:
-            got = client.complete(prompt_token_ids=[9, 8, 7], max_tokens=2, timeout=5)
+        with grpc.insecure_channel(address) as channel:
+            request = make_request(prompt_token_ids=[9, 8, 7], max_tokens=2)
+            got = list(pb_grpc.RouterStub(channel).Generate(request, timeout=5))
             PROBES.append(time.monotonic())
-            return got.finish_reason == "length"
+            return got[-1].finish_reason == "length"
     except grpc.RpcError as e:
         if e.code() != grpc.StatusCode.UNAVAILABLE:  # UNAVAILABLE: refused before placing
             PROBES.append(time.monotonic())
@@ -183,10 +187,11 @@ def prefilled(cluster) -> int:
     return ray.get(cluster.workers["prefill-0"].stats.remote(), timeout=30)["requests_total"]
 
 
-def check_kept(cluster, probes_before: int) -> None:
+def check_kept(cluster, probes_before: int, late: int = 0) -> None:
     """The instances kept the 8 requests running for the new router: none was placed
-    again (the prefill instance took no request besides the probes)."""
-    assert prefilled(cluster) <= 8 + len(PROBES) - probes_before, (prefilled(cluster), PROBES)
+    again (the prefill instance took no request besides the probes and ``late`` ones)."""
+    placed = 8 + late + len(PROBES) - probes_before
+    assert prefilled(cluster) <= placed, (prefilled(cluster), PROBES)
 
 
 def check_streams(streams: Streams, want) -> None:
@@ -203,6 +208,35 @@ def check_streams(streams: Streams, want) -> None:
     assert all(n >= 1 for n in streams.resumed), streams.resumed
 
 
+class LateStreams:
+    """``RouterClient`` streams of some of ``WORK``'s requests, each started on a thread
+    at once: sent while the router is down, they wait for it (probing, then sending the
+    request again: router/client_streams.py)."""
+
+    def __init__(self, address: str, which: list[int]):
+        self.tokens: dict[int, list[int]] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.threads = [threading.Thread(target=self._run, args=(address, k)) for k in which]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, address: str, k: int) -> None:
+        ids, max_tokens = WORK[k]
+        try:
+            with RouterClient(address) as client:
+                stream = client.generate(
+                    prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
+                    ignore_eos=True, timeout=120,
+                )  # fmt: skip
+                self.tokens[k] = [t for chunk in stream for t in chunk.token_ids]
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.errors[k] = e
+
+    def join(self, timeout_s: float) -> None:
+        for t in self.threads:
+            t.join(timeout_s)
+
+
 def test_a_killed_router_comes_back_and_every_stream_resumes(chat_model, want, on_shared_ray):
     from cluster import launch
 
@@ -215,13 +249,16 @@ def test_a_killed_router_comes_back_and_every_stream_resumes(chat_model, want, o
         probes = len(PROBES)
         killed = time.monotonic()
         os.kill(old, signal.SIGKILL)  # a real signal to the router actor's process
+        late = LateStreams(cluster.address, [0, 2])  # sent while no router listens
         assert wait_until(lambda: serves_new_requests(cluster.address), 10, interval_s=0.2)
         back = time.monotonic() - killed
         assert back <= 10.0, back
         assert router_pid_now(cluster) not in (None, old)
         streams.join(240)
         check_streams(streams, want)
-        check_kept(cluster, probes)
+        late.join(240)
+        assert late.tokens == {k: want[0][k] for k in (0, 2)}, late.errors
+        check_kept(cluster, probes, late=2)
         assert instance_pids(cluster) == pids  # the instances never stopped
         seconds_until_blocks_free(cluster, within_s=30)
 
