@@ -26,7 +26,7 @@ from router.hybrid import Hybrid
 from router.instances import Instance
 from router.intake import Intake
 from router.metrics import RouterMetrics
-from router.placement import Colocated, Placement
+from router.placement import Colocated, Placement, RouterHooks
 from router.policies import make_policy
 from router.prefill_costs import CostModel
 from router.rebuild import Rebuild
@@ -104,15 +104,23 @@ class RouterCore:
         self._queue_bound = replica.describe("max_queue", router_config["max_queue"])
         self.intake = Intake(router_config)
         policy = make_policy(router_config["policy"])
+        hooks = RouterHooks(self.migrate, self.requeue, self.after_updates)
         self.placement: Placement
         if mode == "hybrid":
             costs = CostModel(
                 router_config["prefill_ms_per_token"], router_config["transfer_mb_per_s"]
             )
-            self.placement = Hybrid(self, self.instances, policy, costs, slo["tpot_ms"] / 1000)
+            self.placement = Hybrid(
+                hooks,
+                self.instances,
+                policy,
+                costs,
+                slo["tpot_ms"] / 1000,
+                lambda choice: self.metrics.prefill_placed(choice.where, choice.reason),
+            )
         else:
             placement = Disaggregated if mode == "disaggregated" else Colocated
-            self.placement = placement(self, self.instances, policy)
+            self.placement = placement(hooks, self.instances, policy)
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
         self.validator: RequestValidator | None = None  # set once every instance is ready
         self.draining = False
@@ -221,17 +229,16 @@ class RouterCore:
         an error) past ``router.migration_limit`` or when no instance will take it."""
         if stream.finished or self.streams.get(stream.request_id) is not stream:
             return False
-        if stream.attempt >= self.migration_limit or not self.recoverable:
-            if stream.attempt:
-                why += f" (after {stream.attempt + 1} attempts; earlier: "
-                why += "; ".join(stream.failures) + ")"
+        record = stream.attempt
+        if record.number >= self.migration_limit or not self.recoverable:
+            if record.number:
+                why += f" (after {record.number + 1} attempts; earlier: "
+                why += "; ".join(record.failures) + ")"
             stream.deliver(Delta([], "", "error", why))
             return False
-        stream.failures.append(why)
-        stream.attempt += 1
+        record.failed(why)
         self.metrics.migrated()
-        stream.avoid.update(stream.pair)
-        stream.waits_for(f"an instance to continue on (attempt {stream.attempt} ended: {why})")
+        stream.waits_for(f"an instance to continue on (attempt {record.number} ended: {why})")
         self.requeue(stream)
         return True
 

@@ -250,9 +250,9 @@ class RouterMetrics:
             self.tpot.labels(m).observe(tpot)
         if ttft <= self.slo_ttft_s and tpot <= self.slo_tpot_s:
             self.slo_attained.labels(m).inc()
-        if t.kv_bytes and len(stream.pair) == 2:
-            self.kv_bytes.labels(*stream.pair).observe(t.kv_bytes)
-            self.kv_seconds.labels(*stream.pair).observe(t.transfer_ms / 1000.0)
+        if t.kv_bytes and len(stream.attempt.pair) == 2:
+            self.kv_bytes.labels(*stream.attempt.pair).observe(t.kv_bytes)
+            self.kv_seconds.labels(*stream.attempt.pair).observe(t.transfer_ms / 1000.0)
 
     def samples(self) -> dict[str, list[tuple[str, dict, float]]]:
         """The request metrics' series, by family name: (sample name, labels, value)

@@ -37,6 +37,7 @@ import time
 import msgpack
 
 from instance.messages import Attempt, LiveAttempt
+from router.attempt_record import AttemptRecord
 from router.instances import Instance
 from router.request import Refusal, Refused
 from router.stream import Delta, RequestStream
@@ -86,10 +87,10 @@ def stream_of(live: LiveAttempt) -> RequestStream:
         arrival=time.monotonic() - max(0.0, time.time() - arrival_wall),
         arrival_wall=arrival_wall,
         owner=str(record.get("owner", "")),
+        attempt=AttemptRecord(number=attempt_number(a)),
     )
     front = record.get("front")
     stream.front = front if isinstance(front, dict) else {}
-    stream.attempt = attempt_number(a)
     stream.token_ids = list(a.delivered) + list(live.token_ids)
     stream.text_chars = a.delivered_chars + len(live.text)
     base = len(a.delivered)
@@ -180,9 +181,9 @@ class Rebuild:
     @staticmethod
     def _adopt(inst: Instance, stream: RequestStream, attempt: Attempt) -> None:
         """``inst`` streams ``attempt``: it is the stream's current attempt again."""
-        stream.attempt_id = attempt.id
-        stream.landed = True
-        stream.pair = (attempt.prefill, inst.name) if attempt.prefill else (inst.name,)
+        stream.attempt.adopt(
+            attempt.id, (attempt.prefill, inst.name) if attempt.prefill else (inst.name,)
+        )
         stream.instances.append(inst.name)
         stream.dispatched_at = stream.arrival
         inst.hold(stream)
