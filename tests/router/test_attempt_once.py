@@ -1,9 +1,10 @@
-"""Every attempt is handled once (router/placement.py ``retire``), on the disaggregated
-placement alone over instances whose commands are recorded (no Ray, no feed): a decode
-instance that fails while its reservation is pending reports the attempt's end twice
-(its death, then the reservation's failure) and the request migrates once; a hold
-left on a failed instance goes at its next ``on_dead`` without touching the request.
-tests/cluster/test_attempts.py does the same with real processes and signals."""
+"""Every attempt is handled once (``AttemptRecord.retire``, router/attempt_record.py), on
+the disaggregated placement alone over instances whose commands are recorded (no Ray,
+no feed): a decode instance that fails while its reservation is pending reports the
+attempt's end twice (its death, then the reservation's failure) and the request
+migrates once; a hold left on a failed instance goes at its next ``on_dead`` without
+touching the request. tests/cluster/test_attempts.py does the same with real processes
+and signals."""
 
 from __future__ import annotations
 
