@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from engine.tokenizer import Tokenizer
 from router.admission import AdmissionQueue, CallLimit, FirstTokens
+from router.clock import Clock
 from router.disagg import Disaggregated
 from router.hybrid import Hybrid
 from router.instances import Instance
@@ -336,7 +337,7 @@ class RouterCore:
         if request_id in self.streams:
             raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
         stream = RequestStream(
-            request_id, prompt_ids, params, arrival=arrival, owner=owner, front=front or {}
+            request_id, prompt_ids, params, clock=Clock(arrival), owner=owner, front=front or {}
         )
         stream.on_first_token = self.first_tokens.note
         self.admit(stream)
@@ -400,7 +401,7 @@ class RouterCore:
 
     def _queue_timeout(self, stream: RequestStream) -> None:
         if stream.num_tokens == 0 and stream in self.admission:
-            waited = time.monotonic() - stream.arrival
+            waited = time.monotonic() - stream.clock.arrival
             message = (
                 f"waited {waited:.3g} s in the admission queue, past router.queue_timeout_s="
                 f"{self.queue_timeout_s:g}; every instance is busy, retry later"
@@ -458,7 +459,7 @@ class RouterCore:
         bound = self.max_expected_ttft_s
         if bound is None:
             return
-        waiting = sum(1 for s in self.streams.values() if s.first_token_at is None)
+        waiting = sum(1 for s in self.streams.values() if s.clock.first_token_at is None)
         wait = self.first_tokens.expected_wait_s(waiting)
         if wait is not None and wait > bound:
             raise Refused(

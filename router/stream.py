@@ -1,11 +1,10 @@
-"""One request's life at the router as its client sees it: its output queue, its clock,
-the tokens delivered, its final usage and timings (plain dataclasses; each front end
-renders them in its own wire format). Its attempts are router/attempt_record.py's.
+"""One request's life at the router as its client sees it: its output queue, its clock
+(router/clock.py), the tokens delivered, its final usage and timings (plain
+dataclasses; each front end renders them in its own wire format). Its attempts are
+router/attempt_record.py's.
 
-TTFT, TPOT and e2e come from the router's clock (``time.monotonic``): arrival is
-stamped when the request reaches a front end, first/last token when their batches
-reach the router. Phase times (``Phases``) mix the router's and the instances' wall
-clocks (``time.time``) and are reported relative to the arrival's wall-clock stamp.
+Phase times (``Phases``) mix the router's and the instances' wall clocks
+(``time.time``) and are reported relative to the arrival's wall-clock stamp.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from engine.block_hash import block_hashes
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 from router.attempt_record import AttemptRecord
+from router.clock import Clock, ms
 from router.request import Refusal, Refused
 
 _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_start")
@@ -98,11 +98,11 @@ class RequestStream:
     waiting delta, so an unread stream holds at most its own output (``max_tokens``
     token ids and their text) and one delta object.
 
-    Who writes what: the request's facts (id, prompt, params, owner, front, arrival) are
-    set when it is opened (the core) or rebuilt (router/rebuild.py) and never change;
-    the output, the delivered tokens and the clock's token stamps only by ``deliver``
-    (and a rebuilt stream's resume point by ``rewind``); where it was sent by
-    ``sent_to`` and what it waits for by ``waits_for`` (the placement, the core, the
+    Who writes what: the request's facts (id, prompt, params, owner, front, the clock's
+    arrival) are set when it is opened (the core) or rebuilt (router/rebuild.py) and
+    never change; the output, the delivered tokens and the clock's token stamps only by
+    ``deliver`` (and a rebuilt stream's resume point by ``rewind``); where it was sent
+    by ``sent_to`` and what it waits for by ``waits_for`` (the placement, the core, the
     rebuild); ``timers`` by the core and the rebuild. The placement's half, which
     attempt is current and on which instances, is ``attempt`` (router/attempt_record.py).
     """
@@ -110,20 +110,13 @@ class RequestStream:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival: float = field(default_factory=time.monotonic)
-    arrival_wall: float = field(default_factory=time.time)
+    clock: Clock = field(default_factory=Clock)
     owner: str = ""  # the API key's owner (router/auth.py) that may abort it
     # how its front end renders it, for a restarted router's resume (router/rebuild.py):
     # HTTP's {"api": "chat" | "completions", "include_usage": bool}; {} for gRPC
     front: dict = field(default_factory=dict)
     attempt: AttemptRecord = field(default_factory=AttemptRecord)
-    # the clock (``sent_to``, ``deliver``): where and when it was placed, its tokens' times
-    instances: list[str] = field(default_factory=list)
-    dispatched_at: float | None = None
-    placed_wall: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    token_walls: list[float] = field(default_factory=list)
+    instances: list[str] = field(default_factory=list)  # where it was sent (``sent_to``)
     finished: bool = False
     # how it ended, set with ``finished`` by its last delta: a finish reason (stop,
     # length, abort), "error" (an instance failed it) or "refused" (the router gave up)
@@ -158,8 +151,7 @@ class RequestStream:
 
     def sent_to(self, instance: str) -> None:
         self.instances.append(instance)
-        self.dispatched_at = time.monotonic()
-        self.placed_wall = time.time()
+        self.clock.placed()
 
     def deliver(self, delta: Delta) -> None:
         """A batch of this request's tokens arrived from its instance."""
@@ -167,13 +159,11 @@ class RequestStream:
             return
         now = time.monotonic()
         if delta.token_ids:
-            if self.first_token_at is None:
-                self.first_token_at = now
-                if self.on_first_token is not None:
-                    self.on_first_token()
-            self.last_token_at = self.progress_at = now
+            first = self.clock.tokens(len(delta.token_ids), now)
+            if first and self.on_first_token is not None:
+                self.on_first_token()
+            self.progress_at = now
             self.token_ids += delta.token_ids
-            self.token_walls += [time.time()] * len(delta.token_ids)
         if delta.last:
             self.finished = True
             self.outcome = (
@@ -256,33 +246,27 @@ class RequestStream:
         return Usage(len(self.prompt_ids), self.num_tokens, cached)
 
     def timings(self) -> Timings:
-        end = self.last_token_at or time.monotonic()
-        first = self.first_token_at
+        clock = self.clock
+        end = clock.last_token_at or time.monotonic()
+        first = clock.first_token_at
         gaps = self.num_tokens - 1
-        since = self._since_arrival
+        since = clock.since_arrival_ms
         reported = self.attempt.reported
         phases = reported.phases
         return Timings(
-            queue_ms=_ms((self.dispatched_at or end) - self.arrival),
-            ttft_ms=_ms(first - self.arrival) if first is not None else 0.0,
-            tpot_ms=_ms((end - first) / gaps) if first is not None and gaps > 0 else 0.0,
-            e2e_ms=_ms(end - self.arrival),
+            queue_ms=ms((clock.dispatched_at or end) - clock.arrival),
+            ttft_ms=ms(first - clock.arrival) if first is not None else 0.0,
+            tpot_ms=ms((end - first) / gaps) if first is not None and gaps > 0 else 0.0,
+            e2e_ms=ms(end - clock.arrival),
             instances=list(self.instances),
             kv_bytes=reported.kv_bytes,
             kv_cached_tokens=reported.kv_cached_tokens,
-            transfer_ms=_ms(reported.transfer_s),
+            transfer_ms=ms(reported.transfer_s),
             attempts=self.attempt.number + 1,
             phases=Phases(
-                queued=since(self.placed_wall),
+                queued=since(clock.placed_wall),
                 **{name: since(phases.get(name)) for name in _PHASES},
-                tokens=[since(t) for t in self.token_walls],
-                finish=since(self.token_walls[-1] if self.token_walls else None),
+                tokens=[since(t) for t in clock.token_walls],
+                finish=since(clock.token_walls[-1] if clock.token_walls else None),
             ),
         )
-
-    def _since_arrival(self, wall: float | None) -> float:
-        return _ms(wall - self.arrival_wall) if wall else 0.0
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)

@@ -84,3 +84,24 @@ def test_a_cache_aware_choice_reads_copies_of_the_loads():
     loads = placement.loads(stream, insts)
     assert [c.hit_tokens for c in loads] == [0, 32]
     assert [i.load.hit_tokens for i in insts] == [0, 0]  # the instances' own are untouched
+
+
+def test_the_clock_is_written_by_the_stream_placing_it_and_delivering_to_it():
+    from router.clock import Clock
+    from router.stream import Delta
+
+    firsts: list[int] = []
+    stream = RequestStream("r", [1, 2, 3], SamplingParams(max_tokens=4), clock=Clock(0.0, 1.0))
+    stream.on_first_token = lambda: firsts.append(1)
+    stream.sent_to("decode-0")
+    placed = stream.clock.dispatched_at
+    assert placed is not None and stream.clock.first_token_at is None
+    stream.deliver(Delta([5, 6], "ab"))
+    stream.deliver(Delta([7], "c", "length"))
+    clock = stream.clock
+    assert firsts == [1] and len(clock.token_walls) == 3  # the first token counted once
+    assert clock.first_token_at is not None and clock.last_token_at is not None
+    assert placed <= clock.first_token_at <= clock.last_token_at
+    t = stream.timings()
+    assert t.instances == ["decode-0"] and t.queue_ms == round(placed * 1000.0, 3)
+    assert t.ttft_ms <= t.e2e_ms and len(t.phases.tokens) == 3
