@@ -21,12 +21,13 @@ from collections.abc import Callable
 
 from engine.tokenizer import Tokenizer
 from router.admission import AdmissionQueue, CallLimit, FirstTokens
+from router.clock import Clock
 from router.disagg import Disaggregated
 from router.hybrid import Hybrid
 from router.instances import Instance
 from router.intake import Intake
 from router.metrics import RouterMetrics
-from router.placement import Colocated, Placement
+from router.placement import Colocated, Placement, RouterHooks
 from router.policies import make_policy
 from router.prefill_costs import CostModel
 from router.rebuild import Rebuild
@@ -104,15 +105,23 @@ class RouterCore:
         self._queue_bound = replica.describe("max_queue", router_config["max_queue"])
         self.intake = Intake(router_config)
         policy = make_policy(router_config["policy"])
+        hooks = RouterHooks(self.migrate, self.requeue, self.after_updates)
         self.placement: Placement
         if mode == "hybrid":
             costs = CostModel(
                 router_config["prefill_ms_per_token"], router_config["transfer_mb_per_s"]
             )
-            self.placement = Hybrid(self, self.instances, policy, costs, slo["tpot_ms"] / 1000)
+            self.placement = Hybrid(
+                hooks,
+                self.instances,
+                policy,
+                costs,
+                slo["tpot_ms"] / 1000,
+                lambda choice: self.metrics.prefill_placed(choice.where, choice.reason),
+            )
         else:
             placement = Disaggregated if mode == "disaggregated" else Colocated
-            self.placement = placement(self, self.instances, policy)
+            self.placement = placement(hooks, self.instances, policy)
         self.streams: dict[str, RequestStream] = {}  # in flight: queued or sent
         self.validator: RequestValidator | None = None  # set once every instance is ready
         self.draining = False
@@ -221,17 +230,16 @@ class RouterCore:
         an error) past ``router.migration_limit`` or when no instance will take it."""
         if stream.finished or self.streams.get(stream.request_id) is not stream:
             return False
-        if stream.attempt >= self.migration_limit or not self.recoverable:
-            if stream.attempt:
-                why += f" (after {stream.attempt + 1} attempts; earlier: "
-                why += "; ".join(stream.failures) + ")"
+        record = stream.attempt
+        if record.number >= self.migration_limit or not self.recoverable:
+            if record.number:
+                why += f" (after {record.number + 1} attempts; earlier: "
+                why += "; ".join(record.failures) + ")"
             stream.deliver(Delta([], "", "error", why))
             return False
-        stream.failures.append(why)
-        stream.attempt += 1
+        record.failed(why)
         self.metrics.migrated()
-        stream.avoid.update(stream.pair)
-        stream.waits_for(f"an instance to continue on (attempt {stream.attempt} ended: {why})")
+        stream.waits_for(f"an instance to continue on (attempt {record.number} ended: {why})")
         self.requeue(stream)
         return True
 
@@ -329,7 +337,7 @@ class RouterCore:
         if request_id in self.streams:
             raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
         stream = RequestStream(
-            request_id, prompt_ids, params, arrival=arrival, owner=owner, front=front or {}
+            request_id, prompt_ids, params, clock=Clock(arrival), owner=owner, front=front or {}
         )
         stream.on_first_token = self.first_tokens.note
         self.admit(stream)
@@ -393,7 +401,7 @@ class RouterCore:
 
     def _queue_timeout(self, stream: RequestStream) -> None:
         if stream.num_tokens == 0 and stream in self.admission:
-            waited = time.monotonic() - stream.arrival
+            waited = time.monotonic() - stream.clock.arrival
             message = (
                 f"waited {waited:.3g} s in the admission queue, past router.queue_timeout_s="
                 f"{self.queue_timeout_s:g}; every instance is busy, retry later"
@@ -451,7 +459,7 @@ class RouterCore:
         bound = self.max_expected_ttft_s
         if bound is None:
             return
-        waiting = sum(1 for s in self.streams.values() if s.first_token_at is None)
+        waiting = sum(1 for s in self.streams.values() if s.clock.first_token_at is None)
         wait = self.first_tokens.expected_wait_s(waiting)
         if wait is not None and wait > bound:
             raise Refused(

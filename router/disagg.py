@@ -19,7 +19,7 @@ tokens, the prefill instance's failure no longer concerns the request.
 
 Every path that ends an attempt (an error update, an instance's death, a failed or
 refused reservation, a cancel) names the attempt it concerns and acts only through
-``Placement.retire``: a decode instance that dies while its reservation is pending is
+``AttemptRecord.retire``: a decode instance that dies while its reservation is pending is
 reported twice (its death, then the reservation's failure) and migrates its request once.
 """
 
@@ -31,15 +31,16 @@ from dataclasses import replace
 
 from instance.messages import Attempt, Update
 from router.instances import Instance
-from router.placement import Placement
+from router.placement import Placement, RouterHooks
+from router.policies import RoutingPolicy
 from router.stream import Delta, RequestStream
 
 log = logging.getLogger(__name__)
 
 
 class Disaggregated(Placement):
-    def __init__(self, router, instances, policy):
-        super().__init__(router, instances, policy)
+    def __init__(self, hooks: RouterHooks, instances: list[Instance], policy: RoutingPolicy):
+        super().__init__(hooks, instances, policy)
         self.prefills = [i for i in instances if i.role == "prefill"]
         self.decodes = [i for i in instances if i.role == "decode"]
         self._tasks: set[asyncio.Task] = set()
@@ -69,23 +70,22 @@ class Disaggregated(Placement):
         """Reserve on ``decode``, then prefill on ``prefill`` (the module docstring)."""
         attempt = self.attempt(
             stream,
+            (prefill.name, decode.name),
             prefill_tp=prefill.info.get("kv_tp_size", 1),
             prefill=prefill.name,
             decode=decode.name,
         )
-        stream.pair = (prefill.name, decode.name)
         stream.waits_for(f"{decode.name} to reserve blocks for the KV")
         decode.hold(stream)
-        prefill.hold(stream)
-        stream.prefill_cost = len(stream.prompt_ids) + len(stream.token_ids)
-        prefill.load.prefill_tokens += stream.prefill_cost
+        # the prefill instance computes the prompt and what the client already has
+        prefill.hold(stream, prompt_tokens=len(stream.prompt_ids) + len(stream.token_ids))
         task = asyncio.get_running_loop().create_task(self._start(stream, attempt, prefill, decode))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def _decode_for(self, stream: RequestStream) -> Instance:
         room = [d for d in self.decodes if d.has_room()]
-        fresh = [d for d in room if d.name not in stream.avoid] or room
+        fresh = [d for d in room if d.name not in stream.attempt.avoid] or room
         choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
         return self.by_name[choice.name]
 
@@ -96,13 +96,12 @@ class Disaggregated(Placement):
         alive = [p for p in self.prefills if p.alive]
         if not alive:
             return None
+        avoid = stream.attempt.avoid
         if self.policy.uses_cache:
-            fresh = [p for p in alive if p.name not in stream.avoid] or alive
+            fresh = [p for p in alive if p.name not in avoid] or alive
             choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
             return self.by_name[choice.name]
-        return min(
-            alive, key=lambda p: (p.name in stream.avoid, p.load.prefill_tokens, p.load.index)
-        )
+        return min(alive, key=lambda p: (p.name in avoid, p.load.prefill_tokens, p.load.index))
 
     async def _start(
         self, stream: RequestStream, attempt: Attempt, prefill: Instance, decode: Instance
@@ -112,18 +111,18 @@ class Disaggregated(Placement):
         except Exception as e:  # the decode instance died or refused the request
             why = f"decode instance {decode.name}: {e}"
             self._end_attempt(stream, attempt.id, why, retryable=True)
-            self.router.after_updates([stream] if stream.finished else [])
+            self.hooks.ended([stream] if stream.finished else [])
             return
-        if stream.attempt_id != attempt.id:  # ended meanwhile (cancelled, a peer failed)
+        if stream.attempt.id != attempt.id:  # ended meanwhile (cancelled, a peer failed)
             if destination is not None:
                 decode.abort([attempt.id])
             return
         if destination is None:  # no room after all: back to the head of the queue
-            self.retire(stream, attempt.id)
+            stream.attempt.retire(attempt.id)
             self._drop(stream, attempt.id, abort=False)
             decode.refused = True
             stream.waits_for(f"a decode instance with room ({decode.name} refused)")
-            self.router.requeue(stream)
+            self.hooks.requeue(stream)
             return
         stream.sent_to(prefill.name)
         stream.sent_to(decode.name)
@@ -136,7 +135,7 @@ class Disaggregated(Placement):
             stream = inst.streams.get(u.request_id)
             if stream is None:
                 continue  # an abandoned attempt, or aborted meanwhile
-            stream.info.update(u.info)
+            stream.attempt.report(u.info)
             if u.error is not None:
                 self._end_attempt(stream, u.request_id, u.error, u.retryable, reported_by=inst)
                 if stream.finished:
@@ -144,10 +143,9 @@ class Disaggregated(Placement):
                 continue
             if self.prefills_for(inst, stream):
                 if u.handed_off:
-                    self._release_prefill(inst, stream, u.request_id)
+                    inst.release(u.request_id)
                 continue
-            if not stream.landed:
-                stream.landed = True
+            if stream.attempt.land():
                 stream.waits_for(f"tokens from {inst.name}")
             stream.deliver(Delta(u.token_ids, u.text, u.finish_reason, logprobs=u.logprobs))
             if u.finish_reason is not None:
@@ -166,8 +164,8 @@ class Disaggregated(Placement):
         return ended
 
     def cancel(self, stream: RequestStream) -> None:
-        attempt_id = stream.attempt_id
-        if self.retire(stream, attempt_id):
+        attempt_id = stream.attempt.id
+        if stream.attempt.retire(attempt_id):
             self._drop(stream, attempt_id, abort=True)
 
     def _end_attempt(
@@ -184,41 +182,28 @@ class Disaggregated(Placement):
         decode instance streams tokens, its KV has landed: a failure reported by the
         prefill instance (a lost acknowledgement, its death) no longer concerns it, and
         only that instance's hold goes."""
-        current = stream.attempt_id == attempt_id
+        current = stream.attempt.id == attempt_id
         if reported_by is not None:  # it dropped the attempt itself (or is dead): no abort
-            self._release(reported_by, stream, attempt_id)
-            if current and self.prefills_for(reported_by, stream) and stream.landed:
+            reported_by.release(attempt_id)
+            if current and self.prefills_for(reported_by, stream) and stream.attempt.landed:
                 log.warning("request %s: %s (after its KV landed)", stream.request_id, error)
                 return
-        if not self.retire(stream, attempt_id):
+        if not stream.attempt.retire(attempt_id):
             return
         self._drop(stream, attempt_id, abort=True)
         if retryable:
-            self.router.migrate(stream, error)
+            self.hooks.migrate(stream, error)
         else:
             stream.deliver(Delta([], "", "error", error))
 
     def _drop(self, stream: RequestStream, attempt_id: str, abort: bool) -> None:
         """Every instance forgets the (retired) attempt; with ``abort`` it frees its blocks."""
         for inst in self.instances:
-            self._release(inst, stream, attempt_id, abort)
+            inst.release(attempt_id, abort)
 
     @staticmethod
     def prefills_for(inst: Instance, stream: RequestStream) -> bool:
         """``inst`` computes the prompt of ``stream``'s attempt for another instance: a
         prefill instance, or a peer decode instance (hybrid mode, router/hybrid.py)."""
-        return len(stream.pair) == 2 and stream.pair[0] == inst.name
-
-    def _release(
-        self, inst: Instance, stream: RequestStream, attempt_id: str, abort: bool = False
-    ) -> None:
-        if self.prefills_for(inst, stream):
-            self._release_prefill(inst, stream, attempt_id, abort)
-        else:
-            inst.release(attempt_id, abort)
-
-    def _release_prefill(
-        self, inst: Instance, stream: RequestStream, attempt_id: str, abort: bool = False
-    ) -> None:
-        if inst.release(attempt_id, abort):
-            inst.load.prefill_tokens -= stream.prefill_cost
+        pair = stream.attempt.pair
+        return len(pair) == 2 and pair[0] == inst.name

@@ -22,28 +22,40 @@ another prefill pair. Hybrid serves while any decode instance is alive: with the
 whole prefill pool down, every prompt is prefilled locally.
 
 Each decision (its detail) is appended to the request's trace
-(``RequestStream.prefill_choices``, the request's log line) and counted in
-``pdserve:prefill_placement_total{where, reason}`` (router/metrics.py).
+(``AttemptRecord.choices``, the request's log line) and handed to ``on_choice`` (the
+core counts it in ``pdserve:prefill_placement_total{where, reason}``, router/metrics.py).
+A local attempt's prompt is counted in its decode instance's queued prompt tokens
+(``Instance.hold``) until its first token or its end (``Instance.prompt_done``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from router.disagg import Disaggregated
 from router.instances import Instance
-from router.prefill_choice import LOCAL, REMOTE, PrefillInputs, choose_prefill
+from router.placement import RouterHooks
+from router.policies import RoutingPolicy
+from router.prefill_choice import LOCAL, REMOTE, PrefillChoice, PrefillInputs, choose_prefill
 from router.prefill_costs import CostModel
 from router.stream import RequestStream
 
 
 class Hybrid(Disaggregated):
-    def __init__(self, router, instances, policy, costs: CostModel, tpot_s: float):
-        """``costs``: the learned costs; ``tpot_s``: slo.tpot_ms in seconds."""
-        super().__init__(router, instances, policy)
-        self.costs, self.tpot_s = costs, tpot_s
+    def __init__(
+        self,
+        hooks: RouterHooks,
+        instances: list[Instance],
+        policy: RoutingPolicy,
+        costs: CostModel,
+        tpot_s: float,
+        on_choice: Callable[[PrefillChoice], None],
+    ):
+        """``costs``: the learned costs; ``tpot_s``: slo.tpot_ms in seconds;
+        ``on_choice``: told of each decision (the core's metrics)."""
+        super().__init__(hooks, instances, policy)
+        self.costs, self.tpot_s, self.on_choice = costs, tpot_s, on_choice
         self.peers = not self.prefills  # the decode instances prefill for each other
-        # local attempts whose prompt is not computed yet: attempt id -> (decode
-        # instance, the tokens counted in its ``load.prefill_tokens``)
-        self._local: dict[str, tuple[Instance, int]] = {}
 
     @property
     def alive(self) -> bool:
@@ -60,7 +72,8 @@ class Hybrid(Disaggregated):
         decode = self._decode_for(stream)
         prefill = self._peer_for(stream, decode) if self.peers else self._prefill_for(stream)
         self.costs.kv_bytes_per_token = decode.info.get("kv_bytes_per_token", 0)
-        last = stream.prefill_choices[-1] if stream.prefill_choices else None
+        record = stream.attempt
+        last = record.choices[-1] if record.choices else None
         inputs = PrefillInputs(
             prompt_tokens=len(stream.prompt_ids) + len(stream.token_ids),
             local_hit_tokens=self.hit_tokens(decode, stream),
@@ -77,12 +90,12 @@ class Hybrid(Disaggregated):
             else None,
             tpot_s=self.tpot_s,
             prefill_alive=prefill is not None,
-            remote_failed=stream.attempt > 0 and last is not None and last.where == REMOTE,
+            remote_failed=record.number > 0 and last is not None and last.where == REMOTE,
         )
         peer_running = inputs.remote_running if self.peers else None
         choice = choose_prefill(inputs, self.costs.costs(inputs.running, peer_running))
-        stream.prefill_choices.append(choice)
-        self.router.metrics.prefill_placed(choice.where, choice.reason)
+        record.chose(choice)
+        self.on_choice(choice)
         if choice.where == LOCAL:
             self._place_local(stream, decode, inputs.prompt_tokens - inputs.local_hit_tokens)
         else:
@@ -96,18 +109,15 @@ class Hybrid(Disaggregated):
         alive = [d for d in self.decodes if d is not decode and d.alive]
         if not alive:
             return None
-        fresh = [d for d in alive if d.name not in stream.avoid] or alive
+        fresh = [d for d in alive if d.name not in stream.attempt.avoid] or alive
         if self.policy.uses_cache:
             choice = self.policy.choose(len(stream.prompt_ids), self.loads(stream, fresh))
             return self.by_name[choice.name]
         return min(fresh, key=lambda d: (d.load.prefill_tokens, d.load.index))
 
     def _place_local(self, stream: RequestStream, decode: Instance, tokens: int) -> None:
-        attempt = self.attempt(stream, decode=decode.name)
-        stream.pair = (decode.name,)
-        decode.hold(stream)
-        decode.load.prefill_tokens += tokens
-        self._local[attempt.id] = (decode, tokens)
+        attempt = self.attempt(stream, (decode.name,), decode=decode.name)
+        decode.hold(stream, prompt_tokens=tokens)
         stream.sent_to(decode.name)
         stream.waits_for(f"tokens from {decode.name} (it computes the prompt)")
         decode.add(attempt)
@@ -116,19 +126,10 @@ class Hybrid(Disaggregated):
         self.costs.observe_stats(inst.name, inst.role, inst.last_stats)
         if inst.role == "decode":
             for u in updates:
-                self._prompt_done(u.request_id)  # its first token (or its end) is out
                 stream = inst.streams.get(u.request_id)
-                decoded = stream is not None and not self.prefills_for(inst, stream)
-                if decoded and u.info.get("kv_bytes"):  # the decode side's report
+                if stream is None or self.prefills_for(inst, stream):
+                    continue  # not held, or the prefill side of a peer's handoff
+                inst.prompt_done(u.request_id)  # its first token (or its end) is out
+                if u.info.get("kv_bytes"):  # the decode side's report
                     self.costs.observe_transfer(u.info["kv_bytes"], u.info["transfer_s"])
         return super().on_updates(inst, updates)
-
-    def _drop(self, stream: RequestStream, attempt_id: str, abort: bool) -> None:
-        self._prompt_done(attempt_id)
-        super()._drop(stream, attempt_id, abort)
-
-    def _prompt_done(self, attempt_id: str) -> None:
-        """A local attempt's prompt no longer waits on its decode instance."""
-        held = self._local.pop(attempt_id, None)
-        if held is not None:
-            held[0].load.prefill_tokens -= held[1]

@@ -12,6 +12,13 @@ Lifecycle (docs/serving.md, "Supervision and migration")::
 
     starting --ready--> serving --feed ends / ejected--> failed --readmitted--> serving
 
+Load accounting: the router's own counts of an instance's load (``load.outstanding``,
+``load.prefill_tokens``, ``placed_since_frame``, ``requests_total``) are written only by
+``hold``, ``prompt_done``, ``release`` and ``readmit``; the counts the instance reports
+(running, queued, free blocks) only by its feed's frames. Invariant: ``load.outstanding``
+is the number of attempts held and ``load.prefill_tokens`` the sum of the prompt tokens
+charged to those of them whose prompt is not done.
+
 Each incarnation of the instance has a ``generation`` (0 at launch, +1 per restart by
 the cluster's supervisor): a failure is reported with the generation it concerns, so a
 late report about a dead incarnation never ejects its successor.
@@ -63,6 +70,7 @@ class Instance:
         self.requests_total = 0
         self.placed_since_frame = 0  # holds since the latest frame's stats (shared room)
         self.streams: dict[str, RequestStream] = {}  # by the id the instance knows
+        self._prompts: dict[str, int] = {}  # attempt id -> its prompt tokens not computed yet
         self.cache = CacheIndex()  # the block hashes its prefix cache holds (as last fed)
         self._task: asyncio.Task | None = None
         self._feed: FeedReader | None = None  # while its update feed is connected
@@ -100,12 +108,23 @@ class Instance:
         self.ready = True
         return self.info
 
-    def hold(self, stream: RequestStream) -> None:
-        """The instance now holds (part of) this request's current attempt."""
-        self.streams[stream.attempt_id] = stream
+    def hold(self, stream: RequestStream, prompt_tokens: int = 0) -> None:
+        """The instance now holds (part of) this request's current attempt, and computes
+        ``prompt_tokens`` of its prompt (counted in ``load.prefill_tokens`` until
+        ``prompt_done`` or ``release``)."""
+        attempt_id = stream.attempt.id
+        self.streams[attempt_id] = stream
         self.load.outstanding += 1
         self.placed_since_frame += 1
         self.requests_total += 1
+        if prompt_tokens:
+            self._prompts[attempt_id] = prompt_tokens
+            self.load.prefill_tokens += prompt_tokens
+
+    def prompt_done(self, attempt_id: str) -> None:
+        """The attempt's prompt no longer waits here (computed, or the attempt gone);
+        a no-op the second time."""
+        self.load.prefill_tokens -= self._prompts.pop(attempt_id, 0)
 
     def release(self, attempt_id: str, abort: bool = False) -> bool:
         """Forget the attempt (and with ``abort``, have the instance drop it and free its
@@ -113,6 +132,7 @@ class Instance:
         if self.streams.pop(attempt_id, None) is None:
             return False
         self.load.outstanding -= 1
+        self.prompt_done(attempt_id)
         if abort:
             self.abort([attempt_id])
         return True
@@ -190,6 +210,7 @@ class Instance:
         self.dead, self.restarting, self.refused = None, False, False
         self.load.outstanding = self.load.running = self.load.queued = 0
         self.placed_since_frame = 0
+        self._prompts.clear()
         self.load.prefill_tokens = 0
         self.load.free_blocks = info["num_blocks"]
         self.cache = CacheIndex()

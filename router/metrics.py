@@ -232,27 +232,28 @@ class RouterMetrics:
         self.success.labels(m, outcome).inc()
         self.prompt_tokens.labels(m).inc(len(stream.prompt_ids))
         self.generation_tokens.labels(m).inc(stream.num_tokens)
-        if outcome not in SERVED or stream.first_token_at is None:
+        clock = stream.clock
+        if outcome not in SERVED or clock.first_token_at is None:
             return
         # a stream with a first token was placed (``sent_to``) and has a last one too
-        assert stream.dispatched_at is not None and stream.last_token_at is not None
+        assert clock.dispatched_at is not None and clock.last_token_at is not None
         t = stream.timings()
         ttft, tpot = t.ttft_ms / 1000.0, t.tpot_ms / 1000.0
         self.ttft.labels(m).observe(ttft)
         self.e2e.labels(m).observe(t.e2e_ms / 1000.0)
         self.queue.labels(m).observe(t.queue_ms / 1000.0)
-        self.prefill.labels(m).observe(max(0.0, stream.first_token_at - stream.dispatched_at))
-        self.decode.labels(m).observe(stream.last_token_at - stream.first_token_at)
+        self.prefill.labels(m).observe(max(0.0, clock.first_token_at - clock.dispatched_at))
+        self.decode.labels(m).observe(clock.last_token_at - clock.first_token_at)
         itl = self.itl.labels(m)
-        for gap in token_gaps(stream.token_walls):
+        for gap in token_gaps(clock.token_walls):
             itl.observe(gap)
         if stream.num_tokens > 1:
             self.tpot.labels(m).observe(tpot)
         if ttft <= self.slo_ttft_s and tpot <= self.slo_tpot_s:
             self.slo_attained.labels(m).inc()
-        if t.kv_bytes and len(stream.pair) == 2:
-            self.kv_bytes.labels(*stream.pair).observe(t.kv_bytes)
-            self.kv_seconds.labels(*stream.pair).observe(t.transfer_ms / 1000.0)
+        if t.kv_bytes and len(stream.attempt.pair) == 2:
+            self.kv_bytes.labels(*stream.attempt.pair).observe(t.kv_bytes)
+            self.kv_seconds.labels(*stream.attempt.pair).observe(t.transfer_ms / 1000.0)
 
     def samples(self) -> dict[str, list[tuple[str, dict, float]]]:
         """The request metrics' series, by family name: (sample name, labels, value)

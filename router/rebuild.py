@@ -37,6 +37,8 @@ import time
 import msgpack
 
 from instance.messages import Attempt, LiveAttempt
+from router.attempt_record import AttemptRecord
+from router.clock import Clock
 from router.instances import Instance
 from router.request import Refusal, Refused
 from router.stream import Delta, RequestStream
@@ -46,7 +48,11 @@ log = logging.getLogger(__name__)
 
 def context(stream: RequestStream) -> bytes:
     """The router's record of ``stream`` that rides in each of its attempts."""
-    record = {"owner": stream.owner, "arrival_wall": stream.arrival_wall, "front": stream.front}
+    record = {
+        "owner": stream.owner,
+        "arrival_wall": stream.clock.arrival_wall,
+        "front": stream.front,
+    }
     return msgpack.packb(record, use_bin_type=True)
 
 
@@ -83,13 +89,12 @@ def stream_of(live: LiveAttempt) -> RequestStream:
         request_id_of(a),
         list(a.prompt_ids),
         a.params,
-        arrival=time.monotonic() - max(0.0, time.time() - arrival_wall),
-        arrival_wall=arrival_wall,
+        clock=Clock(time.monotonic() - max(0.0, time.time() - arrival_wall), arrival_wall),
         owner=str(record.get("owner", "")),
+        attempt=AttemptRecord(number=attempt_number(a)),
     )
     front = record.get("front")
     stream.front = front if isinstance(front, dict) else {}
-    stream.attempt = attempt_number(a)
     stream.token_ids = list(a.delivered) + list(live.token_ids)
     stream.text_chars = a.delivered_chars + len(live.text)
     base = len(a.delivered)
@@ -180,10 +185,10 @@ class Rebuild:
     @staticmethod
     def _adopt(inst: Instance, stream: RequestStream, attempt: Attempt) -> None:
         """``inst`` streams ``attempt``: it is the stream's current attempt again."""
-        stream.attempt_id = attempt.id
-        stream.landed = True
-        stream.pair = (attempt.prefill, inst.name) if attempt.prefill else (inst.name,)
+        stream.attempt.adopt(
+            attempt.id, (attempt.prefill, inst.name) if attempt.prefill else (inst.name,)
+        )
         stream.instances.append(inst.name)
-        stream.dispatched_at = stream.arrival
+        stream.clock.adopted()
         inst.hold(stream)
         stream.waits_for(f"tokens from {inst.name}")

@@ -90,7 +90,7 @@ def request_fields(stream: RequestStream, outcome: str) -> dict:
         "transfer_ms": t.transfer_ms,
         "attempts": t.attempts,
         # hybrid mode: each attempt's prefill choice, "where:reason" (else empty)
-        "prefill": [c.label for c in stream.prefill_choices],
+        "prefill": [c.label for c in stream.attempt.choices],
     }
 
 

@@ -1,10 +1,10 @@
-"""One request's life at the router: its output queue, its clock, its final usage and
-timings (plain dataclasses; each front end renders them in its own wire format).
+"""One request's life at the router as its client sees it: its output queue, its clock
+(router/clock.py), the tokens delivered, its final usage and timings (plain
+dataclasses; each front end renders them in its own wire format). Its attempts are
+router/attempt_record.py's.
 
-TTFT, TPOT and e2e come from the router's clock (``time.monotonic``): arrival is
-stamped when the request reaches a front end, first/last token when their batches
-reach the router. Phase times (``Phases``) mix the router's and the instances' wall
-clocks (``time.time``) and are reported relative to the arrival's wall-clock stamp.
+Phase times (``Phases``) mix the router's and the instances' wall clocks
+(``time.time``) and are reported relative to the arrival's wall-clock stamp.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from engine.block_hash import block_hashes
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from router.attempt_record import AttemptRecord
+from router.clock import Clock, ms
 from router.request import Refusal, Refused
 
 _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_start")
@@ -86,7 +88,7 @@ class Timings:
 
 @dataclass(eq=False)
 class RequestStream:
-    """One admitted request until its final delta.
+    """One admitted request until its final delta: the client's half of it.
 
     The placement delivers its instances' output (``deliver``, on the router's event
     loop); a front end reads it (``read``) until a delta has a finish reason or an
@@ -95,23 +97,26 @@ class RequestStream:
     Memory, whatever the reader's pace: deliveries not yet read are merged into one
     waiting delta, so an unread stream holds at most its own output (``max_tokens``
     token ids and their text) and one delta object.
+
+    Who writes what: the request's facts (id, prompt, params, owner, front, the clock's
+    arrival) are set when it is opened (the core) or rebuilt (router/rebuild.py) and
+    never change; the output, the delivered tokens and the clock's token stamps only by
+    ``deliver`` (and a rebuilt stream's resume point by ``rewind``); where it was sent
+    by ``sent_to`` and what it waits for by ``waits_for`` (the placement, the core, the
+    rebuild); ``timers`` by the core and the rebuild. The placement's half, which
+    attempt is current and on which instances, is ``attempt`` (router/attempt_record.py).
     """
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival: float = field(default_factory=time.monotonic)
-    arrival_wall: float = field(default_factory=time.time)
+    clock: Clock = field(default_factory=Clock)
     owner: str = ""  # the API key's owner (router/auth.py) that may abort it
     # how its front end renders it, for a restarted router's resume (router/rebuild.py):
     # HTTP's {"api": "chat" | "completions", "include_usage": bool}; {} for gRPC
     front: dict = field(default_factory=dict)
-    instances: list[str] = field(default_factory=list)
-    dispatched_at: float | None = None
-    placed_wall: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    token_walls: list[float] = field(default_factory=list)
+    attempt: AttemptRecord = field(default_factory=AttemptRecord)
+    instances: list[str] = field(default_factory=list)  # where it was sent (``sent_to``)
     finished: bool = False
     # how it ended, set with ``finished`` by its last delta: a finish reason (stop,
     # length, abort), "error" (an instance failed it) or "refused" (the router gave up)
@@ -120,23 +125,9 @@ class RequestStream:
     timers: list[asyncio.TimerHandle] = field(default_factory=list)  # the core's deadlines
     on_first_token: Callable[[], None] | None = None  # the core's load estimate
     _delivered: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # waiting set
-    # placement: the id the instances know the current attempt by ("" while none is
-    # current: queued, or its attempt ended; router/placement.py ``retire``), and the
-    # attempts' history
-    attempt_id: str = ""
-    attempt: int = 0
-    pair: tuple[str, ...] = ()
-    avoid: set[str] = field(default_factory=set)  # instances of a failed attempt
-    failures: list[str] = field(default_factory=list)  # why each earlier attempt ended
-    landed: bool = False  # the attempt's decode instance streams it (its KV landed there)
-    prefill_cost: int = 0  # tokens the attempt's prefill instance computes (prompt + delivered)
-    # hybrid mode: where each attempt's prompt was computed and why, in attempt order
-    # (router/prefill_choice.py's ``PrefillChoice``)
-    prefill_choices: list = field(default_factory=list)
     # what the client has (or has queued): the resume state of a migrated attempt
     token_ids: list[int] = field(default_factory=list)
     text_chars: int = 0
-    info: dict = field(default_factory=dict)  # what the instances reported (phases, KV)
     # progress (router/stall.py): what the placed stream waits for now ("" before its
     # first placement: the admission queue's timeout bounds that wait) and since when
     waiting_for: str = ""
@@ -160,8 +151,7 @@ class RequestStream:
 
     def sent_to(self, instance: str) -> None:
         self.instances.append(instance)
-        self.dispatched_at = time.monotonic()
-        self.placed_wall = time.time()
+        self.clock.placed()
 
     def deliver(self, delta: Delta) -> None:
         """A batch of this request's tokens arrived from its instance."""
@@ -169,13 +159,11 @@ class RequestStream:
             return
         now = time.monotonic()
         if delta.token_ids:
-            if self.first_token_at is None:
-                self.first_token_at = now
-                if self.on_first_token is not None:
-                    self.on_first_token()
-            self.last_token_at = self.progress_at = now
+            first = self.clock.tokens(len(delta.token_ids), now)
+            if first and self.on_first_token is not None:
+                self.on_first_token()
+            self.progress_at = now
             self.token_ids += delta.token_ids
-            self.token_walls += [time.time()] * len(delta.token_ids)
         if delta.last:
             self.finished = True
             self.outcome = (
@@ -252,38 +240,33 @@ class RequestStream:
 
     def usage(self) -> Usage:
         """Token counts; ``cached_tokens`` as the last attempt's prompt instance reported
-        it (``info["cached_tokens"]``), at most the prompt (a resumed attempt's hit may
+        it (``Reported.cached_tokens``), at most the prompt (a resumed attempt's hit may
         cover tokens already delivered)."""
-        cached = min(int(self.info.get("cached_tokens", 0)), len(self.prompt_ids))
+        cached = min(self.attempt.reported.cached_tokens, len(self.prompt_ids))
         return Usage(len(self.prompt_ids), self.num_tokens, cached)
 
     def timings(self) -> Timings:
-        end = self.last_token_at or time.monotonic()
-        first = self.first_token_at
+        clock = self.clock
+        end = clock.last_token_at or time.monotonic()
+        first = clock.first_token_at
         gaps = self.num_tokens - 1
-        since = self._since_arrival
-        phases = self.info.get("phases", {})
+        since = clock.since_arrival_ms
+        reported = self.attempt.reported
+        phases = reported.phases
         return Timings(
-            queue_ms=_ms((self.dispatched_at or end) - self.arrival),
-            ttft_ms=_ms(first - self.arrival) if first is not None else 0.0,
-            tpot_ms=_ms((end - first) / gaps) if first is not None and gaps > 0 else 0.0,
-            e2e_ms=_ms(end - self.arrival),
+            queue_ms=ms((clock.dispatched_at or end) - clock.arrival),
+            ttft_ms=ms(first - clock.arrival) if first is not None else 0.0,
+            tpot_ms=ms((end - first) / gaps) if first is not None and gaps > 0 else 0.0,
+            e2e_ms=ms(end - clock.arrival),
             instances=list(self.instances),
-            kv_bytes=int(self.info.get("kv_bytes", 0)),
-            kv_cached_tokens=int(self.info.get("kv_cached_tokens", 0)),
-            transfer_ms=_ms(self.info.get("transfer_s", 0.0)),
-            attempts=self.attempt + 1,
+            kv_bytes=reported.kv_bytes,
+            kv_cached_tokens=reported.kv_cached_tokens,
+            transfer_ms=ms(reported.transfer_s),
+            attempts=self.attempt.number + 1,
             phases=Phases(
-                queued=since(self.placed_wall),
+                queued=since(clock.placed_wall),
                 **{name: since(phases.get(name)) for name in _PHASES},
-                tokens=[since(t) for t in self.token_walls],
-                finish=since(self.token_walls[-1] if self.token_walls else None),
+                tokens=[since(t) for t in clock.token_walls],
+                finish=since(clock.token_walls[-1] if clock.token_walls else None),
             ),
         )
-
-    def _since_arrival(self, wall: float | None) -> float:
-        return _ms(wall - self.arrival_wall) if wall else 0.0
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)

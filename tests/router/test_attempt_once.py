@@ -1,18 +1,19 @@
-"""Every attempt is handled once (router/placement.py ``retire``), on the disaggregated
-placement alone over instances whose commands are recorded (no Ray, no feed): a decode
-instance that fails while its reservation is pending reports the attempt's end twice
-(its death, then the reservation's failure) and the request migrates once; a hold
-left on a failed instance goes at its next ``on_dead`` without touching the request.
-tests/cluster/test_attempts.py does the same with real processes and signals."""
+"""Every attempt is handled once (``AttemptRecord.retire``, router/attempt_record.py), on
+the disaggregated placement alone over instances whose commands are recorded (no Ray,
+no feed): a decode instance that fails while its reservation is pending reports the
+attempt's end twice (its death, then the reservation's failure) and the request
+migrates once; a hold left on a failed instance goes at its next ``on_dead`` without
+touching the request. tests/cluster/test_attempts.py does the same with real processes
+and signals."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 from engine.sampling_params import SamplingParams
 from router.disagg import Disaggregated
 from router.instances import Instance
+from router.placement import RouterHooks
 from router.policies import make_policy
 from router.stream import RequestStream
 
@@ -30,10 +31,10 @@ def instance(name: str, role: str, index: int, aborted: list) -> Instance:
 def placement(migrated: list, aborted: list) -> Disaggregated:
     def migrate(stream, why):
         migrated.append((stream.request_id, why))
-        stream.attempt += 1
+        stream.attempt.failed(why)
         return True
 
-    router = SimpleNamespace(migrate=migrate, after_updates=lambda ended: None)
+    router = RouterHooks(migrate=migrate, requeue=lambda stream: None, ended=lambda ended: None)
     insts = [
         instance("prefill-0", "prefill", 0, aborted),
         instance("decode-0", "decode", 1, aborted),
@@ -49,7 +50,7 @@ def test_a_decode_failure_while_reserving_migrates_the_request_once():
         prefill, decode = disagg.prefills[0], disagg.decodes[0]
         stream = RequestStream("r1", list(range(3, 83)), SamplingParams(max_tokens=4))
         disagg.place(stream)
-        first = stream.attempt_id
+        first = stream.attempt.id
         assert set(decode.streams) == set(prefill.streams) == {first}
         await asyncio.sleep(0)  # the reservation goes out and waits for its answer
         assert first in decode._reserving
@@ -60,7 +61,7 @@ def test_a_decode_failure_while_reserving_migrates_the_request_once():
 
     disagg, stream, first = asyncio.run(main())
     assert migrated == [("r1", "instance decode-0 failed: killed")], migrated
-    assert stream.attempt == 1 and stream.attempt_id == ""
+    assert stream.attempt.number == 1 and stream.attempt.id == ""
     assert all(not i.streams and i.load.outstanding == 0 for i in disagg.instances)
     assert all(i.load.prefill_tokens == 0 for i in disagg.instances)
     assert aborted == [first]  # the prefill instance is told once; the dead one cannot be
@@ -74,7 +75,7 @@ def test_a_stale_hold_on_a_failed_instance_goes_without_touching_its_request():
         decode = disagg.decodes[0]
         stream = RequestStream("r2", list(range(3, 83)), SamplingParams(max_tokens=4))
         disagg.place(stream)
-        current = stream.attempt_id
+        current = stream.attempt.id
         decode.streams["r2#0.stale"] = stream  # an earlier attempt's hold, left behind
         decode.load.outstanding += 1
         decode.fail("instance decode-0 failed: killed", restarting=True)

@@ -97,23 +97,29 @@ def test_admission_queue_is_bounded_fifo():
         AdmissionQueue(-1)
 
 
+def unexpected(*args) -> bool:
+    """A placement hook these tests never reach (placement alone, nothing fails)."""
+    pytest.fail(f"unexpected call to the router core: {args}")
+
+
 def test_every_attempt_has_an_id_of_its_own_even_when_a_request_id_comes_back():
     """An abort that reaches an instance after its attempt ended is kept there as an
     early abort: it must never match a later attempt, of the same request or of a new
     request that reuses the request id."""
-    from router.placement import Colocated
+    from router.placement import Colocated, RouterHooks
     from router.stream import RequestStream
 
-    placement = Colocated(router=None, instances=[], policy=RoundRobin())
+    hooks = RouterHooks(migrate=unexpected, requeue=unexpected, ended=unexpected)
+    placement = Colocated(hooks, instances=[], policy=RoundRobin())
     ids = set()
     for _ in range(3):  # a client reusing "r", each request migrated once
         stream = RequestStream("r", [1, 2], None)
         for _ in range(2):
-            ids.add(placement.attempt(stream).id)
-            stream.attempt += 1
+            ids.add(placement.attempt(stream, ("i-0",)).id)
+            stream.attempt.failed("gone")
     assert len(ids) == 6 and all(i.startswith("r#") for i in ids)
-    again = Colocated(router=None, instances=[], policy=RoundRobin())  # a new router
-    assert again.attempt(RequestStream("r", [1, 2], None)).id not in ids
+    again = Colocated(hooks, instances=[], policy=RoundRobin())  # a new router
+    assert again.attempt(RequestStream("r", [1, 2], None), ("i-0",)).id not in ids
 
 
 def test_disaggregated_placement_scores_prefill_and_decode_by_their_cached_prefix():
@@ -122,6 +128,7 @@ def test_disaggregated_placement_scores_prefill_and_decode_by_their_cached_prefi
     from engine.block_hash import block_hashes
     from router.disagg import Disaggregated
     from router.instances import Instance
+    from router.placement import RouterHooks
     from router.stream import RequestStream
 
     prompt = list(range(3, 3 + 8 * 16 + 5))
@@ -136,16 +143,17 @@ def test_disaggregated_placement_scores_prefill_and_decode_by_their_cached_prefi
     insts[3].cache.hashes.update(held[:2])
     insts[3].load.outstanding = -1  # least_loaded would prefer decode-1
     stream = RequestStream("r", prompt, None)
-    cache = Disaggregated(None, insts, CacheAware())
+    hooks = RouterHooks(migrate=unexpected, requeue=unexpected, ended=unexpected)
+    cache = Disaggregated(hooks, insts, CacheAware())
     assert [c.hit_tokens for c in cache.loads(stream, insts)] == [0, 96, 96, 32]
     assert (cache._prefill_for(stream).name, cache._decode_for(stream).name) == (
         "prefill-1", "decode-0",
     )  # fmt: skip
     insts[1].load.prefill_tokens = 16 * 16  # a long queue outweighs the 6 blocks
     assert cache._prefill_for(stream).name == "prefill-0"
-    stream.avoid.add("prefill-0")  # a failed attempt's instance is avoided while others live
+    stream.attempt.avoid.add("prefill-0")  # a failed attempt's instance is avoided
     assert cache._prefill_for(stream).name == "prefill-1"
-    plain = Disaggregated(None, insts, LeastLoaded())
+    plain = Disaggregated(hooks, insts, LeastLoaded())
     fresh = RequestStream("s", prompt, None)
     assert (plain._prefill_for(fresh).name, plain._decode_for(fresh).name) == (
         "prefill-0", "decode-1",

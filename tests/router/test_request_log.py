@@ -18,7 +18,7 @@ def finished_stream() -> RequestStream:
     stream = RequestStream("req-7", [1, 2, 3], SamplingParams(max_tokens=2))
     stream.sent_to("prefill-1")
     stream.sent_to("decode-0")
-    stream.info.update(kv_bytes=4096, transfer_s=0.002, cached_tokens=2)
+    stream.attempt.report({"kv_bytes": 4096, "transfer_s": 0.002, "cached_tokens": 2})
     stream.deliver(Delta([5], "a"))
     stream.deliver(Delta([6], "b", "length"))
     return stream
