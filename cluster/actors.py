@@ -2,12 +2,13 @@
 ranks, all in one STRICT_PACK placement group (one bundle per rank, on one node, with
 the pool's resources and node labels: cluster/placement_groups.py), made first.
 
-Rank 0 is the role's worker (``EngineWorker``, ``PrefillWorker``, ``DecodeWorker``),
-named ``<role>-<index>``; ranks 1..N-1 are the role's rank actors (``RankActor``,
-``PrefillRank``, ``DecodeRank``) named ``<role>-<index>-rank<r>``, started first so
-that rank 0 gets their handles. They join one torch.distributed world whose store
-rank 0 serves on a port picked on the group's node, on the pool's interface
-(``kv["bind"]``, advertised as ``kv["advertise"]``: ``kv_transfer.protocol.endpoint``).
+Rank 0 is an ``EngineWorker`` holding the role's components (``role_components``),
+named ``<role>-<index>``; ranks 1..N-1 are ``RankActor``s holding the role's rank part
+(``role_rank_part``: none, ``PrefillRank`` or ``DecodeRank``) named
+``<role>-<index>-rank<r>``, started first so that rank 0 gets their handles. They join
+one torch.distributed world whose store rank 0 serves on a port picked on the group's
+node, on the pool's interface (``kv["bind"]``, advertised as ``kv["advertise"]``:
+``kv_transfer.protocol.endpoint``).
 
 ``PDSERVE_CPU_ISA`` (engine/native.py), when the process that starts an instance has it,
 reaches every rank through the actors' ``runtime_env``: forcing the kernels' ISA where
@@ -53,6 +54,40 @@ class InstanceHandles:
     worker: object  # rank 0's actor handle
     ranks: list = field(default_factory=list)  # ranks 1..N-1
     group: object = None  # the placement group, one bundle per rank
+
+
+def role_components(role: str, peers: bool) -> tuple[type, ...]:
+    """The components (instance/component.py) of a ``role`` instance's worker: none
+    co-located, sending for prefill, receiving for decode, and sending too with
+    ``peers`` (hybrid mode without a prefill pool: the decode instances prefill for each
+    other)."""
+    from decode_worker import Receiving
+    from prefill_worker import Sending
+
+    by_role: dict[str, tuple[type, ...]] = {
+        "colocated": (),
+        "prefill": (Sending,),
+        "decode": (Receiving, Sending) if peers else (Receiving,),
+    }
+    if role not in by_role:
+        raise ValueError(f"role={role!r}: one of {list(by_role)}")
+    return by_role[role]
+
+
+def role_rank_part(role: str) -> type | None:
+    """The part (instance/rank_part.py) of a ``role`` instance's ranks 1..N-1: none
+    co-located, the sender of its heads for prefill, their receiver for decode."""
+    from decode_worker import DecodeRank
+    from prefill_worker import PrefillRank
+
+    by_role: dict[str, type | None] = {
+        "colocated": None,
+        "prefill": PrefillRank,
+        "decode": DecodeRank,
+    }
+    if role not in by_role:
+        raise ValueError(f"role={role!r}: one of {list(by_role)}")
+    return by_role[role]
 
 
 def _feed_endpoint(bind: str | None, advertise: str | None, strategy) -> dict:
@@ -106,22 +141,20 @@ def start_instance(
     placement_timeout_s: float,
     metrics: dict | None = None,
     rejoin_grace_s: float = 0.0,
+    peers: bool = False,
 ) -> InstanceHandles:
     """Start the instance's actors in a new placement group (``PlacementError`` when no
     node holds it within ``placement_timeout_s``); rank 0's readiness is not awaited.
     ``metrics``: None, or rank 0 serves its metrics (``cluster.instance_metrics.metered``
     and its ``metrics`` argument). ``rejoin_grace_s``: how long its update feed keeps a
-    departed consumer's requests (instance/feed.py)."""
+    departed consumer's requests (instance/feed.py). ``peers``: a decode instance also
+    prefills for its peers (``role_components``)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from decode_worker import DecodeRank, DecodeWorker
     from instance.rank_actor import RankActor
     from instance.worker import EngineWorker
-    from prefill_worker import PrefillRank, PrefillWorker
 
-    classes = {"colocated": EngineWorker, "prefill": PrefillWorker, "decode": DecodeWorker}
-    rank_classes = {"colocated": RankActor, "prefill": PrefillRank, "decode": DecodeRank}
     name, size = f"{role}-{index}", pool.tensor_parallel
     cpus, gpus = pool.resources.num_cpus, pool.resources.num_gpus
     threads = max(1, math.floor(cpus))
@@ -135,10 +168,11 @@ def start_instance(
         lifetime="detached",
         **forwarded_env(),
     )
-    setup = () if role == "colocated" else (kv,)  # kv["bind"], ["advertise"]: every role
-    worker_cls, extra = classes[role], {}
+    parts = role_components(role, peers)
+    worker_cls: type = EngineWorker
+    extra: dict = {"role": role, "components": parts, "kv": kv if parts else None}
     if metrics is not None:  # rank 0 records the instance's metrics and serves them
-        worker_cls, extra = metered(worker_cls), {"metrics": metrics}
+        worker_cls, extra["metrics"] = metered(worker_cls), metrics
     worker_cls = ray.remote(worker_cls)
     group = create(name, role, pool, placement_timeout_s)
 
@@ -149,7 +183,7 @@ def start_instance(
         feed = _feed_endpoint(kv["bind"], kv["advertise"], in_bundle(0))
         extra["feed"] = {**feed, "rejoin_grace_s": rejoin_grace_s}
         handle = worker_cls.options(name=name, scheduling_strategy=in_bundle(0), **options).remote(
-            name, model, engine, threads, *setup, **extra
+            name, model, engine, threads, **extra
         )
         return InstanceHandles(name, role, handle, group=group)
     bind, host, port = ray.get(
@@ -159,14 +193,16 @@ def start_instance(
     )
     extra["feed"] = {"bind": bind, "advertise": host, "rejoin_grace_s": rejoin_grace_s}
     parallel = {"size": size, "address": f"{host}:{port}", "bind": bind, "secret": kv["secret"]}
+    part = role_rank_part(role)
+    rank = {"part": part, "kv": kv if part is not None else None}
     ranks = [
-        ray.remote(rank_classes[role])
+        ray.remote(RankActor)
         .options(name=f"{name}-rank{r}", scheduling_strategy=in_bundle(r), **options)
-        .remote(f"{name}-rank{r}", model, engine, threads, {**parallel, "rank": r}, *setup)
+        .remote(f"{name}-rank{r}", model, engine, threads, {**parallel, "rank": r}, **rank)
         for r in range(1, size)
     ]
     handle = worker_cls.options(name=name, scheduling_strategy=in_bundle(0), **options).remote(
-        name, model, engine, threads, *setup, parallel={**parallel, "ranks": ranks}, **extra
+        name, model, engine, threads, parallel={**parallel, "ranks": ranks}, **extra
     )
     return InstanceHandles(name, role, handle, ranks, group)
 

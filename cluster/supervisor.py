@@ -95,9 +95,15 @@ class Supervisor:
                 self.limits.placement_timeout_s,
                 self._metrics(pool),
                 self.config.router.rejoin_grace_s,
+                self._peers,
             )
             self.instances[handles.name] = Supervised(role, index, pool, engine, handles)
         return [(s.name, s.role, s.handles.worker) for s in self.instances.values()]
+
+    @property
+    def _peers(self) -> bool:
+        """The decode instances prefill for each other: hybrid mode without a prefill pool."""
+        return self.config.mode == "hybrid" and self.config.prefill.instances == 0
 
     def _kv(self, pool: PoolConfig) -> dict:
         """The ``kv`` argument of a pool's workers: ``kv_transfer``'s keys, the secret, and
@@ -299,6 +305,7 @@ class Supervisor:
                     self.limits.placement_timeout_s,
                     self._metrics(s.pool),
                     self.config.router.rejoin_grace_s,
+                    self._peers,
                 )
                 info = self._wait_ready(handles)
             except Exception as e:  # a start that failed (no resources yet, a crash)

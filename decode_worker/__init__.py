@@ -1,7 +1,8 @@
-"""The decode pool: ``DecodeWorker`` (reserve blocks, receive KV, decode) and, for a
-tensor-parallel instance, ``DecodeRank`` (ranks 1..N-1: their share of the KV)."""
+"""The decode pool's parts: the receiving component of its workers (``Receiving``:
+reserve blocks, receive KV; the worker's engine decodes) and, for a tensor-parallel
+instance, ``DecodeRank`` (ranks 1..N-1: their share of the KV)."""
 
 from decode_worker.decode_rank import DecodeRank
-from decode_worker.decode_worker import DecodeWorker
+from decode_worker.receiving import Receiving
 
-__all__ = ["DecodeRank", "DecodeWorker"]
+__all__ = ["DecodeRank", "Receiving"]

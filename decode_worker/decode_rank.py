@@ -1,21 +1,31 @@
-"""Rank r > 0 of a tensor-parallel decode instance: the KV receiver of its share of the
-heads. Rank 0 (``DecodeWorker``) has it ``expect`` each reservation (without a lease:
-rank 0's covers the instance) and ``release`` it; this rank pushes each transfer's
-outcome on its share to rank 0 (``DecodeWorker.rank_landed``) as it happens. A replicated
+"""The part (instance/rank_part.py) of rank r > 0 of a tensor-parallel decode instance:
+the KV receiver of its share of the heads. Rank 0 (its worker's ``Receiving``) has it
+``expect`` each reservation (without a lease: rank 0's covers the instance) and
+``release`` it; this rank pushes each transfer's outcome on its share to rank 0 (its
+worker's ``rank_landed``) as it happens. A replicated
 latent (MLA) is never expected here: it lands on rank 0 alone, which copies it into this
 rank's cache between two steps (``StepPlan.copy_blocks``, received by ``serve``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from instance.rank_actor import RankActor
+from instance.rank_part import RankPart
 from kv_transfer import Outcome, backend_options, get_transport
 from kv_transfer.layout import cache_layout
 
+if TYPE_CHECKING:
+    from instance.rank_actor import RankActor
 
-class DecodeRank(RankActor):
-    def _setup(self, kv_config: dict) -> None:
+
+class DecodeRank(RankPart):
+    """The rank's ``expect`` and ``release`` calls; no step hook (its steps send nothing)."""
+
+    def __init__(self, actor: RankActor, kv_config: dict):
+        super().__init__(actor, kv_config)
+        self.name, self.engine = actor.name, actor.engine
         self.layout = cache_layout(self.engine)
         self.receiver = get_transport(kv_config["backend"]).receiver(
             self.layout,
@@ -27,8 +37,11 @@ class DecodeRank(RankActor):
         )
         self.receiver.on_event = self._report
 
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        return {"expect": self.expect, "release": self.release}
+
     def ready(self) -> dict:
-        return {**super().ready(), "kv_address": self.receiver.address}
+        return {"kv_address": self.receiver.address}
 
     def expect(
         self,
@@ -51,6 +64,6 @@ class DecodeRank(RankActor):
 
     def _report(self, outcome: Outcome) -> None:
         error = None if outcome.error is None else f"{self.name}: {outcome.error}"
-        self.leader().rank_landed.remote(
+        self.actor.leader().rank_landed.remote(
             outcome.transfer_id, self.layout.tp_rank, outcome.bytes, error
         )

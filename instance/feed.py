@@ -26,9 +26,10 @@ frame's cursor, and the answers to its ``reserve``s; one goes out as soon as the
 news, and at least every ``HEARTBEAT_S``. Consumer to instance
 (``encode_command``/``decode_command``), one command each: ``add`` (an ``Attempt``),
 ``prefill`` (an ``Attempt`` with its ``destination``, to an instance that prefills for
-others: kv_transfer/prefill_side.py), ``reserve`` (an ``Attempt``, to a decode
-instance: its ``Reserved`` answer comes down the feed) or ``abort`` (attempt ids),
-applied in the order sent, as the worker's methods for them apply them (what a Ray
+others: prefill_worker/sending.py), ``reserve`` (an ``Attempt``, to a decode
+instance, decode_worker/receiving.py: its ``Reserved`` answer comes down the feed) or
+``abort`` (attempt ids), applied in the order sent, by what the worker and its
+components (instance/component.py) apply them with (what a Ray
 call per request cost both processes, a frame does not); a frame naming anything else,
 or a command this instance does not take, ends the connection.
 

@@ -1,11 +1,11 @@
 """The serving worker's inbox (instance/worker.py): each event that reaches the step loop
 is one of these frozen messages, handled in one place, the handler its type names in
-the worker's ``_ops`` (a role adds its own). The loop drains them before each step.
+the worker's ``_ops`` (a component adds its own). The loop drains them before each step.
 
 From the actor's calls: ``Call``, ``Add``, ``Abort``, ``ConsumerLeft``, and from a
-departed consumer's timer ``ConsumerExpired``; a sending role's
-(kv_transfer/prefill_side.py): ``Prefill``, and ``Acked`` from its ack threads and its
-other ranks; the decode role's (decode_worker/decode_worker.py): ``Reserve``, and from
+departed consumer's timer ``ConsumerExpired``; the sending component's
+(prefill_worker/sending.py): ``Prefill``, and ``Acked`` from its ack threads and its
+other ranks; the receiving component's (decode_worker/receiving.py): ``Reserve``, and from
 threads off the loop ``Expected``, ``Landed`` and ``Released``. The attempt's id is
 ``attempt_id`` in each (the transfer's id and the request's id are the same).
 """

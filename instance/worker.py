@@ -9,16 +9,18 @@ updates go into one outbox per consumer (the router, a benchmark) that ``poll`` 
 over in one batch: everything produced since the last poll, so a busy instance costs
 its consumer one call per step at most, never one per token. The router calls neither
 ``poll`` nor ``add`` through Ray: it takes the same batches down the update feed and
-sends ``add``s and ``abort``s (and ``prefill``s and ``reserve``s: ``feed_commands``) up it
+sends ``add``s and ``abort``s (and a component's ``prefill``s and ``reserve``s) up it
 (``open_feed``, instance/feed.py), which costs the step's threads far less. A consumer
 that passes a ``CacheCursor`` also gets the prefix cache's changes since its last poll
 (instance/cache_log.py): the block hashes the router routes by.
 
-``EngineWorker`` itself is the co-located instance: every step is the engine's mixed
-step, prompt chunks piggybacked on the running decodes (engine/scheduler.py). The
-disaggregated pools subclass it (``decode_worker.DecodeWorker``,
-``prefill_worker.PrefillWorker``); it lives in instance/, which both pools import, so
-that the pools never import each other. No Ray import: the cluster wraps it.
+Every step is the engine's mixed step, prompt chunks piggybacked on the running decodes
+(engine/scheduler.py). One class serves every role: a role is the components the worker
+holds (instance/component.py), chosen by the cluster (cluster/actors.py): none for a
+co-located instance, the sending one (prefill_worker/) for a prefill instance, the
+receiving one (decode_worker/) for a decode instance, both for a decode instance that
+prefills for its peers. It lives in instance/, which both pools import, so that the
+pools never import each other. No Ray import: the cluster wraps it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import uuid
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,48 +44,54 @@ from engine.parallel import SINGLE, TensorParallel, serve_store
 from engine.prefilled import LastChunkHook, Prefilled
 from engine.scheduler import StepShape
 from instance.cache_log import CacheLog
+from instance.component import Component
 from instance.feed import ATTEMPT_COMMANDS, FeedServer, FeedTicket
 from instance.inbox import Abort, Add, Call, ConsumerExpired, ConsumerLeft
 from instance.messages import Attempt, CacheCursor, LiveAttempt, Polled, Reserved, Update
 from instance.step_log import StepLog
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+ROLES = ("colocated", "prefill", "decode")
 
 
 class EngineWorker:
-    role = "colocated"
-    # what a consumer may send up its feed (instance/feed.py): command -> the method applying it
-    feed_commands = {"add": "add", "abort": "abort"}
-
-    @property
-    def _last_chunk(self) -> LastChunkHook | None:
-        """The step's hand-off hook (engine/prefilled.py): a role whose requests may hand
-        off overrides this and ``_prefilled``."""
-        return None
-
     def __init__(
         self,
         name: str,
         model: str,
         engine_config: dict,
         num_threads: int,
-        *setup,
+        *,
+        role: str = "colocated",
+        components: tuple[type[Component], ...] = (),
+        kv: dict | None = None,
         parallel: dict | None = None,
         feed: dict | None = None,
     ):
-        """``setup``: the role's own arguments, for ``_setup`` (run before the loop starts).
-        ``feed``: ``{"bind": interface, "advertise": address}`` of the update feed's
-        listener (instance/feed.py; None: 127.0.0.1, for instances made outside a cluster),
+        """``role``: what ``ready`` reports, one of ``ROLES``; ``components``: the role's
+        parts (instance/component.py), each made with ``kv``, the KV transfer's
+        configuration (``kv_transfer``'s keys, the secret, ``bind`` and ``advertise``),
+        which a worker with components needs. ``feed``: ``{"bind": interface,
+        "advertise": address}`` of the update feed's listener (instance/feed.py; None:
+        127.0.0.1, for instances made outside a cluster),
         and optionally ``"rejoin_grace_s"``: how long a departed consumer's requests are
         kept for it to reconnect (``consumer_left``; absent or 0: dropped at once).
         ``parallel``: ``{"size": N, "address": host:port, "bind": interface, "secret":
         the cluster's, "ranks": [handles]}`` makes this rank 0 of a tensor-parallel
         instance: it serves the world's rendezvous on ``bind`` at that port, advertised
         as ``address``, to ranks that prove ``secret``;
-        ranks 1..N-1 are the given actors (``instance.rank_actor.RankActor`` and the pools'
-        subclasses)."""
+        ranks 1..N-1 are the given actors (``instance.rank_actor.RankActor``)."""
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}: one of {list(ROLES)}")
+        if components and kv is None:
+            names = [c.__name__ for c in components]
+            raise ValueError(f"kv=None: the components {names} of {name!r} need the KV config")
         torch.set_num_threads(max(1, num_threads))
-        self.name = name
+        self.name, self.role = name, role
         config = EngineConfig(**engine_config)
         tp, self.ranks = SINGLE, []
         if parallel is not None and parallel["size"] > 1:
@@ -112,7 +120,7 @@ class EngineWorker:
         # called on the step loop after each step, with its shape, its seconds (as
         # ``step_log`` has them) and ``stats()`` after it (cluster/instance_metrics.py)
         self.step_observers: list[Callable[[StepShape, float, dict], None]] = []
-        # each inbox message's type and its one handler (a role's ``_setup`` adds its own)
+        # each inbox message's type and its one handler (a component adds its own)
         self._ops: dict[type, Callable[[Any], list[Update]]] = {
             Call: lambda m: self._op_call(m.future, m.fn, m.args),
             Abort: lambda m: self._op_abort(list(m.attempt_ids)),
@@ -128,10 +136,15 @@ class EngineWorker:
         self._live: dict[str, LiveAttempt] = {}
         self._ended: deque[tuple[float, str]] = deque()  # (monotonic end, attempt id)
         self._departed: dict[str, object] = {}  # consumer -> the token of its departure
-        self._setup(*setup)
+        # what a consumer may send up its feed (instance/feed.py): command -> what applies it
+        commands: dict[str, Callable[[Any], None]] = {"add": self.add, "abort": self.abort}
+        self._calls: dict[str, Callable[..., Any]] = {}  # the role's actor calls
+        self.components = [c(self, kv or {}) for c in components]
+        for c in self.components:
+            self._take(c, commands)
         self._snapshot = self._stats()
         self._stopping = False
-        commands = {kind: self._command(kind, m) for kind, m in self.feed_commands.items()}
+        commands = {kind: self._command(kind, fn) for kind, fn in commands.items()}
         self._feed = FeedServer(
             name,
             self.poll,
@@ -145,12 +158,18 @@ class EngineWorker:
         self._loop = threading.Thread(target=self._run, name=f"{name}-steps", daemon=True)
         self._loop.start()
 
+    def _take(self, c: Component, commands: dict[str, Callable[[Any], None]]) -> None:
+        """Add component ``c``'s handlers, feed commands and calls to the worker's."""
+        _merge(self._ops, c.handlers(), f"{self.name}: {type(c).__name__}")
+        _merge(commands, c.feed_commands(), f"{self.name}: {type(c).__name__}")
+        _merge(self._calls, c.calls(), f"{self.name}: {type(c).__name__}")
+
     # ---- calls (from the router or a benchmark, through the actor handle) ----
 
     def ready(self) -> dict:
         """Facts the router needs; answering at all means the model is loaded."""
         e = self.engine
-        return {
+        facts = {
             "name": self.name,
             "role": self.role,
             "pid": os.getpid(),
@@ -167,14 +186,44 @@ class EngineWorker:
             # a decode instance adds ``kv_bytes_per_token``, what a handoff moves per token
             "kv_cache_bytes_per_token": e.kv_view().bytes_per_token,
         }
+        for c in self.components:
+            facts.update(c.ready())
+        return facts
 
     def add(self, attempt: Attempt) -> None:
         """Queue a request; its updates go to ``attempt.consumer``'s outbox."""
-        self._post(Add(attempt))
+        self.post(Add(attempt))
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests (queued, running or not yet arrived) and free their blocks."""
-        self._post(Abort(tuple(request_ids)))
+        self.post(Abort(tuple(request_ids)))
+
+    def prefill(self, attempt: Attempt) -> None:
+        """Prefill ``attempt``'s prompt and send its KV to ``attempt.destination`` (the
+        reservation of the decode instance ``attempt.decode``): the sending component's."""
+        self._role_call("prefill", attempt)
+
+    def reserve(self, attempt: Attempt) -> bytes | None:
+        """Hold blocks for ``attempt``'s KV; the ``KVDestination`` (protobuf bytes) to send
+        it to, or None when there is no room: the receiving component's."""
+        return self._role_call("reserve", attempt)
+
+    def rank_acked(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
+        """Rank ``rank``'s ENDs of a transfer were answered (or failed): pushed by it."""
+        self._role_call("rank_acked", transfer_id, rank, nbytes, error)
+
+    def rank_landed(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
+        """Rank ``rank``'s part of a transfer landed (or failed): pushed by that rank."""
+        self._role_call("rank_landed", transfer_id, rank, nbytes, error)
+
+    def _role_call(self, call: str, *args: Any) -> Any:
+        serve = self._calls.get(call)
+        if serve is None:
+            raise ValueError(
+                f"{self.name}: call {call!r} is not served by a {self.role} instance "
+                f"(its calls: {sorted(self._calls)})"
+            )
+        return serve(*args)
 
     def consumer_left(self, consumer: str) -> None:
         """``consumer`` is gone (its update feed ended): its requests run on and their
@@ -182,13 +231,13 @@ class EngineWorker:
         are dropped, freeing their blocks, with its outbox. A ``consumer_joined`` within
         the grace keeps them."""
         if self._rejoin_grace_s <= 0:
-            self._post(ConsumerLeft(consumer))
+            self.post(ConsumerLeft(consumer))
             return
         token = object()
         with self._lock:
             self._departed[consumer] = token
         timer = threading.Timer(
-            self._rejoin_grace_s, self._post, (ConsumerExpired(consumer, token),)
+            self._rejoin_grace_s, self.post, (ConsumerExpired(consumer, token),)
         )
         timer.daemon = True
         timer.start()
@@ -216,10 +265,9 @@ class EngineWorker:
                 if a.attempt.consumer == consumer
             ]
 
-    def _command(self, kind: str, method: str) -> Callable:
-        """The feed's handler of ``kind``: the worker's ``method``, which for an attempt
-        first records it for rejoining (when there is a grace)."""
-        apply = getattr(self, method)
+    def _command(self, kind: str, apply: Callable[[Any], None]) -> Callable[[Any], None]:
+        """The feed's handler of ``kind``: ``apply``, which for an attempt first records it
+        for rejoining (when there is a grace)."""
         if kind not in ATTEMPT_COMMANDS or self._rejoin_grace_s <= 0:
             return apply
 
@@ -296,7 +344,7 @@ class EngineWorker:
     def on_loop(self, fn, *args):
         """Run ``fn(*args)`` on the step loop, between steps; its result (or exception)."""
         future: Future = Future()
-        self._post(Call(future, fn, args))
+        self.post(Call(future, fn, args))
         return future.result()
 
     def stop(self) -> None:
@@ -307,10 +355,15 @@ class EngineWorker:
             self._wake(self._waits)
         self._loop.join(timeout=10)
         self.engine.close()
+        for c in self.components:
+            c.close()
 
     # ---- the step loop (its own thread; the only code that touches the engine) ----
+    # (``post``, ``answer``, ``take_early_abort``, ``owns``, ``bind_consumer``,
+    # ``abort_now``, ``count`` and ``fail`` are the components' host surface too)
 
-    def _post(self, op: Any) -> None:
+    def post(self, op: Any) -> None:
+        """Put ``op`` (an instance/inbox.py message) in the inbox; from any thread."""
         with self._lock:
             self._inbox.append(op)
             self._work.notify()
@@ -368,7 +421,7 @@ class EngineWorker:
                 self._consumer.pop(update.request_id, None)
         return fed
 
-    def _answer(self, consumer: str, reserved: Reserved) -> None:
+    def answer(self, consumer: str, reserved: Reserved) -> None:
         """Hand ``consumer`` an answer to its ``reserve`` with its next batch (a refusal
         or a failure ends the attempt here: its rejoining record goes)."""
         with self._lock:
@@ -383,10 +436,6 @@ class EngineWorker:
             wait = self._waits.get(consumer)
             if wait is not None:
                 wait.notify_all()
-
-    def _setup(self, *setup: Any) -> None:
-        """A role's own state (the KV transfer endpoints), before the step loop starts:
-        ``setup`` is the constructor's, whatever the role takes (none here)."""
 
     def _apply(self, op: Any) -> list[Update]:
         return self._ops[type(op)](op)
@@ -405,7 +454,7 @@ class EngineWorker:
                 for request_id in request_ids:
                     self._live.pop(request_id, None)
         for request_id in request_ids:
-            if self._owns(request_id):
+            if self.owns(request_id):
                 out += self._abort(request_id)
                 self._consumer.pop(request_id, None)
             else:
@@ -427,7 +476,7 @@ class EngineWorker:
 
     def _op_consumer_left(self, consumer: str) -> list[Update]:
         theirs = [rid for rid, c in self._consumer.items() if c == consumer]
-        out = self._op_abort([rid for rid in theirs if self._owns(rid)])
+        out = self._op_abort([rid for rid in theirs if self.owns(rid)])
         for rid in theirs:  # finished meanwhile, or never started: nothing left to route
             self._consumer.pop(rid, None)
         with self._lock:
@@ -440,21 +489,39 @@ class EngineWorker:
             )
         return out
 
-    def _take_early_abort(self, request_id: str) -> bool:
+    def take_early_abort(self, request_id: str) -> bool:
         """True (and forgotten) when ``request_id`` was aborted before it arrived."""
         return self._early_aborts.pop(request_id, False) is None
 
-    def _owns(self, request_id: str) -> bool:
-        return request_id in self.engine.requests
+    def owns(self, request_id: str) -> bool:
+        """The request is here: a component's, or the engine's own (on the loop)."""
+        return request_id in self.engine.requests or any(
+            c.owns(request_id) for c in self.components
+        )
+
+    def bind_consumer(self, attempt: Attempt) -> None:
+        """``attempt``'s updates go to ``attempt.consumer``'s outbox (on the loop)."""
+        self._consumer[attempt.id] = attempt.consumer
+
+    def abort_now(self, request_ids: list[str]) -> list[Update]:
+        """Abort these requests now, on the loop (``abort`` posts it)."""
+        return self._op_abort(request_ids)
+
+    def count(self, total: str, n: int = 1) -> None:
+        """Add ``n`` to the ``total`` in ``stats()`` (0 declares it); on the loop."""
+        self._totals[total] = self._totals.get(total, 0) + n
 
     def _abort(self, request_id: str) -> list[Update]:
+        for c in self.components:
+            if c.owns(request_id):
+                return c.abort(request_id)
         self.engine.abort_request(request_id)
         return []
 
     def _op_add(self, attempt: Attempt) -> list[Update]:
-        if self._take_early_abort(attempt.id):
+        if self.take_early_abort(attempt.id):
             return []
-        self._consumer[attempt.id] = attempt.consumer
+        self.bind_consumer(attempt)
         try:
             self.engine.add_request(
                 attempt.id,
@@ -470,11 +537,11 @@ class EngineWorker:
 
     def _step(self) -> list[Update]:
         try:
-            outputs = self.engine.step(self._last_chunk)
+            outputs = self.engine.step(self._last_chunk())
         except StepFailed as e:  # the request(s) that made the step fail
-            return self._fail(e.request_ids)
+            return self.fail(e.request_ids)
         except Exception:  # a bug outside the forward pass: every request fails
-            return self._fail(list(self.engine.requests))
+            return self.fail(list(self.engine.requests))
         self._totals["steps_total"] += 1
         out: list[Update] = []
         for o in outputs:
@@ -498,11 +565,19 @@ class EngineWorker:
             )
         return out
 
-    def _prefilled(self, p: Prefilled) -> list[Update]:
-        """A hand-off request left the engine; only a role that adds them gets here."""
-        raise NotImplementedError(f"{self.role} instances hand off no request")
+    def _last_chunk(self) -> LastChunkHook | None:
+        """The step's hand-off hook: the one component's with a request handing off."""
+        return next((h for c in self.components if (h := c.last_chunk()) is not None), None)
 
-    def _fail(self, request_ids: list[str]) -> list[Update]:
+    def _prefilled(self, p: Prefilled) -> list[Update]:
+        """A hand-off request left the engine: its owner's to finish."""
+        rid = p.request.request_id
+        owner = next((c for c in self.components if c.owns(rid)), None)
+        if owner is None:
+            raise RuntimeError(f"{self.name}: hand-off request {rid!r} has no component")
+        return owner.prefilled(p)
+
+    def fail(self, request_ids: list[str]) -> list[Update]:
         """A step raised: these requests fail, the instance serves on. Under tensor
         parallelism the ranks may be out of step (a collective broke, a rank is gone):
         the process ends instead, so that its supervisor restarts the instance whole and
@@ -518,11 +593,13 @@ class EngineWorker:
         message = f"{self.name}: engine step failed (incident {incident}, in the instance's log)"
         for request_id in request_ids:
             self.engine.abort_request(request_id)
+        for c in self.components:
+            c.fail(request_ids)
         return [Update(request_id, error=message) for request_id in request_ids]
 
     def _stats(self) -> dict:
         s = self.engine.stats()
-        return {
+        stats = {
             "name": self.name,
             "queued": s.waiting + len(self._inbox),
             "running": s.running,
@@ -538,3 +615,15 @@ class EngineWorker:
             "kernels": self.engine.model.kernels or "torch",
             **self._totals,
         }
+        for c in self.components:
+            stats.update(c.stats())
+        return stats
+
+
+def _merge(mine: dict[K, V], theirs: dict[K, V], who: str) -> None:
+    """``theirs`` into ``mine``: no key may be taken twice (one handler per message type,
+    per feed command, per call)."""
+    for key, value in theirs.items():
+        if key in mine:
+            raise ValueError(f"{who} takes {key!r}, which another part of the worker takes")
+        mine[key] = value

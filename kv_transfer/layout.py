@@ -31,8 +31,8 @@ Who sends what (``routes``), each decode rank's share arriving exactly once:
 * ``latent``, replicated: decode rank 0 gets the whole row from prefill rank 0 only
   (the other ranks of both pools send and receive nothing over the wire). One copy per
   decode *instance* travels: decode rank 0 forwards it to its other ranks over the
-  instance's tensor-parallel group before the request runs (``DecodeWorker``,
-  docs/kv_transfer.md, "Latent caches").
+  instance's tensor-parallel group before the request runs (the decode
+  worker's receiving component, docs/kv_transfer.md, "Latent caches").
 
 Bytes a request moves for ``n`` blocks sent (``transfer_bytes``), ``e`` bytes an element,
 ``L`` layers, ``bs`` block size, ``Td`` the decode tensor-parallel degree:

@@ -68,7 +68,7 @@ def latent_routes(lay: KVLayout, src_tp: int, dst_tp: int) -> list[HeadRoute]:
     """Every route of a latent layout ``lay`` (any rank's: only its shape counts), ordered
     by source, destination, then units."""
     if lay.replicated:  # the whole row once, prefill rank 0 -> decode rank 0, which
-        row = (0, lay.units)  # forwards it to the other decode ranks (DecodeWorker)
+        row = (0, lay.units)  # forwards it to the other decode ranks (decode rank 0)
         _check_tp(None, src_tp, dst_tp)
         return [HeadRoute(0, 0, row, row, row)]
     _check_tp(lay.num_kv_heads, src_tp, dst_tp)

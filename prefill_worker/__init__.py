@@ -1,7 +1,8 @@
-"""The prefill pool: chunked prefill, first token, KV sent to the decode pool
-(``PrefillWorker``; ``PrefillRank`` for ranks 1..N-1 of a tensor-parallel instance)."""
+"""The prefill pool's parts: the sending component of its workers (``Sending``: chunked
+prefill, first token, KV sent to the decode pool) and ``PrefillRank`` for ranks 1..N-1 of
+a tensor-parallel instance."""
 
 from prefill_worker.prefill_rank import PrefillRank
-from prefill_worker.prefill_worker import PrefillWorker
+from prefill_worker.sending import Sending
 
-__all__ = ["PrefillRank", "PrefillWorker"]
+__all__ = ["PrefillRank", "Sending"]

@@ -1,22 +1,30 @@
-"""Rank r > 0 of a tensor-parallel prefill instance: the KV sender of its share of the
+"""The part (instance/rank_part.py) of rank r > 0 of a tensor-parallel prefill instance:
+the KV sender of its share of the
 heads. Each step whose prompts complete carries a ``SendList`` (``StepPlan.extra``):
 this rank sends those requests' KV, layer by layer during the pass or after it, ends
 each transfer (an END without a handoff: source rank 0's carries it) and pushes the
-outcome to rank 0 (``PrefillWorker.rank_acked``)."""
+outcome to rank 0 (its worker's ``rank_acked``: ``Sending``)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-from instance.rank_actor import RankActor
+from instance.rank_part import RankPart
 from kv_transfer import KVDestination, backend_options, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
 from kv_transfer.layout import cache_layout
-from kv_transfer.prefill_side import ack_timeout_s
+from prefill_worker.sending import ack_timeout_s
+
+if TYPE_CHECKING:
+    from engine.step_plan import StepPlan
+    from instance.rank_actor import RankActor
 
 
-class PrefillRank(RankActor):
-    def _setup(self, kv_config: dict) -> None:
+class PrefillRank(RankPart):
+    def __init__(self, actor: RankActor, kv_config: dict):
+        super().__init__(actor, kv_config)
+        self.name, self.engine = actor.name, actor.engine
         self.layout = cache_layout(self.engine)
         transport = get_transport(kv_config["backend"])
         self.sender = transport.sender(
@@ -31,7 +39,7 @@ class PrefillRank(RankActor):
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self._acks = ThreadPoolExecutor(4, thread_name_prefix=f"{self.name}-acks")
 
-    def _around(self, plan):
+    def around(self, plan: StepPlan):
         """The step's KV sends (StepPlan.extra): a per-layer callback and an after-pass."""
         msg = kv_pb.SendList.FromString(plan.extra)
         jobs = [
@@ -73,4 +81,4 @@ class PrefillRank(RankActor):
                 nbytes = self.sender.finish(transfer_id, timeout=self.ack_timeout_s).bytes
             except Exception as e:
                 error = f"{self.name}: {type(e).__name__}: {e}"
-        self.leader().rank_acked.remote(transfer_id, self.layout.tp_rank, nbytes, error)
+        self.actor.leader().rank_acked.remote(transfer_id, self.layout.tp_rank, nbytes, error)

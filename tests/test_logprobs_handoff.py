@@ -13,12 +13,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from decode_worker import DecodeWorker
 from engine import LLM, SamplingParams
 from instance.messages import Attempt
 from instance.worker import EngineWorker
-from prefill_worker import PrefillWorker
 from tests.kv_transfer.helpers import WORKER_KV
+from tests.roles import worker
 
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 32}
 PROMPT = (7, 7, 8, 9, 7, 30, 31, 32, 33, 7, 8)
@@ -43,8 +42,8 @@ def workers(tiny_model):
     threads, path = torch.get_num_threads(), tiny_model("gqa2")
     made = {
         "colocated": EngineWorker("colocated-0", path, CONFIG, 1),
-        "prefill": PrefillWorker("prefill-0", path, CONFIG, 1, WORKER_KV),
-        "decode": DecodeWorker("decode-0", path, CONFIG, 1, WORKER_KV),
+        "prefill": worker("prefill", "prefill-0", path, CONFIG, 1, WORKER_KV),
+        "decode": worker("decode", "decode-0", path, CONFIG, 1, WORKER_KV),
     }
     yield made
     for w in made.values():

@@ -20,10 +20,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from decode_worker import DecodeWorker
+from decode_worker import Receiving
 from engine import LLM, SamplingParams
 from instance.messages import Attempt, Update
 from tests.kv_transfer.helpers import WORKER_KV
+from tests.roles import part, worker
 
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 32}  # blocks of 16 tokens
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -36,8 +37,8 @@ PEER = tuple(3 + (11 * i) % 200 for i in range(70))  # 70 tokens: 3 chunks besid
 def pair(tiny_model, request):
     threads, path = torch.get_num_threads(), tiny_model("gqa2")
     kv = {**WORKER_KV, "backend": request.param}
-    d0 = DecodeWorker("decode-0", path, CONFIG, 1, kv)
-    d1 = DecodeWorker("decode-1", path, CONFIG, 1, kv)
+    d0 = worker("decode", "decode-0", path, CONFIG, 1, kv, peers=True)
+    d1 = worker("decode", "decode-1", path, CONFIG, 1, kv, peers=True)
     yield d0, d1
     d0.stop()
     d1.stop()
@@ -83,7 +84,7 @@ def tokens(updates: list[Update]) -> list[int]:
 def test_a_decode_instance_prefills_for_its_peer_beside_its_own_decodes(pair, offline, direction):
     d0, d1 = pair
     decoder, prefiller = (d0, d1) if direction == "1-for-0" else (d1, d0)
-    tag = f"{decoder.transport.name}-{direction}"
+    tag = f"{part(decoder, Receiving).transport.name}-{direction}"
     own = {f"{k}-{tag}#0": p for k, p in OWN.items()}
     # hold the prefiller's loop after its first step that decodes both its own requests,
     # and let it go once the peer's prompt waits in its inbox: the next steps carry both
@@ -126,7 +127,7 @@ def test_a_decode_instance_prefills_for_its_peer_beside_its_own_decodes(pair, of
 
 def test_an_aborted_peer_prefill_and_a_refused_one_hold_nothing(pair):
     d0, d1 = pair
-    tag = d0.transport.name
+    tag = part(d0, Receiving).transport.name
     rid = f"abort-{tag}#0"
     a = Attempt(rid, PEER, PARAMS, "test", prefill=d1.name, decode=d0.name)
     raw = d0.reserve(a)

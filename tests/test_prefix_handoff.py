@@ -22,14 +22,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from decode_worker import DecodeWorker
+from decode_worker import Receiving
 from engine import LLM, SamplingParams
 from instance import feed
 from instance.messages import Attempt, Update
+from instance.worker import EngineWorker
 from kv_transfer import KVDestination
-from prefill_worker import PrefillWorker
 from tests.kv_transfer.faults import ENV, write_plan
 from tests.kv_transfer.helpers import WORKER_KV
+from tests.roles import part, worker
 
 LEASE_S = 1.0
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 32}  # blocks of 16 tokens
@@ -49,8 +50,8 @@ def workers(tiny_model, request, tmp_path_factory):
     threads, path = torch.get_num_threads(), tiny_model("gqa2")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, str(plan))
-        p = PrefillWorker("prefill-0", path, CONFIG, 1, kv)
-        d = DecodeWorker("decode-0", path, CONFIG, 1, kv)
+        p = worker("prefill", "prefill-0", path, CONFIG, 1, kv)
+        d = worker("decode", "decode-0", path, CONFIG, 1, kv)
         yield p, d, plan
         p.stop()
         d.stop()
@@ -84,19 +85,20 @@ def updates_until_final(
     raise AssertionError(f"{attempt_id}: no final update within {timeout_s} s")
 
 
-def block_bytes(d: DecodeWorker) -> int:
+def block_bytes(d: EngineWorker) -> int:
     """K and V of every layer of one block (all heads): what one block moves."""
-    return 2 * d.layout.num_layers * d.layout.block_bytes(d.layout.num_kv_heads)
+    layout = part(d, Receiving).layout
+    return 2 * layout.num_layers * layout.block_bytes(layout.num_kv_heads)
 
 
-def reserve(d: DecodeWorker, rid: str, prompt) -> tuple[Attempt, KVDestination]:
+def reserve(d: EngineWorker, rid: str, prompt) -> tuple[Attempt, KVDestination]:
     a = Attempt(rid, tuple(prompt), PARAMS, "test", decode=d.name)
     raw = d.reserve(a)
     assert raw is not None
     return replace(a, destination=raw), KVDestination.from_bytes(raw)
 
 
-def serve(p: PrefillWorker, d: DecodeWorker, rid: str, prompt) -> tuple[KVDestination, list]:
+def serve(p: EngineWorker, d: EngineWorker, rid: str, prompt) -> tuple[KVDestination, list]:
     """One handoff that succeeds: the destination and the decode instance's updates."""
     a, dst = reserve(d, rid, prompt)
     p.prefill(a)
@@ -108,7 +110,7 @@ def serve(p: PrefillWorker, d: DecodeWorker, rid: str, prompt) -> tuple[KVDestin
     return dst, out
 
 
-def assert_all_free(p: PrefillWorker, d: DecodeWorker) -> None:
+def assert_all_free(p: EngineWorker, d: EngineWorker) -> None:
     for w in (p, d):
         blocks = w.check_integrity()  # raises when the accounting is off
         assert blocks["free_blocks"] == blocks["total_blocks"] == CONFIG["num_kv_blocks"]
@@ -118,7 +120,7 @@ def test_second_turn_moves_only_the_missing_blocks(workers, turns):
     p, d, _ = workers
     bs = d.engine.blocks.block_size
     (prompt1, want1), (prompt2, want2), _ = turns
-    tag = d.transport.name
+    tag = part(d, Receiving).transport.name
     dst, out = serve(p, d, f"t1-{tag}#0", prompt1)
     info = out[0].info
     assert [t for u in out for t in u.token_ids] == want1
@@ -151,7 +153,7 @@ def test_second_turn_moves_only_the_missing_blocks(workers, turns):
 def test_failed_handoffs_with_shared_blocks_free_everything(workers, turns, fault):
     p, d, plan = workers
     prompt, want = turns[2]  # a prompt of its own: the two-turn test may run after
-    tag = f"{d.transport.name}-{'abort' if fault is None else fault['action']}"
+    tag = f"{part(d, Receiving).transport.name}-{'abort' if fault is None else fault['action']}"
     warm, _ = serve(p, d, f"warm-{tag}#0", prompt)  # the prefix is in both caches now
     cached = d.on_loop(lambda: d.engine.blocks.num_cached_blocks)
     a, dst = reserve(d, f"fail-{tag}#0", prompt)
@@ -182,7 +184,7 @@ def test_a_resumed_attempt_starts_from_the_cached_prompt_and_output(workers, tur
     its prompt and output: only the blocks past them move, the continuation is exact."""
     p, d, _ = workers
     prompt, want = turns[2]
-    tag = d.transport.name
+    tag = part(d, Receiving).transport.name
     serve(p, d, f"resume-{tag}#0", prompt)  # prompt + output (but the last) now cached
     k = 9
     a = Attempt(f"resume-{tag}#1", tuple(prompt), PARAMS, "test", decode=d.name,
@@ -205,7 +207,7 @@ def test_a_reserve_up_the_update_feed_is_answered_down_it(workers, turns):
     down it, and so do the request's tokens once the prefill instance sent its KV."""
     p, d, _ = workers
     prompt, want = turns[2]
-    tag = d.transport.name
+    tag = part(d, Receiving).transport.name
     a = Attempt(f"feed-{tag}#0", tuple(prompt), PARAMS, "via-feed", decode=d.name)
     ticket = d.open_feed("via-feed", None)
     with socket.create_connection(ticket.endpoint(), timeout=30) as conn:

@@ -1,7 +1,8 @@
 """The product does not import the benchmarks: no module of the installed packages but
 bench/ itself imports bench/ (imports inside functions included); and loadgen/, which the
 planner and the benchmarks share, imports neither of them; rendezvous/ and kernels/
-import nothing of ours; engine/ (the model runtime) imports none of the serving folders."""
+import nothing of ours; engine/ (the model runtime) imports none of the serving folders;
+kv_transfer/ (the transport library) imports neither the engine nor the serving instance."""
 
 from __future__ import annotations
 
@@ -52,3 +53,8 @@ def test_the_rendezvous_and_the_kernels_import_nothing_of_ours():
 def test_the_engine_imports_none_of_the_serving_folders():
     serving = ("instance", "router", "cluster", "prefill_worker", "decode_worker", "kv_transfer")
     assert _crossings(("engine",), serving) == set()
+
+
+def test_the_transport_imports_neither_the_engine_nor_the_instance():
+    others = ("engine", "instance", "router", "cluster", "prefill_worker", "decode_worker")
+    assert _crossings(("kv_transfer",), others) == set()

@@ -10,11 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from decode_worker import DecodeWorker
 from engine import EngineConfig, LLMEngine
 from instance.messages import Attempt
 from instance.worker import EngineWorker
-from prefill_worker import PrefillWorker
 from tests.kv_transfer.helpers import WORKER_KV
 from tests.resume_utils import (
     PROMPTS,
@@ -25,6 +23,7 @@ from tests.resume_utils import (
     stop_string_of,
     stream_of,
 )
+from tests.roles import worker
 
 CONFIG = {"num_kv_blocks": 128, "max_batch_tokens": 32}
 THREADS = 2  # as tests/conftest.py: the reference runs' numerics
@@ -49,8 +48,8 @@ def reference():
 def workers():
     made = {
         "colocated": EngineWorker("colocated-0", "smollm2-135m", CONFIG, THREADS),
-        "prefill": PrefillWorker("prefill-0", "smollm2-135m", CONFIG, THREADS, WORKER_KV),
-        "decode": DecodeWorker("decode-0", "smollm2-135m", CONFIG, THREADS, WORKER_KV),
+        "prefill": worker("prefill", "prefill-0", "smollm2-135m", CONFIG, THREADS, WORKER_KV),
+        "decode": worker("decode", "decode-0", "smollm2-135m", CONFIG, THREADS, WORKER_KV),
     }
     yield made
     for w in made.values():

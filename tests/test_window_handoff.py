@@ -23,10 +23,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker import DecodeWorker
+from decode_worker import Receiving
 from engine import LLM
-from prefill_worker import PrefillWorker
+from instance.worker import EngineWorker
 from tests.kv_transfer.helpers import WORKER_KV
+from tests.roles import part, worker
 from tests.test_prefix_handoff import (
     PARAMS,  # what ``reserve`` asks for: 20 greedy tokens
     assert_all_free,
@@ -75,8 +76,8 @@ def pair(path, backend: str, layerwise: bool):
     """A prefill and a decode instance (one torch thread each: restored after)."""
     kv = {**WORKER_KV, "backend": backend, "layerwise": layerwise}
     threads = torch.get_num_threads()
-    p = PrefillWorker("prefill-0", path, CONFIG, 1, kv)
-    d = DecodeWorker("decode-0", path, CONFIG, 1, kv)
+    p = worker("prefill", "prefill-0", path, CONFIG, 1, kv)
+    d = worker("decode", "decode-0", path, CONFIG, 1, kv)
     yield p, d
     p.stop()
     d.stop()
@@ -93,11 +94,11 @@ def gemma_workers(gemma, request):
     yield from pair(gemma[0], *request.param)
 
 
-def poison(d: DecodeWorker, dst) -> None:
+def poison(d: EngineWorker, dst) -> None:
     """NaN into each layer's skipped blocks of the reservation: what the transfer leaves
     there is stale (another request's KV, or anything); none of it may be read."""
     cache = d.engine.runner.kv_cache  # [layers, 2 (K, V), blocks, block_size, heads, dim]
-    for layer in range(d.layout.num_layers):
+    for layer in range(part(d, Receiving).layout.num_layers):
         cache[layer, :, list(dst.block_ids[: dst.skip(layer)])] = float("nan")
 
 
@@ -106,7 +107,7 @@ def test_only_the_blocks_inside_the_window_move(workers, mistral):
     p, d = workers
     outs = mistral[1]
     for i, (prompt, want) in enumerate(zip(PROMPTS, outs, strict=True)):
-        rid = f"w{i}-{d.transport.name}#0"
+        rid = f"w{i}-{part(d, Receiving).transport.name}#0"
         a, dst = reserve(d, rid, prompt)
         n = len(prompt)
         blocks = -(-n // BS)
@@ -133,7 +134,7 @@ def test_a_sliding_layer_moves_only_its_window(gemma_workers, gemma):
     p, d = gemma_workers
     _, windows, outs = gemma
     for i, (prompt, want) in enumerate(zip(PROMPTS, outs, strict=True)):
-        rid = f"g{i}-{d.transport.name}#0"
+        rid = f"g{i}-{part(d, Receiving).transport.name}#0"
         a, dst = reserve(d, rid, prompt)
         n = len(prompt)
         blocks = -(-n // BS)
@@ -146,9 +147,10 @@ def test_a_sliding_layer_moves_only_its_window(gemma_workers, gemma):
         got = updates_until_final(d, rid)
         assert got[-1].error is None, got[-1].error
         assert [t for u in got for t in u.token_ids] == want
-        per_layer_block = 2 * d.layout.block_bytes(d.layout.num_kv_heads)  # K and V
+        layout = part(d, Receiving).layout
+        per_layer_block = 2 * layout.block_bytes(layout.num_kv_heads)  # K and V
         moved = sum(blocks - s for s in skip) * per_layer_block
-        assert got[0].info["kv_bytes"] == moved == d.layout.transfer_bytes(blocks, 1, skip)
+        assert got[0].info["kv_bytes"] == moved == layout.transfer_bytes(blocks, 1, skip)
         done = updates_until_final(p, rid)
         assert done[-1].handed_off and done[-1].info["kv_bytes"] == moved
         # block 0 lacks the sliding layers' KV: nothing is found from the prompt's start

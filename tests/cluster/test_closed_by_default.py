@@ -189,9 +189,9 @@ def test_outsider_without_the_secret_changes_nothing(closed, long_streams):
         assert tp_refused >= 101, tp_refused
     else:
         assert got == {"live_token": "REJECTED", "bogus": ["REJECTED"]}
-    refused = _inside(decode, lambda w: w.receiver.refused)
+    refused = _inside(decode, lambda w: w.components[0].receiver.refused)
     assert refused >= 101, refused
-    state = _inside(decode, lambda w: w.receiver.state("probe#1").value)
+    state = _inside(decode, lambda w: w.components[0].receiver.state("probe#1").value)
     assert state == "reserved"  # the live reservation was not touched
     grown = psutil.Process(pid).memory_info().rss - rss
     print(f"{backend}: {refused} attempts refused; the decode process grew {grown / 2**20:.1f} MiB")

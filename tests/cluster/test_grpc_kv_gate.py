@@ -100,7 +100,9 @@ def test_idle_attacker_streams_hold_nothing(gated, long_streams):
     assert got == {"bare": refusal, "forged": refusal, "replayed": refusal,
                    "answered": False, "answer_bytes": got["answer_bytes"]}  # fmt: skip
     assert got["answer_bytes"] < 100 * 200  # refusals only: no KV byte
-    refused = ray.get(decode.__ray_call__.remote(lambda w: w.receiver.refused), timeout=30)
+    refused = ray.get(
+        decode.__ray_call__.remote(lambda w: w.components[0].receiver.refused), timeout=30
+    )
     assert refused == (0 if mtls else 100), refused  # under mTLS no handler ran
     grown = psutil.Process(pid).memory_info().rss - rss
     print(f"mtls={mtls}: {refused} refused; the decode process grew {grown / 2**20:.1f} MiB")

@@ -93,8 +93,9 @@ def check_placement(cluster: RayNodes, decode: RayNode) -> dict[str, list[int]]:
     ids = cluster.node_ids()
     assert group_nodes(cluster, "prefill-0") == {ids[NODE_A]}
     assert group_nodes(cluster, "decode-0") == {ids[decode.ip]}
-    pids = {"prefill": a.actor_pids("PrefillWorker"), "decode": decode.actor_pids("DecodeWorker"),
-            "rank1": decode.actor_pids("DecodeRank")}  # fmt: skip
+    # one worker class and one rank class serve every role; each node holds one instance
+    pids = {"prefill": a.actor_pids("EngineWorker"), "decode": decode.actor_pids("EngineWorker"),
+            "rank1": decode.actor_pids("RankActor")}  # fmt: skip
     assert all(len(p) == 1 for p in pids.values()), pids
     assert head.actor_pids("RouterServer") and head.actor_pids("Supervisor")
     assert decode.ip in listening(pids["decode"][0])  # its KV receiver, on its node's address

@@ -99,7 +99,7 @@ def _route_bytes(spec: dict, src_tp: int, dst_tp: int) -> None:
     """Copy every route of ``spec`` from real prefill shards into empty decode rows and
     check each decode rank's row against its shard of the reference, every column
     written exactly once (a replicated row: on decode rank 0, then forwarded from there
-    to the other decode ranks, as ``DecodeWorker`` does)."""
+    to the other decode ranks, as the receiving component does, decode_worker/receiving.py)."""
     full = reference(lat(spec=spec), 3, seed=5)  # [layers, blocks, block_size, units]
     src = [shard(full, lat(src_tp, s, spec)) for s in range(src_tp)]
     rs = routes(lat(spec=spec), src_tp, dst_tp)

@@ -1,49 +1,51 @@
-"""The prefilling instance's side of handoffs (docs/kv_transfer.md): the requests whose
-prompt this instance computes for another instance to decode, and their transfers.
-The prefill pool's worker hands off every request it takes; a decode instance in
-hybrid mode without a prefill pool hands off the prompts it computes for a peer
-(docs/serving.md, "Hybrid mode"). Each job:
+"""The sending component (instance/component.py): the prefilling instance's side of
+handoffs (docs/kv_transfer.md), the requests whose prompt this instance computes for
+another instance to decode, and their transfers. A prefill instance holds it and hands
+off every request it takes; a decode instance in hybrid mode without a prefill pool
+holds it too and hands off the prompts it computes for a peer (docs/serving.md, "Hybrid
+mode"). Each job:
 
-    add(attempt)         where its KV goes (the destination the decode instance
-                         reserved); the worker queues the prompt as a hand-off request
-                         (engine/prefilled.py)
+    prefill(attempt)     where its KV goes (the destination the decode instance
+                         reserved, ``attempt.destination``); posted as a ``Prefill``,
+                         the prompt is queued as a hand-off request (engine/prefilled.py)
     on_last_chunk(last)  the step that completes these prompts: a per-layer callback
                          that sends each layer as it is computed (kv_transfer.layerwise),
                          and the ``SendList`` by which the other tensor-parallel ranks
                          send their heads                                 [sending]
-    handed(prefilled)    the first token is sampled: all layers sent now unless sent
+    prefilled(p)         the first token is sampled: all layers sent now unless sent
                          layer-wise; on an ack thread, the END carrying the ``Handoff``
                          to every decode rank this rank sends to, then every answer
                          awaited; the outcome posted to the worker's loop as an
-                         ``Acked`` (instance/inbox.py)
-    acked(...)           every rank of the instance heard every END answered OK: the
+                         ``Acked`` (instance/inbox.py); each other tensor-parallel rank
+                         (prefill_worker/prefill_rank.py) posts its own through the
+                         worker's ``rank_acked``
+    Acked (message)      every rank of the instance heard every END answered OK: the
                          blocks are released, Update(handed_off)            [acked]
                          a refusal, a broken link or no answer within the ack timeout:
                          blocks released, Update(retryable); the router redoes the
                          request on another pair                           [failed]
 
-Runs on the worker's step loop (``handed``'s ack threads only post to it).
-``PrefillsForOthers`` is the worker's part: its ``prefill`` call and the handlers of its
-inbox messages (``Prefill``, ``Acked``: instance/inbox.py).
+Runs on the worker's step loop (``prefilled``'s ack threads only post to it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.prefilled import LastChunkHook, Prefilled
+from instance.component import Component
 from instance.inbox import Acked, Prefill
 from instance.messages import Attempt, Update
 from kv_transfer import Handoff, KVDestination, backend_options, get_transport
 from kv_transfer import kv_transfer_pb2 as kv_pb
+from kv_transfer.layout import cache_layout
 
-if TYPE_CHECKING:  # the mixin's host, for the checker: its attributes and ``super()``
-    from instance.worker import EngineWorker as _Host
-else:
-    _Host = object
+if TYPE_CHECKING:
+    from instance.worker import EngineWorker
 
 
 def ack_timeout_s(lease_s: float) -> float:
@@ -65,29 +67,78 @@ class Job:
     results: dict[int, tuple[int, float, str | None]] = field(default_factory=dict)  # by rank
 
 
-class PrefillSide:
-    def __init__(self, name: str, engine, layout, kv_config: dict, ranks: int, post):
-        """``engine``: the worker's ``LLMEngine``; ``ranks``: its other tensor-parallel
-        ranks (each sends its heads and reports through the worker's ``rank_acked``);
-        ``post``: puts an op in the worker's inbox."""
-        self.name, self.engine, self.layout = name, engine, layout
-        self.kv = engine.kv_view()
-        self.ranks, self.post = ranks, post
+class Sending(Component):
+    """The worker's ``prefill`` and ``rank_acked`` calls, the ``prefill`` feed command,
+    the ``Prefill`` and ``Acked`` messages, the step's hand-offs and failures. Its other
+    tensor-parallel ranks (``worker.ranks``) each send their heads."""
+
+    def __init__(self, worker: EngineWorker, kv_config: dict):
+        super().__init__(worker, kv_config)
+        self.name, self.engine = worker.name, worker.engine
+        self.layout = cache_layout(self.engine)
+        self.kv = self.engine.kv_view()
+        self.ranks, self.post = len(worker.ranks), worker.post
+        worker.count("kv_bytes_total", 0)
         self.sender = get_transport(kv_config["backend"]).sender(
-            layout,
+            self.layout,
             secret=kv_config["secret"],
             bind=kv_config["bind"],
             advertise=kv_config["advertise"],
             **backend_options(kv_config),
             checksum=kv_config["checksum"],
-            name=name,
+            name=self.name,
         )
         self.layerwise = kv_config["layerwise"]
         self.ack_timeout_s = ack_timeout_s(kv_config["lease_s"])
         self.jobs: dict[str, Job] = {}
-        self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{name}-acks")
+        self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{self.name}-acks")
 
-    def add(self, attempt: Attempt) -> None:
+    def handlers(self) -> dict[type, Callable[[Any], list[Update]]]:
+        return {Prefill: self._on_prefill, Acked: self._on_acked}
+
+    def feed_commands(self) -> dict[str, Callable[[Any], None]]:
+        return {"prefill": self.prefill}
+
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        return {"prefill": self.prefill, "rank_acked": self.rank_acked}
+
+    def ready(self) -> dict:
+        return {"kv_tp_size": self.layout.tp_size}
+
+    def stats(self) -> dict:
+        return {"in_transfer": self.in_transfer}
+
+    def prefill(self, attempt: Attempt) -> None:
+        """Prefill ``attempt``'s prompt and send its KV to ``attempt.destination`` (the
+        reservation of the decode instance ``attempt.decode``)."""
+        self.post(Prefill(attempt))
+
+    def rank_acked(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
+        """Rank ``rank``'s ENDs of a transfer were answered (or failed): pushed by it."""
+        self.post(Acked(transfer_id, rank, nbytes, 0.0, error))
+
+    # ---- on the step loop ----
+
+    def _on_prefill(self, m: Prefill) -> list[Update]:
+        attempt, w = m.attempt, self.worker
+        if w.take_early_abort(attempt.id):
+            return []
+        w.bind_consumer(attempt)
+        try:
+            if w.owns(attempt.id):
+                raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
+            self._add(attempt)
+        except ValueError as e:
+            return [Update(attempt.id, error=str(e))]
+        w.count("requests_total")
+        return []
+
+    def last_chunk(self) -> LastChunkHook | None:
+        """The step's hook while jobs are here; None otherwise, so that a decode
+        instance's steps without one do no hand-off work (engine/prefilled.py)."""
+        return self.on_last_chunk if self.jobs else None
+
+    def _add(self, attempt: Attempt) -> None:
         """Queue ``attempt``'s prompt as a hand-off request bound for
         ``attempt.destination``; ValueError (nothing kept) when either is refused."""
         dst = KVDestination.from_bytes(attempt.destination)
@@ -109,12 +160,13 @@ class PrefillSide:
         """Jobs whose prompt is done and whose transfer is not acknowledged yet."""
         return sum(1 for tid in self.jobs if tid not in self.engine.requests)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> list[Update]:
         if request_id in self.engine.requests:  # still prefilling: nothing was sent
             self.engine.abort_request(request_id)
             del self.jobs[request_id]
         else:  # its KV is on the way: the blocks go when the transfer ends
             self.jobs[request_id].aborted = True
+        return []
 
     def fail(self, request_ids: list[str]) -> None:
         """These requests failed in a step (the engine dropped them): their transfers end."""
@@ -163,7 +215,7 @@ class PrefillSide:
         except Exception as e:  # a broken pair, a layout mismatch: the request is redone
             job.send_error = f"{type(e).__name__}: {e}"
 
-    def handed(self, p: Prefilled) -> list[Update]:
+    def prefilled(self, p: Prefilled) -> list[Update]:
         """A job's request left the engine: END its transfer (module docstring)."""
         job = self.jobs[p.request.request_id]
         tid = job.attempt.id
@@ -203,7 +255,7 @@ class PrefillSide:
             self.sender.abort(tid)
         self.post(Acked(tid, 0, nbytes, seconds, error))
 
-    def acked(self, m: Acked) -> list[Update]:
+    def _on_acked(self, m: Acked) -> list[Update]:
         """Rank ``m.rank``'s outcome of its transfer; the request's update once every
         rank's is in."""
         tid = m.attempt_id
@@ -222,59 +274,10 @@ class PrefillSide:
             why = f"KV transfer {tid!r} {self.name} -> {job.attempt.decode} failed: {errors[0]}"
             return [Update(tid, error=why, retryable=True)]
         total = sum(n for n, _, _ in job.results.values())
+        self.worker.count("kv_bytes_total", total)
         info = {"kv_bytes": total, "transfer_s": job.results[0][1]}
         return [Update(tid, handed_off=True, info=info)]
 
     def close(self) -> None:
         self._acks.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
-
-
-class PrefillsForOthers(_Host):
-    """Mixed into an ``EngineWorker`` subclass (before it) whose ``_setup`` makes
-    ``self.side``, a ``PrefillSide``: the ``prefill`` call, its handlers on the step loop
-    (``Prefill``, ``Acked``), the step's hand-offs and failures. A role with more
-    requests of its own chains ``_owns`` and ``_abort`` to these."""
-
-    side: PrefillSide
-
-    # the router sends ``prefill`` up the feed too
-    feed_commands = {"add": "add", "prefill": "prefill", "abort": "abort"}
-
-    @property
-    def _last_chunk(self) -> LastChunkHook | None:
-        """The step's hook while jobs are here; None otherwise, so that a decode
-        instance's steps without one do no hand-off work (engine/prefilled.py)."""
-        return self.side.on_last_chunk if self.side.jobs else None
-
-    def prefill(self, attempt: Attempt) -> None:
-        """Prefill ``attempt``'s prompt and send its KV to ``attempt.destination`` (the
-        reservation of the decode instance ``attempt.decode``)."""
-        self._post(Prefill(attempt))
-
-    def _op_prefill(self, m: Prefill) -> list[Update]:
-        attempt = m.attempt
-        if self._take_early_abort(attempt.id):
-            return []
-        self._consumer[attempt.id] = attempt.consumer
-        try:
-            if self._owns(attempt.id):
-                raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
-            self.side.add(attempt)
-        except ValueError as e:
-            return [Update(attempt.id, error=str(e))]
-        self._totals["requests_total"] += 1
-        return []
-
-    def _op_acked(self, m: Acked) -> list[Update]:
-        updates = self.side.acked(m)
-        self._totals["kv_bytes_total"] += sum(u.info.get("kv_bytes", 0) for u in updates)
-        return updates
-
-    def _prefilled(self, p: Prefilled) -> list[Update]:
-        return self.side.handed(p)
-
-    def _fail(self, request_ids: list[str]) -> list[Update]:
-        failed = super()._fail(request_ids)
-        self.side.fail(request_ids)
-        return failed

@@ -1,7 +1,10 @@
-"""The decode instance: a Ray actor that reserves blocks, receives KV into them, and
-decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
+"""The receiving component (instance/component.py) of a decode instance: it reserves
+blocks and receives KV into them, and the worker's engine decodes. The handoff's state
+machine is drawn in docs/kv_transfer.md; here:
 
-    reserve(attempt)  the engine takes the request as waiting for its KV
+    reserve(attempt)  (the worker's call, or the ``reserve`` feed command, whose answer
+                      goes down the consumer's feed; both a ``Reserve`` message) the
+                      engine takes the request as waiting for its KV
                       (``LLMEngine.reserve``, engine/reservation.py: placeholders
                       before a sliding window, a shared cached prefix, new blocks);
                       the new blocks are expected by the KV receiver of every rank,
@@ -27,8 +30,8 @@ decodes. The handoff's state machine is drawn in docs/kv_transfer.md; here:
     abort             released in any state (``LLMEngine.release``)
 
 In hybrid mode without a prefill pool (docs/serving.md, "Hybrid mode") a decode
-instance also prefills prompts for its peers, beside its own decodes: ``prefill`` as a
-prefill instance takes it (``kv_transfer.prefill_side``), one tensor-parallel rank only.
+instance also holds the sending component (prefill_worker/sending.py) and prefills
+prompts for its peers beside its own decodes, one tensor-parallel rank only.
 
 Blocks are freed only once every rank released the transfer (its receiver writes no
 byte after that), so no byte of a released reservation lands in reused blocks; a
@@ -44,15 +47,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from engine.outputs import Logprobs
 from engine.reservation import NoRoom
-from instance.inbox import Acked, Expected, Landed, Prefill, Released, Reserve
+from instance.component import Component
+from instance.inbox import Expected, Landed, Released, Reserve
 from instance.messages import Attempt, Reserved, Update
-from instance.worker import EngineWorker
 from kv_transfer import KVDestination, Outcome, State, backend_options, get_transport
 from kv_transfer.layout import cache_layout
-from kv_transfer.prefill_side import PrefillsForOthers, PrefillSide
+
+if TYPE_CHECKING:
+    from instance.worker import EngineWorker
 
 
 def _one_line(e: BaseException) -> str:
@@ -72,12 +78,14 @@ class Expecting:
     error: str | None = None
 
 
-class DecodeWorker(PrefillsForOthers, EngineWorker):
-    role = "decode"
-    # ``reserve`` up the feed: its ``Reserved`` answer comes down it
-    feed_commands = {**PrefillsForOthers.feed_commands, "reserve": "reserve_for"}
+class Receiving(Component):
+    """The worker's ``reserve`` and ``rank_landed`` calls, the ``reserve`` feed command,
+    the ``Reserve``, ``Expected``, ``Landed`` and ``Released`` messages; the reservations
+    (attempt and destination by attempt id) until they land or go."""
 
-    def _setup(self, kv_config: dict) -> None:
+    def __init__(self, worker: EngineWorker, kv_config: dict):
+        super().__init__(worker, kv_config)
+        self.name, self.engine, self.ranks = worker.name, worker.engine, worker.ranks
         self.layout = cache_layout(self.engine)
         self.transport = get_transport(kv_config["backend"])
         self.receiver = self.transport.receiver(
@@ -88,7 +96,7 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             advertise=kv_config["advertise"],
             **backend_options(kv_config),
         )
-        self.receiver.on_event = lambda outcome: self._post(Landed(outcome))
+        self.receiver.on_event = lambda outcome: worker.post(Landed(outcome))
         self.lease_s = kv_config["lease_s"]
         # a replicated latent crosses the wire once, to rank 0, which forwards it
         self.forwards = bool(self.ranks) and self.layout.replicated
@@ -102,21 +110,23 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             self.addresses += [
                 i["kv_address"] for i in ray.get([r.ready.remote() for r in self.ranks])
             ]
-        self._ops.update(
-            {
-                Landed: self._op_landed,
-                Released: self._op_released,
-                Prefill: self._op_prefill,
-                Acked: self._op_acked,
-                Reserve: self._op_reserve,
-                Expected: self._op_expected,
-            }
-        )
         self._expecting: dict[str, Expecting] = {}  # by attempt id
-        self._totals.update(kv_bytes_total=0, leases_expired_total=0)
-        # prefills for a peer (hybrid mode without a prefill pool) at one rank only: the
-        # other ranks would have to send their heads (the config check refuses more)
-        self.side = PrefillSide(self.name, self.engine, self.layout, kv_config, 0, self._post)
+        worker.count("kv_bytes_total", 0)
+        worker.count("leases_expired_total", 0)
+
+    def handlers(self) -> dict[type, Callable[[Any], list[Update]]]:
+        return {
+            Reserve: self._on_reserve,
+            Expected: self._on_expected,
+            Landed: self._on_landed,
+            Released: self._on_released,
+        }
+
+    def feed_commands(self) -> dict[str, Callable[[Any], None]]:
+        return {"reserve": self._reserve_down_feed}
+
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        return {"reserve": self.reserve, "rank_landed": self.rank_landed}
 
     def ready(self) -> dict:
         """Also the KV receivers' addresses and the KV bytes of one token (all layers,
@@ -124,7 +134,6 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         mode's cost; ``KVLayout.transfer_bytes``)."""
         per_block = self.layout.transfer_bytes(1, self.layout.tp_size)
         return {
-            **super().ready(),
             "kv_addresses": self.addresses,
             "kv_bytes_per_token": per_block // self.layout.block_size,
         }
@@ -135,29 +144,28 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         None when this instance has no room. Raises ``RuntimeError`` naming what failed
         (nothing is held then)."""
         future: Future = Future()
-        self._post(Reserve(attempt, future.set_result))
+        self.worker.post(Reserve(attempt, future.set_result))
         answer: Reserved = future.result()
         if answer.error is not None:
             raise RuntimeError(answer.error)
         return answer.destination
 
-    def reserve_for(self, attempt: Attempt) -> None:
+    def _reserve_down_feed(self, attempt: Attempt) -> None:
         """``reserve`` sent up the update feed (the router's way): its answer, a
         ``Reserved``, goes down the feed of ``attempt.consumer``."""
-        self._post(Reserve(attempt, lambda answer: self._answer(attempt.consumer, answer)))
+        w = self.worker
+        w.post(Reserve(attempt, lambda answer: w.answer(attempt.consumer, answer)))
 
     def rank_landed(self, transfer_id: str, rank: int, nbytes: int, error: str | None) -> None:
         """Rank ``rank``'s part of a transfer landed (or failed): pushed by that rank."""
         self.receiver.rank_event(transfer_id, rank, nbytes, error)
 
-    def stop(self) -> None:
-        super().stop()
+    def close(self) -> None:
         self.receiver.close()
-        self.side.close()
 
     # ---- on the step loop ----
 
-    def _op_reserve(self, m: Reserve) -> list[Update]:
+    def _on_reserve(self, m: Reserve) -> list[Update]:
         """Reserve, then ``tell`` the answer; with other ranks that receive, once each
         has answered ``expect`` (their Ray calls complete off the loop, as ``Expected``
         messages): nothing may be sent to a rank that does not expect it."""
@@ -184,11 +192,11 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         self._expecting[attempt.id] = Expecting(len(refs), tell)
         for ref in refs:
             ref.future().add_done_callback(
-                lambda f, rid=attempt.id: self._post(Expected(rid, f.exception()))
+                lambda f, rid=attempt.id: self.worker.post(Expected(rid, f.exception()))
             )
         return []
 
-    def _op_expected(self, m: Expected) -> list[Update]:
+    def _on_expected(self, m: Expected) -> list[Update]:
         attempt_id, error = m.attempt_id, m.error
         waiting = self._expecting[attempt_id]
         waiting.left -= 1
@@ -202,10 +210,10 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             waiting.tell(Reserved(attempt_id, dst.to_bytes()))
             return []
         waiting.tell(Reserved(attempt_id, error=waiting.error or "released meanwhile"))
-        return self._op_abort([attempt_id]) if dst is not None else []
+        return self.worker.abort_now([attempt_id]) if dst is not None else []
 
     def _reserve(self, attempt: Attempt) -> KVDestination | None:
-        if self._take_early_abort(attempt.id):
+        if self.worker.take_early_abort(attempt.id):
             return None
         if attempt.id in self.reservations:
             raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
@@ -244,10 +252,10 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             r.layer_skip,
         )
         self.reservations[attempt.id], self.destinations[attempt.id] = attempt, dst
-        self._consumer[attempt.id] = attempt.consumer
+        self.worker.bind_consumer(attempt)
         return dst
 
-    def _op_landed(self, m: Landed) -> list[Update]:
+    def _on_landed(self, m: Landed) -> list[Update]:
         outcome = m.outcome
         attempt = self.reservations.pop(outcome.transfer_id, None)
         if attempt is None:
@@ -259,11 +267,11 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             try:
                 self.engine.copy_landed(attempt.id)
             except Exception:  # a rank gone or a broken group: the process ends here
-                return self._fail([attempt.id])
+                return self.worker.fail([attempt.id])
         if start:
             return self._start(attempt, outcome, dst)
         if outcome.state == State.EXPIRED:
-            self._totals["leases_expired_total"] += 1
+            self.worker.count("leases_expired_total")
             why = (
                 f"KV transfer {attempt.id!r} to {self.name} made no progress within "
                 f"kv_transfer.lease_s={self.lease_s:g}s; its reservation was released "
@@ -291,9 +299,9 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         except ValueError as e:  # the engine released it
             return [Update(attempt.id, error=str(e))]
         times["decode_start"] = time.time()
-        self._totals["requests_total"] += 1
-        self._totals["kv_bytes_total"] += outcome.bytes
-        self._totals["tokens_total"] += 1
+        self.worker.count("requests_total")
+        self.worker.count("kv_bytes_total", outcome.bytes)
+        self.worker.count("tokens_total")
         info = {
             "phases": times,
             "kv_bytes": outcome.bytes,
@@ -325,9 +333,9 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
         if free:  # once every rank confirmed (counted on the loop): no byte lands after
             self._releasing[attempt_id] = len(refs)
             for ref in refs:
-                ref.future().add_done_callback(lambda _: self._post(Released(attempt_id)))
+                ref.future().add_done_callback(lambda _: self.worker.post(Released(attempt_id)))
 
-    def _op_released(self, m: Released) -> list[Update]:
+    def _on_released(self, m: Released) -> list[Update]:
         attempt_id = m.attempt_id
         self._releasing[attempt_id] -= 1
         if not self._releasing[attempt_id]:
@@ -335,25 +343,17 @@ class DecodeWorker(PrefillsForOthers, EngineWorker):
             self.engine.release(attempt_id)
         return []
 
-    def _owns(self, request_id: str) -> bool:
-        return (
-            request_id in self.reservations
-            or self.side.owns(request_id)
-            or super()._owns(request_id)
-        )
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.reservations
 
-    def _abort(self, request_id: str) -> list[Update]:
-        if self.side.owns(request_id):
-            self.side.abort(request_id)
-            return []
-        if self.reservations.pop(request_id, None) is None:
-            return super()._abort(request_id)
-        del self.destinations[request_id]
+    def abort(self, request_id: str) -> list[Update]:
+        del self.reservations[request_id], self.destinations[request_id]
         self._release(request_id)
         return []
 
-    def _stats(self) -> dict:
-        stats = super()._stats()
-        stats["reserved"] = len(self.reservations)
-        stats["in_transfer"] = self.side.in_transfer
-        return stats
+    def fail(self, request_ids: list[str]) -> None:
+        """Nothing kept: a reserved request joins no step before it lands (and leaves
+        ``reservations`` then)."""
+
+    def stats(self) -> dict:
+        return {"reserved": len(self.reservations)}
