@@ -143,12 +143,13 @@ class Instance:
 
     def prefill(self, attempt: Attempt) -> None:
         """Have the instance prefill ``attempt`` and hand its KV to
-        ``attempt.destination`` (``PrefillsForOthers.prefill``, sent up its feed)."""
+        ``attempt.destination`` (the worker's ``prefill``, served by its ``Sending`` part;
+        sent up its feed)."""
         self._send(encode_command("prefill", attempt))
 
     def reserve(self, attempt: Attempt) -> asyncio.Future:
-        """Have the decode instance hold blocks for ``attempt`` (``DecodeWorker.reserve``,
-        sent up its feed): a future of the ``KVDestination`` bytes, None when it has no
+        """Have the decode instance hold blocks for ``attempt`` (the worker's ``reserve``,
+        served by its ``Receiving`` part; sent up its feed): a future of the ``KVDestination`` bytes, None when it has no
         room; it raises ``RuntimeError`` when the reservation failed or the instance
         did."""
         answer = asyncio.get_running_loop().create_future()
