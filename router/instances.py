@@ -149,9 +149,9 @@ class Instance:
 
     def reserve(self, attempt: Attempt) -> asyncio.Future:
         """Have the decode instance hold blocks for ``attempt`` (the worker's ``reserve``,
-        served by its ``Receiving`` part; sent up its feed): a future of the ``KVDestination`` bytes, None when it has no
-        room; it raises ``RuntimeError`` when the reservation failed or the instance
-        did."""
+        served by its ``Receiving`` part; sent up its feed): a future of the
+        ``KVDestination`` bytes, None when it has no room; it raises ``RuntimeError`` when
+        the reservation failed or the instance did."""
         answer = asyncio.get_running_loop().create_future()
         if self.dead is not None:
             answer.set_exception(RuntimeError(self.dead))
