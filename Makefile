@@ -15,9 +15,10 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy engine/scheduler.py engine/block_manager.py engine/reservation.py \
-		engine/kv_view.py engine/engine_stats.py engine/request_checks.py engine/tp_rank.py \
-		instance/ kv_transfer/ router/ prefill_worker/ decode_worker/
+	$(BIN)/mypy pdserve/engine/scheduler.py pdserve/engine/block_manager.py \
+		pdserve/engine/reservation.py pdserve/engine/kv_view.py pdserve/engine/engine_stats.py \
+		pdserve/engine/request_checks.py pdserve/engine/tp_rank.py pdserve/instance/ \
+		pdserve/kv_transfer/ pdserve/router/ pdserve/prefill_worker/ pdserve/decode_worker/
 
 test: lint
 	$(BIN)/pytest -q
@@ -27,4 +28,4 @@ test-fast: lint
 	$(BIN)/pytest -q -m "not heavy" -n 2 --dist load
 
 bench: setup
-	$(BIN)/python -m bench.engine
+	$(BIN)/python -m pdserve.bench.engine

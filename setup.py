@@ -9,7 +9,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-PROTOS = ["router/pdserve.proto", "kv_transfer/kv_transfer.proto"]
+PROTOS = ["pdserve/router/pdserve.proto", "pdserve/kv_transfer/kv_transfer.proto"]
 
 
 class BuildWithStubs(build_py):

@@ -3,7 +3,7 @@ NVIDIA AIPerf against one cluster at once, and the server's own histograms from
 ``/metrics`` (docs/benchmarks.md, "Cross-check with AIPerf"; a run is in
 docs/performance.md).
 
-    python -m bench.aiperf_check [configs/local-disagg.yaml] \\
+    python -m pdserve.bench.aiperf_check [configs/local-disagg.yaml] \\
         --aiperf /work/aiperf-venv/bin/aiperf [--rate 1 --duration 60 --rounds 2 \\
         --max-prompt-tokens 128 --max-output-tokens 32] [--out aiperf-check/]
 
@@ -36,8 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import aiperf_run
-from bench.aiperf_report import (
+from pdserve.bench import aiperf_run
+from pdserve.bench.aiperf_report import (
     HISTOGRAM_ROWS,
     agreement_rows,
     agreement_table,
@@ -45,11 +45,11 @@ from bench.aiperf_report import (
     histogram_table,
     paired_ratios,
 )
-from bench.prom_histograms import delta, histograms, scrape
-from loadgen.metrics import SLO, Record, percentile, summarize
-from loadgen.replay import replay
-from loadgen.runner import QUIET
-from loadgen.workloads import Request, WorkloadSpec, make_workload, model_info
+from pdserve.bench.prom_histograms import delta, histograms, scrape
+from pdserve.loadgen.metrics import SLO, Record, percentile, summarize
+from pdserve.loadgen.replay import replay
+from pdserve.loadgen.runner import QUIET
+from pdserve.loadgen.workloads import Request, WorkloadSpec, make_workload, model_info
 
 PERCENTILES = aiperf_run.PERCENTILES
 LOOPBACK = ("router.host=127.0.0.1", "router.port=0", "router.http_port=0")
@@ -57,8 +57,8 @@ LOOPBACK = ("router.host=127.0.0.1", "router.port=0", "router.http_port=0")
 
 def cpu_path() -> str:
     """The CPU and which of the engine's paths it allows (C kernels, AMX)."""
-    from engine import native
-    from engine.amx_gemm import amx_gemm
+    from pdserve.engine import native
+    from pdserve.engine.amx_gemm import amx_gemm
 
     model = "unknown CPU"
     if Path("/proc/cpuinfo").exists():
@@ -97,8 +97,8 @@ def measure_together(
 ) -> Rounds:
     """On one cluster, ``args.warmup`` requests, then ``args.rounds`` rounds of both
     clients at once (module docstring)."""
-    from cluster.launcher import launch
-    from engine.checkpoint import resolve
+    from pdserve.cluster.launcher import launch
+    from pdserve.engine.checkpoint import resolve
 
     out, rounds = Path(args.out), Rounds()
     started = time.monotonic()
@@ -174,7 +174,7 @@ def both(running: aiperf_run.Running, client, mine: list[Request], label: str) -
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.aiperf_check",
+        prog="python -m pdserve.bench.aiperf_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -203,7 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.config_loader import ConfigError, load_config
+    from pdserve.cluster.config_loader import ConfigError, load_config
 
     args = parse_args(argv)
     log = lambda line: print(line, flush=True)  # noqa: E731

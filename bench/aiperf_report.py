@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 import statistics
 
-from bench.aiperf_run import PERCENTILES, AiperfResult
-from bench.prom_histograms import bucket_width, quantile
-from loadgen.metrics import Record
+from pdserve.bench.aiperf_run import PERCENTILES, AiperfResult
+from pdserve.bench.prom_histograms import bucket_width, quantile
+from pdserve.loadgen.metrics import Record
 
 # (row label, server histogram, AIPerf's client metric)
 HISTOGRAM_ROWS = (

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadgen.metrics import SLO
-from loadgen.workloads import Request
+from pdserve.loadgen.metrics import SLO
+from pdserve.loadgen.workloads import Request
 
 PERCENTILES = (50, 90, 99)
 CLIENT_METRICS = ("time_to_first_token", "inter_token_latency", "inter_chunk_latency")

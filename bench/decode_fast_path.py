@@ -2,7 +2,7 @@
 batch-1 decode step in ms with them and with the per-op torch layers every family but
 Llama runs (docs/models.md quotes it as the cost of the fall-back).
 
-    .venv/bin/python -m bench.decode_fast_path [--threads 2] [--steps 32]
+    .venv/bin/python -m pdserve.bench.decode_fast_path [--threads 2] [--steps 32]
 
 One request of a 128-token context decodes ``--steps`` tokens; the median step time of
 each path, best of 5 runs that alternate between the two.
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 MODEL = "smollm2-135m"
 

@@ -1,7 +1,7 @@
 """A decode step's projections on the embedded model, three ways in one process, on the
 ISA of the kernels in use (engine/native.py; ``PDSERVE_CPU_ISA`` forces one).
 
-    .venv/bin/python -m bench.decode_gemm [--rows 1,8,32,64] [--rounds 4]
+    .venv/bin/python -m pdserve.bench.decode_gemm [--rows 1,8,32,64] [--rounds 4]
 
 All 121 projections of a step (30 layers x qkv, o, gate_up, down, then the LM head),
 each weight distinct as in a real step, so that they stream from memory:
@@ -20,8 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, native
-from engine.cpu_gemm import PanelWeight, cpu_gemm
+from pdserve.engine import LLM, native
+from pdserve.engine.cpu_gemm import PanelWeight, cpu_gemm
 
 
 def step_time(fns, xs: dict[int, torch.Tensor]) -> float:

@@ -2,7 +2,7 @@
 the kernels can run here, next to the machine's floors and ceilings measured in the
 same run, then on a second family's tiny checkpoint.
 
-    .venv/bin/python -m bench.engine [--isa avx2,avx512] [--threads 2] [--decode-steps 16]
+    .venv/bin/python -m pdserve.bench.engine [--isa avx2,avx512] [--threads 2] [--decode-steps 16]
                                      [--family gemma2|none] [--json results.json]
 
 Each ISA (default: every one of engine/native.py the CPU has) runs in a process of its
@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from bench.limits import Limits, cpu_summary
-from engine import LLM, SamplingParams, native
-from engine.checkpoint import resolve
-from planner.floors import best_of
+from pdserve.bench.limits import Limits, cpu_summary
+from pdserve.engine import LLM, SamplingParams, native
+from pdserve.engine.checkpoint import resolve
+from pdserve.planner.floors import best_of
 
 MODEL = "smollm2-135m"
 # what caps torch, MKL and oneDNN (HF transformers' kernels) to an ISA's instructions
@@ -243,7 +243,7 @@ def main() -> None:
             argv = [
                 sys.executable,
                 "-m",
-                "bench.engine",
+                "pdserve.bench.engine",
                 "--child",
                 "--json",
                 out.name,

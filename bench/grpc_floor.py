@@ -19,8 +19,8 @@ import multiprocessing
 
 import grpc
 
-from router import pdserve_pb2 as pb
-from router import pdserve_pb2_grpc as pb_grpc
+from pdserve.router import pdserve_pb2 as pb
+from pdserve.router import pdserve_pb2_grpc as pb_grpc
 
 
 class _Echo(pb_grpc.RouterServicer):

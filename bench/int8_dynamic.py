@@ -2,7 +2,7 @@
 ``quantize_dynamic``: int8 weights per channel, each activation row quantized to int8 on
 the fly) on HF transformers' SmolLM2-135M, against the same model in float32.
 
-    .venv/bin/python -m bench.int8_dynamic [--threads 2]
+    .venv/bin/python -m pdserve.bench.int8_dynamic [--threads 2]
 
 Speed: prefill of 512 tokens (last logit only) and decode at batch 1 and 32 (128-token
 contexts, 16 steps), best of 3, the two models taking turns. Accuracy, on the prompts of
@@ -19,8 +19,8 @@ import copy
 
 import torch
 
-from bench.engine import alternating_best, hf_decode, hf_prefill
-from engine.checkpoint import resolve
+from pdserve.bench.engine import alternating_best, hf_decode, hf_prefill
+from pdserve.engine.checkpoint import resolve
 from tests.engine_utils import hf_greedy
 
 TEXTS = [

@@ -1,4 +1,4 @@
-"""Triton kernel benchmark (GPU only): python -m bench.kernels [--quick]
+"""Triton kernel benchmark (GPU only): python -m pdserve.bench.kernels [--quick]
 
 Each kernel is first checked against its ``ref_*`` on small random inputs (float16
 and bfloat16), then timed at serving shapes against torch and, when installed,
@@ -18,7 +18,8 @@ import torch
 
 if __package__ in (None, ""):
     sys.exit(
-        "bench/kernels.py: run it as a module from the repository root: python -m bench.kernels"
+        "bench/kernels.py: run it as a module from the repository root: "
+        "python -m pdserve.bench.kernels"
     )
 if not torch.cuda.is_available():
     sys.exit("bench/kernels.py needs a CUDA GPU (the kernels are checked on CPU by tests/kernels)")

@@ -3,7 +3,7 @@ at one model width (DeepSeek-V3's attention dims), beside the formulas of "Hardw
 Efficient Attention for Fast Decoding" (Zadouri, Strauss, Dao; arXiv 2505.21487), then
 decode attention time per layout on this CPU (``bench.kv_decode_time``).
 
-    python -m bench.kv_bytes [--tp 1,2,4,8] [--tokens 1024] [--measure-mib 256]
+    python -m pdserve.bench.kv_bytes [--tp 1,2,4,8] [--tokens 1024] [--measure-mib 256]
         [--time-tp 8] [--threads 1] [--max-cache-mib 1024] [--no-measure] [--no-time]
 
 Where each figure comes from (the ``source`` column; ``paper only`` where the engine
@@ -25,10 +25,10 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 
-from kv_transfer.layout import DTYPES, KVLayout
-from kv_transfer.routes import routes
-from planner.attention import GroupedAttention, LatentAttention
-from planner.model_shape import ModelShape, get_model
+from pdserve.kv_transfer.layout import DTYPES, KVLayout
+from pdserve.kv_transfer.routes import routes
+from pdserve.planner.attention import GroupedAttention, LatentAttention
+from pdserve.planner.model_shape import ModelShape, get_model
 
 BLOCK_SIZE = 16
 DTYPE = "bfloat16"
@@ -194,7 +194,7 @@ def format_table(rows: list[Row], tokens: int) -> list[str]:
 def measured_lines(tokens: int, pairs, max_mib: float, variants=VARIANTS) -> list[str]:
     """Handoffs through the transport (``bench.kv_measured``), each beside the layout's
     figure for the layers measured: as many of the model's as fit ``max_mib`` a side."""
-    from bench.kv_measured import measure_handoff
+    from pdserve.bench.kv_measured import measure_handoff
 
     lines = [
         f"measured: one {tokens}-token request over the grpc transport (loopback, this "
@@ -221,7 +221,7 @@ def measured_lines(tokens: int, pairs, max_mib: float, variants=VARIANTS) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.kv_bytes", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.kv_bytes", description=__doc__)
     p.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees")
     p.add_argument("--tokens", type=int, default=1024, help="tokens of the request handed off")
     p.add_argument("--time-tp", type=int, default=8, help="the rank's share timed (per-rank heads)")
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("\n".join(measured_lines(args.tokens, pairs, args.measure_mib)))
     if not args.no_time:
-        from bench.kv_decode_time import report
+        from pdserve.bench.kv_decode_time import report
 
         print()
         print("\n".join(report(VARIANTS, args.time_tp, args.max_cache_mib, args.threads)))

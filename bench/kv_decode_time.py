@@ -1,6 +1,6 @@
 """Decode attention time per KV layout on this CPU: one layer, one tensor-parallel rank's
 share of the heads, batch 1 and 32 at contexts 1k and 8k (the second part of
-``python -m bench.kv_bytes``).
+``python -m pdserve.bench.kv_bytes``).
 
 - MHA / GQA: the engine's decode step, ``TorchAttentionBackend.forward`` on a decode-only
   batch (the new token's K/V written, then attention over the paged cache), float32:
@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.cpu_kernel import DecodeKernel, decode_kernel
-from engine.attention.torch_backend import TorchAttentionBackend
-from planner.model_shape import ModelShape
+from pdserve.engine.attention.backend import AttentionMetadata
+from pdserve.engine.attention.cpu_kernel import DecodeKernel, decode_kernel
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.planner.model_shape import ModelShape
 
 BLOCK_SIZE = 16
 BATCHES = (1, 32)
@@ -60,17 +60,17 @@ def decode_path(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 LATENT_OPS = (
     (
         "C kernel engine/attention/cpu_latent.c",
-        "engine.attention.cpu_latent",
+        "pdserve.engine.attention.cpu_latent",
         "paged_latent_decode",
     ),
     (
         "torch engine/attention/latent_torch.py",
-        "engine.attention.latent_torch",
+        "pdserve.engine.attention.latent_torch",
         "paged_latent_decode",
     ),
     (
         "torch kernels/paged_latent_decode.py ref",
-        "kernels.paged_latent_decode",
+        "pdserve.kernels.paged_latent_decode",
         "ref_paged_latent_decode",
     ),
 )

@@ -1,5 +1,5 @@
 """The bytes a handoff actually moves, measured through the KV transport (the third part
-of ``python -m bench.kv_bytes``): one request's blocks sent from every prefill rank's
+of ``python -m pdserve.bench.kv_bytes``): one request's blocks sent from every prefill rank's
 cache to every decode rank's over the ``grpc`` backend on loopback, in this process.
 
 ``measure_handoff`` counts both ends: the bytes each prefill rank's ``finish`` reports
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer import KVDestination, KVLayout, get_transport
-from kv_transfer.routes import routes_into
-from planner.model_shape import ModelShape
+from pdserve.kv_transfer import KVDestination, KVLayout, get_transport
+from pdserve.kv_transfer.routes import routes_into
+from pdserve.planner.model_shape import ModelShape
 
 SECRET = b"pdserve-bench-kv-bytes-loopback-secret"  # this process talks to itself only
 

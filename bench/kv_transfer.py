@@ -1,6 +1,6 @@
 """KV transfer throughput: each backend next to its raw transport, in one run.
 
-    .venv/bin/python -m bench.kv_transfer [--sizes 1,16,256] [--checksum]
+    .venv/bin/python -m pdserve.bench.kv_transfer [--sizes 1,16,256] [--checksum]
                                           [--blocks scattered|contiguous|allocated]
                                           [--repeats N]
                                           [--layerwise]
@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from bench.kv_transfer_peer import CHUNK, LAYOUT, MiB, Peer, _layout, _slices
+from pdserve.bench.kv_transfer_peer import CHUNK, LAYOUT, MiB, Peer, _layout, _slices
 
 
 def _blocks_for(size_mib: int) -> int:
@@ -78,7 +78,7 @@ def raw_gloo_cell(peer: Peer, nbytes: int, state: dict, parts: int = 1):
     """Plain send/recv of ``nbytes`` as ``parts`` messages (the receiver posts all first)."""
     from torch.distributed import PrefixStore, TCPStore
 
-    from kv_transfer.gloo_wire import GlooGroup
+    from pdserve.kv_transfer.gloo_wire import GlooGroup
 
     srcs = _slices(torch.ones(nbytes, dtype=torch.uint8), parts)
     ack = torch.zeros(1, dtype=torch.int64)
@@ -123,7 +123,7 @@ def raw_grpc_cell(peer: Peer, nbytes: int, state: dict):
 
 
 def backend_cell(name: str, peer: Peer, sender, cache, src_ids, dst_ids):
-    from kv_transfer import KVDestination
+    from pdserve.kv_transfer import KVDestination
 
     counter = iter(range(1 << 30))
 
@@ -158,7 +158,7 @@ def _allocated_ids(count: int, cache_blocks: int, seed: int) -> list[int]:
     allocated."""
     import random
 
-    from engine.block_manager import BlockManager
+    from pdserve.engine.block_manager import BlockManager
 
     rng = random.Random(seed)
     bm = BlockManager(cache_blocks, 1)
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=0, help="timed runs per cell (0: by size)")
     p.add_argument("--layerwise", action="store_true", help="then TTFT with layer-wise sending")
     args = p.parse_args(argv)
-    from kv_transfer import get_transport
+    from pdserve.kv_transfer import get_transport
 
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     per_block = 2 * layout.num_layers * layout.block_bytes()
     max_bytes = max(blocks.values()) * per_block
     cache = torch.randn(layout.cache_shape(cache_blocks))
-    from kv_transfer.auth import new_secret
+    from pdserve.kv_transfer.auth import new_secret
 
     secret = new_secret()
     peer = Peer(cache_blocks, max_bytes, secret)
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         f"GB/s = payload bytes / s (1e9); ratio = backend / raw transport"
     )
     if args.layerwise:
-        from bench.layerwise import main as layerwise
+        from pdserve.bench.layerwise import main as layerwise
 
         print("\nlayer-wise sending on the embedded model (bench/layerwise.py):", flush=True)
         layerwise([])

@@ -2,7 +2,7 @@
 gloo and grpc receivers, a raw gloo group and a raw gRPC server, driven line by line
 (JSON) over its stdin by ``Peer`` in the sending process.
 
-    python -m bench.kv_transfer_peer --cache-blocks N --max-bytes B   (started by Peer)
+    python -m pdserve.bench.kv_transfer_peer --cache-blocks N --max-bytes B   (started by Peer)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MiB = 1 << 20
 
 
 def _layout():
-    from kv_transfer import KVLayout
+    from pdserve.kv_transfer import KVLayout
 
     return KVLayout(**LAYOUT)
 
@@ -40,8 +40,8 @@ def _receiver(args) -> None:
     import grpc
     from torch.distributed import PrefixStore
 
-    from kv_transfer import get_transport
-    from kv_transfer.gloo_wire import GlooGroup, listening_store
+    from pdserve.kv_transfer import get_transport
+    from pdserve.kv_transfer.gloo_wire import GlooGroup, listening_store
 
     torch.set_num_threads(1)
     layout = _layout()
@@ -119,7 +119,7 @@ class Peer:
             [
                 sys.executable,
                 "-m",
-                "bench.kv_transfer_peer",
+                "pdserve.bench.kv_transfer_peer",
                 "--cache-blocks",
                 str(cache_blocks),
                 "--max-bytes",
@@ -151,7 +151,7 @@ class Peer:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="bench.kv_transfer_peer")
+    p = argparse.ArgumentParser(prog="pdserve.bench.kv_transfer_peer")
     p.add_argument("--cache-blocks", type=int, required=True)
     p.add_argument("--max-bytes", type=int, required=True)
     _receiver(p.parse_args())

@@ -1,6 +1,6 @@
 """How much of the KV transfer layer-wise sending hides, on the embedded model.
 
-    .venv/bin/python -m bench.layerwise [--prompt-tokens 128,512,2048] [--runs 3]
+    .venv/bin/python -m pdserve.bench.layerwise [--prompt-tokens 128,512,2048] [--runs 3]
                                         [--backend gloo] [--model smollm2-135m]
 
 One run launches three local clusters in turn, each serving the same prompts
@@ -55,7 +55,7 @@ def config(model: str, mode: dict, backend: str) -> dict:
 
 
 def measure(model: str, mode: dict, backend: str, prompts: dict, runs: int) -> dict:
-    from cluster import launch
+    from pdserve.cluster import launch
 
     out = {}
     with launch(config(model, mode, backend)) as cluster, cluster.client() as client:

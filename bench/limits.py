@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from engine import native
-from engine.amx_gemm import amx_gemm
-from planner.floors import copy_bandwidth, matmul_peak
+from pdserve.engine import native
+from pdserve.engine.amx_gemm import amx_gemm
+from pdserve.planner.floors import copy_bandwidth, matmul_peak
 
 # a figure this far past its limit is refused; below it, the limit's own measurement
 # (best of several, on a shared machine) may have come out a little low

@@ -2,7 +2,7 @@
 case hybrid mode is for (docs/benchmarks.md, "Workloads"; docs/performance.md,
 "Co-located, disaggregated and hybrid").
 
-    python -m bench.mixed_trace --out mixed.jsonl [--long 600 --long-share 0.25]
+    python -m pdserve.bench.mixed_trace --out mixed.jsonl [--long 600 --long-share 0.25]
 
 Poisson arrivals at 1 per second (``pdserve bench`` rescales them to each rate); a
 share ``--long-share`` of the prompts is long (``--long`` tokens, 0.5x-1.5x uniform),
@@ -16,7 +16,7 @@ import argparse
 import json
 import random
 
-from loadgen.workloads import arrival_times
+from pdserve.loadgen.workloads import arrival_times
 
 
 def mixed_trace(
@@ -36,7 +36,9 @@ def mixed_trace(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="bench.mixed_trace", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="pdserve.bench.mixed_trace", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--out", required=True, help="the JSONL file to write")
     p.add_argument("-n", type=int, default=200, help="requests")
     p.add_argument("--long-share", type=float, default=0.25, help="share of long prompts")

@@ -1,7 +1,7 @@
 """Overload: what the admitted requests get at twice the capacity, with and without
 load shedding (``router.max_expected_ttft_s``), in one run.
 
-    python -m bench.overload configs/local-colocated.yaml [--factor 2] [--duration 60]
+    python -m pdserve.bench.overload configs/local-colocated.yaml [--factor 2] [--duration 60]
         [--max-tokens 32] [--max-prompt-tokens 256] [--shed-s 0.5] [--out results/overload]
 
 1. Capacity: on the config as given (no shedding), a burst of ``--probe`` ShareGPT
@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadgen.metrics import SLO, percentile
-from loadgen.workloads import WorkloadSpec, make_workload, model_info
+from pdserve.loadgen.metrics import SLO, percentile
+from pdserve.loadgen.workloads import WorkloadSpec, make_workload, model_info
 
 
 @dataclass
@@ -106,7 +106,7 @@ def summarize(outcomes: list[Outcome], duration_s: float, slo: SLO) -> dict:
 
 
 def _plot(runs: dict[str, list[Outcome]], slo: SLO) -> bytes:
-    from loadgen.plots import figure, save
+    from pdserve.loadgen.plots import figure, save
 
     plt, fig, (ax,) = figure()
     for (label, outcomes), color in zip(runs.items(), ("tab:red", "tab:blue"), strict=False):
@@ -132,8 +132,8 @@ def _plot(runs: dict[str, list[Outcome]], slo: SLO) -> bytes:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cluster.config_loader import load_config
-    from cluster.launcher import launch
+    from pdserve.cluster.config_loader import load_config
+    from pdserve.cluster.launcher import launch
 
     config = load_config(args.config, args.set or [])
     slo = SLO(config.slo.ttft_ms, config.slo.tpot_ms, config.slo.attainment)

@@ -1,7 +1,7 @@
 """pdserve against vLLM's CPU build (and llama.cpp where installed), measured in one run
 on this machine, the ratios printed (docs/benchmarks.md, "pdserve against vLLM CPU").
 
-    .venv/bin/python -m bench.peers --vllm-venv /work/vllm-venv \\
+    .venv/bin/python -m pdserve.bench.peers --vllm-venv /work/vllm-venv \\
         --aiperf /work/aiperf-venv/bin/aiperf [--offline-only | --served-only] \\
         [--rates 0.5,1,2,4,6] [--duration 40] [--llama-cpp-venv PATH] [--out peers-report/]
 
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.peers_report import (
+from pdserve.bench.peers_report import (
     Impossible,
     ceiling_tok_s,
     completed_plot,
@@ -80,7 +80,7 @@ def ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.peers",
+        prog="python -m pdserve.bench.peers",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_tools(args) -> list[str]:
     """What is missing for this run, each with how to get it."""
-    from bench import aiperf_run
+    from pdserve.bench import aiperf_run
 
     problems = []
     for exe in ("python", "vllm"):
@@ -140,9 +140,9 @@ def machine(args, folder: Path) -> dict:
     higher: a float32 product as three bfloat16 ones) and the ceiling it sets."""
     import torch
 
-    from bench.limits import fma_peak
-    from engine import native
-    from planner.floors import matmul_peak
+    from pdserve.bench.limits import fma_peak
+    from pdserve.engine import native
+    from pdserve.planner.floors import matmul_peak
 
     torch.set_num_threads(args.threads)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -165,8 +165,8 @@ def machine(args, folder: Path) -> dict:
 
 def run_offline(args, folder: Path, m: dict, log) -> dict:
     """The offline rows of every system (``bench.peers_offline``)."""
-    from bench.peers_offline import measure_offline, systems_to_run
-    from engine.checkpoint import alias_path
+    from pdserve.bench.peers_offline import measure_offline, systems_to_run
+    from pdserve.engine.checkpoint import alias_path
 
     gguf = alias_path(MODEL) if args.llama_cpp_venv else None
     if gguf is None:
@@ -183,7 +183,7 @@ def run_offline(args, folder: Path, m: dict, log) -> dict:
 def run_served(args, folder: Path, served: dict, save, log) -> None:
     """Each server in turn, swept by AIPerf (``bench.peers_served``), into ``served``;
     ``save()`` after each; then the table and plots."""
-    from bench.peers_served import pdserve_server, prompt_words, sweep, vllm_server
+    from pdserve.bench.peers_served import pdserve_server, prompt_words, sweep, vllm_server
 
     words, out = prompt_words(folder / "tokenizer.json"), args.out
     started = time.monotonic()
@@ -207,7 +207,7 @@ def run_served(args, folder: Path, served: dict, save, log) -> None:
 def run(args, log) -> dict:
     """The machine's facts, then the offline and served parts asked for; the results
     (``bench/peers_report.py``'s layout) into ``args.out`` with the report."""
-    from engine.checkpoint import resolve
+    from pdserve.engine.checkpoint import resolve
 
     folder = resolve(MODEL)
     m = machine(args, folder)

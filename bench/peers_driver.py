@@ -74,7 +74,7 @@ def load_pdserve(args):
     import torch
 
     torch.set_num_threads(args.threads)
-    from engine import LLM, SamplingParams, native
+    from pdserve.engine import LLM, SamplingParams, native
 
     # a 2048-token prompt in one step, a batch of 32 in one decode step
     llm = LLM(

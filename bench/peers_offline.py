@@ -18,8 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.peers_driver import MARK
-from bench.peers_report import check_figure
+from pdserve.bench.peers_driver import MARK
+from pdserve.bench.peers_report import check_figure
 
 DRIVER = Path(__file__).with_name("peers_driver.py")
 REPO = DRIVER.parent.parent

@@ -15,7 +15,7 @@ import math
 import struct
 from pathlib import Path
 
-from loadgen.plots import figure, save
+from pdserve.loadgen.plots import figure, save
 
 VLLM = "vllm"
 SATURATED = 0.8

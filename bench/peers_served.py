@@ -30,9 +30,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import aiperf_run
-from bench.peers_offline import clean_env
-from loadgen.metrics import SLO
+from pdserve.bench import aiperf_run
+from pdserve.bench.peers_offline import clean_env
+from pdserve.loadgen.metrics import SLO
 
 MODEL = "smollm2-135m"
 MIN_REQUESTS = 10
@@ -211,8 +211,8 @@ def _stop_group(proc: subprocess.Popen) -> None:
 def pdserve_server(config: str, overrides: list[str]):
     """A pdserve cluster of ``config`` with ``overrides`` on free loopback ports; yields
     its HTTP URL, then shuts it down (Ray included)."""
-    from cluster.launcher import launch
-    from loadgen.runner import QUIET
+    from pdserve.cluster.launcher import launch
+    from pdserve.loadgen.runner import QUIET
 
     loopback = ["router.host=127.0.0.1", "router.port=0", "router.http_port=0"]
     cluster = launch(config, [*overrides, *loopback, QUIET])

@@ -2,7 +2,7 @@
 process, on the ISA of the kernels in use (engine/native.py; ``PDSERVE_CPU_ISA`` forces
 one, and for AVX2 cap torch's libraries the same way: bench/engine.py's LIBRARY_CAPS).
 
-    .venv/bin/python -m bench.prefill_gemm [--rows 128,512,2048] [--rounds 3]
+    .venv/bin/python -m pdserve.bench.prefill_gemm [--rows 128,512,2048] [--rounds 3]
 
 The 120 layer projections of a pass (30 layers x qkv, o, gate_up, down; prefill takes
 the LM head for the last token only):
@@ -25,10 +25,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from bench.decode_gemm import best_times
-from engine import LLM, native
-from engine.amx_gemm import amx_gemm
-from engine.cpu_gemm import MAX_ROWS
+from pdserve.bench.decode_gemm import best_times
+from pdserve.engine import LLM, native
+from pdserve.engine.amx_gemm import amx_gemm
+from pdserve.engine.cpu_gemm import MAX_ROWS
 
 
 def main() -> None:

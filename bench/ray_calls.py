@@ -3,7 +3,7 @@ side: a Ray actor call (the long poll's way: ``poll`` answering a ``Polled``), t
 with nothing in or out, one item of a streaming generator, and one frame of the update
 feed (instance/feed.py, read by router/feed_reader.py: the router's way).
 
-    .venv/bin/python -m bench.ray_calls [--items 3000] [--updates 8]
+    .venv/bin/python -m pdserve.bench.ray_calls [--items 3000] [--updates 8]
 
 Two actors on an embedded Ray: an "instance" (threaded, as the cluster starts workers)
 that answers a ``Polled`` of ``--updates`` one-token ``Update``s and the instance's
@@ -19,8 +19,8 @@ import os
 import threading
 import time
 
-from bench.serving_overhead import cpu_seconds
-from instance.messages import CacheCursor, Polled, Update
+from pdserve.bench.serving_overhead import cpu_seconds
+from pdserve.instance.messages import CacheCursor, Polled, Update
 
 WAYS = ("nothing", "poll", "stream", "feed")
 STATS = {"running": 8, "queued": 0, "free_blocks": 500, "last_step": [0, 0, 8, 128, 0.01]}
@@ -32,7 +32,7 @@ def answer(updates: int) -> Polled:
 
 class Instance:
     def __init__(self, updates: int):
-        from instance.feed import FeedServer
+        from pdserve.instance.feed import FeedServer
 
         self.updates = updates
         self._left = 0  # feed frames still to write
@@ -90,7 +90,7 @@ class Router:
     async def _feed(self, n: int) -> None:
         import asyncio
 
-        from router.feed_reader import FeedReader
+        from pdserve.router.feed_reader import FeedReader
 
         ticket = await self.instance.open_feed.remote(n)
         got, done = 0, asyncio.get_running_loop().create_future()
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import ray
 
-    from cluster.config import RayConfig
-    from cluster.ray_env import RaySession
+    from pdserve.cluster.config import RayConfig
+    from pdserve.cluster.ray_env import RaySession
 
     session = RaySession(RayConfig(num_cpus=2))  # embedded, on loopback, as a cluster's
     session.start()

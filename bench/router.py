@@ -2,7 +2,7 @@
 router actor -> instance) and straight to the instances (their update feeds), in
 one run, on a tiny model so that the engine's share is small.
 
-    .venv/bin/python -m bench.router [--requests 300] [--concurrency 1,16]
+    .venv/bin/python -m pdserve.bench.router [--requests 300] [--concurrency 1,16]
                                      [--prompt-tokens 16] [--max-tokens 8] [--model DIR]
 
 Both paths use the same two co-located instances, the same round-robin placement
@@ -26,9 +26,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engine.sampling_params import SamplingParams
-from instance.feed import encode_command, frames
-from instance.messages import Attempt
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.instance.feed import encode_command, frames
+from pdserve.instance.messages import Attempt
 
 CONSUMER = "bench-direct"
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
-    from cluster import launch
+    from pdserve.cluster import launch
 
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         model = args.model or _tiny_model(Path(tmp))

@@ -3,7 +3,7 @@ requests over gRPC through a cluster whose router is 1 replica, then N, each aga
 the same instances called directly (their update feeds, bench/router.py's client), in
 one run, on a tiny model so that the router's share is large.
 
-    .venv/bin/python -m bench.router_replicas [--replicas 2] [--concurrency 16,64]
+    .venv/bin/python -m pdserve.bench.router_replicas [--replicas 2] [--concurrency 16,64]
         [--requests 300] [--prompt-tokens 16] [--max-tokens 8] [--model DIR]
 
 Two co-located instances of 1 CPU, round robin. Every load thread has a client of its
@@ -25,8 +25,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
-from bench.serving_overhead import cpu_seconds
+from pdserve.bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
+from pdserve.bench.serving_overhead import cpu_seconds
 
 
 class PerThreadClients:
@@ -58,7 +58,7 @@ def run(model: str, replicas: int, work, args, levels: list[int]) -> list[tuple]
     router has ``replicas`` replicas."""
     import ray
 
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = {
         "model": model,

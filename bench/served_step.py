@@ -1,7 +1,7 @@
 """A served engine step against the same step offline (issue 23): what the instance's
 loop (inbox, outboxes, the update feed's frames, stats) adds to each step.
 
-    .venv/bin/python -m bench.served_step [--model smollm2-135m] [--batches 1,32]
+    .venv/bin/python -m pdserve.bench.served_step [--model smollm2-135m] [--batches 1,32]
         [--prefill-tokens 512] [--window-s 2] [--rounds 7]
 
 One co-located instance of 1 CPU (prefix caching off), and the same engine in this
@@ -29,9 +29,9 @@ import threading
 import time
 import uuid
 
-from bench.serving_overhead import offline_engine
-from engine.sampling_params import SamplingParams
-from instance.messages import Attempt
+from pdserve.bench.serving_overhead import offline_engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.instance.messages import Attempt
 
 CONSUMER = "bench-steps"  # this bench's outbox on the instance (the router has its own)
 PROMPT = 16
@@ -80,7 +80,7 @@ class Served:
     def __init__(self, handle, vocab: int):
         import asyncio
 
-        from router import instances
+        from pdserve.router import instances
 
         self.handle, self.vocab = handle, vocab
         self._loop = asyncio.new_event_loop()
@@ -159,9 +159,11 @@ class Served:
 def main(argv: list[str] | None = None) -> None:
     import ray
 
-    from cluster import launch
+    from pdserve.cluster import launch
 
-    p = argparse.ArgumentParser(prog="bench.served_step", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="pdserve.bench.served_step", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--prefill-tokens", type=int, default=512)

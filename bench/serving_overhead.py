@@ -5,7 +5,7 @@ and (d) over its OpenAI HTTP API, per mode and concurrency; and, as the floor un
 (c), the same gRPC calls answered by an echo with no router or engine behind it
 (bench/grpc_floor.py).
 
-    .venv/bin/python -m bench.serving_overhead [--modes colocated,1p1d]
+    .venv/bin/python -m pdserve.bench.serving_overhead [--modes colocated,1p1d]
         [--concurrency 1,16,64] [--requests 300] [--prompt-tokens 16] [--max-tokens 8]
         [--model DIR] [--profile DIR [--profile-seconds 20]] [--quick]
 
@@ -44,12 +44,12 @@ import time
 from collections import deque
 from pathlib import Path
 
-from bench.grpc_floor import GrpcFloor
-from bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
-from engine.sampling_params import SamplingParams
-from instance.step_log import StepLog
-from loadgen.endpoint import DONE, completion_body, parse_event
-from loadgen.workloads import Request
+from pdserve.bench.grpc_floor import GrpcFloor
+from pdserve.bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.instance.step_log import StepLog
+from pdserve.loadgen.endpoint import DONE, completion_body, parse_event
+from pdserve.loadgen.workloads import Request
 
 POOL = {"resources": {"num_cpus": 1}, "prefix_caching": False}
 MODES = {
@@ -82,9 +82,9 @@ def offline_engine(config: dict):
     text naming its CPU paths (as bench/engine.py names them)."""
     import torch
 
-    from cluster.config_loader import load_config
-    from engine import EngineConfig, LLMEngine
-    from engine.amx_gemm import amx_gemm
+    from pdserve.cluster.config_loader import load_config
+    from pdserve.engine import EngineConfig, LLMEngine
+    from pdserve.engine.amx_gemm import amx_gemm
 
     cfg = load_config(config)
     pool = cfg.pools()["decode" if cfg.mode == "disaggregated" else "colocated"]
@@ -155,7 +155,7 @@ def run_mode(mode: str, model: str, work, args, levels: list[int]) -> tuple[str,
     ``(concurrency, {path: figures})``."""
     import ray
 
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = cluster_config(model, mode)
     n = MODES[mode]["colocated"]["instances"] if mode == "colocated" else 1
@@ -168,7 +168,7 @@ def run_mode(mode: str, model: str, work, args, levels: list[int]) -> tuple[str,
     cluster = launch(config, ["logging.level=WARNING"])
     try:
         handles = [ray.get_actor(name, namespace="pdserve") for name in cluster.workers]
-        from router.client import RouterClient
+        from pdserve.router.client import RouterClient
 
         client, floor = cluster.client(), GrpcFloor()
         floor_client = RouterClient(floor.address)
@@ -224,7 +224,7 @@ def run_mode(mode: str, model: str, work, args, levels: list[int]) -> tuple[str,
 def _profile(cluster, handles, call, work, args) -> None:
     import ray
 
-    from bench import serving_profile
+    from pdserve.bench import serving_profile
 
     folder = Path(args.profile)
     pids = {

@@ -1,6 +1,7 @@
 """Tensor-parallel step time and all-reduce cost on CPU (gloo), for the planner's cost model.
 
-    .venv/bin/python -m bench.tp [--model smollm2-135m] [--degrees 1,3] [--prompt-tokens 512]
+    .venv/bin/python -m pdserve.bench.tp [--model smollm2-135m] [--degrees 1,3]
+                                 [--prompt-tokens 512]
                                  [--batches 1,8] [--steps 20] [--calls 200]
 
 For each degree (degree 1, the baseline, always runs first):
@@ -34,10 +35,10 @@ import time
 
 import torch
 
-from engine.checkpoint import load_checkpoint
-from engine.parallel import TensorParallel, check_degree, serve_store
-from engine.step_plan import HEADER
-from engine.tp_rank import threads_per_rank
+from pdserve.engine.checkpoint import load_checkpoint
+from pdserve.engine.parallel import TensorParallel, check_degree, serve_store
+from pdserve.engine.step_plan import HEADER
+from pdserve.engine.tp_rank import threads_per_rank
 
 CONTEXT = 128  # prompt tokens of each decoding sequence
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
@@ -117,7 +118,7 @@ def comm_world(degree: int, cases, calls: int) -> dict[str, float]:
 
 def step_times(model: str, degree: int, args, scens) -> dict[str, float]:
     """Median ms of ``engine.step()`` on rank 0 for each scenario."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     # LLM(tensor_parallel=N) sets this itself (and leaves it set); degree 1 does not
     torch.set_num_threads(threads_per_rank(degree))

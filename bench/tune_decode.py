@@ -1,4 +1,4 @@
-"""Sweep the paged decode kernel's tiling on a GPU: python -m bench.tune_decode
+"""Sweep the paged decode kernel's tiling on a GPU: python -m pdserve.bench.tune_decode
 
 For each (BLOCK_N, NUM_WARPS, NUM_STAGES, MIN_PARTITION, PROGRAMS_PER_SM) it checks
 the kernel against ``ref_paged_decode_attention`` on fresh random inputs, then times
@@ -16,15 +16,15 @@ from functools import partial
 import torch
 
 if __package__ in (None, ""):
-    sys.exit("bench/tune_decode.py: run it as a module: python -m bench.tune_decode")
+    sys.exit("bench/tune_decode.py: run it as a module: python -m pdserve.bench.tune_decode")
 if not torch.cuda.is_available():
     sys.exit("bench/tune_decode.py needs a CUDA GPU")
 
 from triton.testing import do_bench  # noqa: E402
 
-from bench.kernels import BF16, BLOCK, DECODE_SHAPES, LAYOUTS, device_peaks, paged  # noqa: E402
+from pdserve.bench.kernels import BF16, BLOCK, DECODE_SHAPES, LAYOUTS, device_peaks, paged  # noqa: E402
 
-pda = importlib.import_module("kernels.paged_decode_attention")
+pda = importlib.import_module("pdserve.kernels.paged_decode_attention")
 KNOBS = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_PARTITION", "PROGRAMS_PER_SM")
 GRID = list(itertools.product((64, 128), (2, 4, 8), (2, 3), (256, 1024), (4, 16)))
 

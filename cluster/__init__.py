@@ -8,11 +8,11 @@ lazily, so that the client side of the CLI does not load torch.
 from __future__ import annotations
 
 _EXPORTS = {
-    "launch": "cluster.launcher",
-    "Cluster": "cluster.launcher",
-    "load_config": "cluster.config_loader",
-    "ConfigError": "cluster.config_loader",
-    "ClusterConfig": "cluster.config",
+    "launch": "pdserve.cluster.launcher",
+    "Cluster": "pdserve.cluster.launcher",
+    "load_config": "pdserve.cluster.config_loader",
+    "ConfigError": "pdserve.cluster.config_loader",
+    "ClusterConfig": "pdserve.cluster.config",
 }
 
 __all__ = list(_EXPORTS)

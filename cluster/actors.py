@@ -30,10 +30,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from cluster.config import PoolConfig
-from cluster.instance_metrics import metered
-from cluster.placement_groups import create
-from cluster.ray_env import NAMESPACE
+from pdserve.cluster.config import PoolConfig
+from pdserve.cluster.instance_metrics import metered
+from pdserve.cluster.placement_groups import create
+from pdserve.cluster.ray_env import NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ NAME_RELEASE_S = 60.0  # Ray frees a dead actor's name once its death is recorde
 
 def forwarded_env() -> dict:
     """Actor options that pass on ``PDSERVE_CPU_ISA`` when this process has it."""
-    from engine.native import ENV
+    from pdserve.engine.native import ENV
 
     return {"runtime_env": {"env_vars": {ENV: os.environ[ENV]}}} if os.environ.get(ENV) else {}
 
@@ -61,8 +61,8 @@ def role_components(role: str, peers: bool) -> tuple[type, ...]:
     co-located, sending for prefill, receiving for decode, and sending too with
     ``peers`` (hybrid mode without a prefill pool: the decode instances prefill for each
     other)."""
-    from decode_worker import Receiving
-    from prefill_worker import Sending
+    from pdserve.decode_worker import Receiving
+    from pdserve.prefill_worker import Sending
 
     by_role: dict[str, tuple[type, ...]] = {
         "colocated": (),
@@ -77,8 +77,8 @@ def role_components(role: str, peers: bool) -> tuple[type, ...]:
 def role_rank_part(role: str) -> type | None:
     """The part (instance/rank_part.py) of a ``role`` instance's ranks 1..N-1: none
     co-located, the sender of its heads for prefill, their receiver for decode."""
-    from decode_worker import DecodeRank
-    from prefill_worker import PrefillRank
+    from pdserve.decode_worker import DecodeRank
+    from pdserve.prefill_worker import PrefillRank
 
     by_role: dict[str, type | None] = {
         "colocated": None,
@@ -95,7 +95,7 @@ def _feed_endpoint(bind: str | None, advertise: str | None, strategy) -> dict:
     address, resolved on the group's node when that takes the node's own address."""
     import ray
 
-    from kv_transfer.protocol import WILDCARDS, endpoint
+    from pdserve.kv_transfer.protocol import WILDCARDS, endpoint
 
     if bind is None or (advertise is None and bind in WILDCARDS):
         resolve = ray.remote(endpoint).options(num_cpus=0, scheduling_strategy=strategy)
@@ -115,7 +115,7 @@ def _free_port(bind: str | None, advertise: str | None) -> tuple[str, str, int]:
     import socket
     from pathlib import Path
 
-    from kv_transfer.protocol import endpoint
+    from pdserve.kv_transfer.protocol import endpoint
 
     bind, advertise = endpoint(bind, advertise)
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
@@ -152,8 +152,8 @@ def start_instance(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from instance.rank_actor import RankActor
-    from instance.worker import EngineWorker
+    from pdserve.instance.rank_actor import RankActor
+    from pdserve.instance.worker import EngineWorker
 
     name, size = f"{role}-{index}", pool.tensor_parallel
     cpus, gpus = pool.resources.num_cpus, pool.resources.num_gpus

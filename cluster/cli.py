@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from cluster.cli_router import (
+from pdserve.cluster.cli_router import (
     DEFAULT_CA_FILE,
     DEFAULT_ROUTER,
     client_arguments,
@@ -32,7 +32,7 @@ from cluster.cli_router import (
 
 
 def _generate_offline(args: argparse.Namespace) -> int:
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
     started = time.monotonic()
     engine = LLMEngine(args.model, EngineConfig(dtype=args.dtype))
@@ -63,15 +63,15 @@ def _generate_offline(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from cluster.config_loader import ConfigError, load_config
-    from cluster.launcher import launch
+    from pdserve.cluster.config_loader import ConfigError, load_config
+    from pdserve.cluster.launcher import launch
 
     try:
         config = load_config(args.config, args.set or [])
     except ConfigError as e:
         print(f"pdserve up: {args.config}: {e}", file=sys.stderr)
         return 2
-    from router.request_log import configure
+    from pdserve.router.request_log import configure
 
     configure(config.logging.format, config.logging.level)
     pools = ", ".join(f"{p.instances} {role}" for role, p in config.pools().items())
@@ -135,7 +135,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _first_key(config) -> str | None:
     """A key of ``router.api_key_file`` for ``--demo`` (None: the router has none)."""
-    from router.auth import read_key_file
+    from pdserve.router.auth import read_key_file
 
     path = config.router.api_key_file
     return read_key_file(path)[0] if path else None
@@ -169,23 +169,23 @@ def main(argv: list[str] | None = None) -> int:
     stats.add_argument("--router", default=DEFAULT_ROUTER, help="router address (host:port)")
     client_arguments(stats)
 
-    from loadgen.runner import add_arguments
+    from pdserve.loadgen.runner import add_arguments
 
     bench = sub.add_parser("bench", help="goodput under SLOs: a workload at several rates")
     add_arguments(bench)
 
-    from loadgen.compare import add_arguments as add_compare_arguments
+    from pdserve.loadgen.compare import add_arguments as add_compare_arguments
 
     compare = sub.add_parser("compare", help="several configs on the same requests: a report")
     add_compare_arguments(compare)
 
-    from loadgen.chaos import add_arguments as add_chaos_arguments
+    from pdserve.loadgen.chaos import add_arguments as add_chaos_arguments
 
     chaos = sub.add_parser("chaos", help="a ShareGPT load while engine processes are killed")
     add_chaos_arguments(chaos)
 
-    from planner.plan import add_arguments as add_plan_arguments
-    from planner.profile import add_arguments as add_profile_arguments
+    from pdserve.planner.plan import add_arguments as add_plan_arguments
+    from pdserve.planner.profile import add_arguments as add_profile_arguments
 
     profile = sub.add_parser("profile", help="measure this machine's step and KV transfer times")
     add_profile_arguments(profile)
@@ -194,20 +194,20 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command in ("plan", "profile"):
-        from planner import plan as plan_module
-        from planner import profile as profile_module
+        from pdserve.planner import plan as plan_module
+        from pdserve.planner import profile as profile_module
 
         return (plan_module if args.command == "plan" else profile_module).main(args)
     if args.command == "bench":
-        from loadgen.runner import main as bench_main
+        from pdserve.loadgen.runner import main as bench_main
 
         return bench_main(args)
     if args.command == "compare":
-        from loadgen.compare import main as compare_main
+        from pdserve.loadgen.compare import main as compare_main
 
         return compare_main(args)
     if args.command == "chaos":
-        from loadgen.chaos import main as chaos_main
+        from pdserve.loadgen.chaos import main as chaos_main
 
         return chaos_main(args)
     if args.command == "up":

@@ -48,7 +48,7 @@ def stream_to_terminal(
     """Send one request through the router and print its answer as it streams."""
     import grpc
 
-    from router.client import RouterClient
+    from pdserve.router.client import RouterClient
 
     kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     with RouterClient(address, api_key=api_key, ca_file=ca_file) as client:
@@ -67,7 +67,7 @@ def stream_to_terminal(
 def show_stats(args: argparse.Namespace) -> int:
     import grpc
 
-    from router.client import RouterClient
+    from pdserve.router.client import RouterClient
 
     with RouterClient(args.router, api_key=args.api_key, ca_file=args.ca_file) as client:
         try:

@@ -11,12 +11,12 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from cluster.placement_groups import ray_labels, ray_resources
-from engine.attention import BACKENDS
-from engine.config import DTYPES
-from router.policies import POLICIES
-from router.request_log import FORMATS as LOG_FORMATS
-from router.request_log import LEVELS as LOG_LEVELS
+from pdserve.cluster.placement_groups import ray_labels, ray_resources
+from pdserve.engine.attention import BACKENDS
+from pdserve.engine.config import DTYPES
+from pdserve.router.policies import POLICIES
+from pdserve.router.request_log import FORMATS as LOG_FORMATS
+from pdserve.router.request_log import LEVELS as LOG_LEVELS
 
 MODES = ("colocated", "disaggregated", "hybrid")
 KV_BACKENDS = ("gloo", "nccl", "grpc")

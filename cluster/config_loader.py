@@ -16,9 +16,9 @@ from types import NoneType, UnionType
 
 import yaml
 
-from cluster.config import ClusterConfig, PoolConfig
-from cluster.placement_groups import check_placement
-from cluster.security_checks import check_kv, check_ray, check_router
+from pdserve.cluster.config import ClusterConfig, PoolConfig
+from pdserve.cluster.placement_groups import check_placement
+from pdserve.cluster.security_checks import check_kv, check_ray, check_router
 
 
 class ConfigError(ValueError):
@@ -216,7 +216,7 @@ def check_kv_transfer(config: ClusterConfig) -> None:
 
 def model_folder_if_cheap(model: str) -> Path | None:
     """The model's HF folder when finding it costs no conversion; checks the model exists."""
-    from engine.checkpoint import ALIASES, alias_path
+    from pdserve.engine.checkpoint import ALIASES, alias_path
 
     if model in ALIASES:
         try:
@@ -241,7 +241,7 @@ def model_folder_if_cheap(model: str) -> Path | None:
 def check_model_shape(config: ClusterConfig, folder: Path) -> None:
     """The model's family must be one the engine serves (engine/families.py), and its
     attention heads and KV heads must split evenly over each pool's tensor_parallel."""
-    from engine.families import check_family
+    from pdserve.engine.families import check_family
 
     hf = json.loads((folder / "config.json").read_text())
     try:

@@ -32,8 +32,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from engine.scheduler import StepShape
-from router.auth import ApiKeys
+from pdserve.engine.scheduler import StepShape
+from pdserve.router.auth import ApiKeys
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def metered(worker_class: type) -> type:
     constructor takes ``metrics={"bind", "advertise", "port", "key_digests"}`` besides
     the worker's arguments (the same class name, so Ray's state API lists the actor
     under the worker's class)."""
-    from kv_transfer.protocol import endpoint
+    from pdserve.kv_transfer.protocol import endpoint
 
     class Metered(worker_class):
         def __init__(self, name: str, *args, metrics: dict, **kwargs):

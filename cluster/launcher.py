@@ -25,9 +25,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.config import ClusterConfig
-from cluster.config_loader import check_model_shape, load_config
-from cluster.ray_env import NAMESPACE, RaySession
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.config_loader import check_model_shape, load_config
+from pdserve.cluster.ray_env import NAMESPACE, RaySession
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ class Cluster:
         ``$PDSERVE_CA_FILE`` (or the system's CAs)."""
         import os
 
-        from router.auth import read_key_file
-        from router.client import RouterClient
+        from pdserve.router.auth import read_key_file
+        from pdserve.router.client import RouterClient
 
         router = self.config.router
         key = read_key_file(router.api_key_file)[0] if router.api_key_file else None
@@ -154,8 +154,8 @@ class Cluster:
         """Whatever the supervisor did not stop (it was dead or hung), by name: the
         instances are detached, so on a Ray that outlives this process they would run
         on (the parts already stopped are gone or going: killing them again is a no-op)."""
-        from cluster.actors import remove_instance
-        from cluster.supervised import planned
+        from pdserve.cluster.actors import remove_instance
+        from pdserve.cluster.supervised import planned
 
         for role, index, pool, _ in planned(self.config):
             remove_instance(f"{role}-{index}", pool.tensor_parallel)
@@ -174,7 +174,7 @@ def launch(
     ready_timeout_s: float = 900.0,
 ) -> Cluster:
     """Start a cluster from a config (a YAML path, a dict or a ``ClusterConfig``)."""
-    from engine.checkpoint import resolve
+    from pdserve.engine.checkpoint import resolve
 
     config = load_config(config, overrides)
     # Converts a GGUF once, here, before the instances look for it.
@@ -194,7 +194,7 @@ def kv_secret(secret_file: str | None) -> bytes:
     """The secret the KV plane's peers prove (docs/kv_transfer.md, "Closed by default"):
     the bytes of ``kv_transfer.secret_file``, else a new one. It reaches the workers as an
     actor argument only: never logged, never in stats."""
-    from kv_transfer.auth import MIN_SECRET_BYTES, new_secret
+    from pdserve.kv_transfer.auth import MIN_SECRET_BYTES, new_secret
 
     if secret_file is None:
         return new_secret()
@@ -216,12 +216,12 @@ def kv_secret(secret_file: str | None) -> bytes:
 def _start(cluster: Cluster, ready_timeout_s: float) -> None:
     import ray
 
-    from cluster.actors import forwarded_env
-    from cluster.keeper import Keeper
-    from cluster.placement_groups import PlacementError
-    from cluster.supervisor import Supervisor
-    from router.replicas import replica_name
-    from router.server import RouterServer
+    from pdserve.cluster.actors import forwarded_env
+    from pdserve.cluster.keeper import Keeper
+    from pdserve.cluster.placement_groups import PlacementError
+    from pdserve.cluster.supervisor import Supervisor
+    from pdserve.router.replicas import replica_name
+    from pdserve.router.server import RouterServer
 
     config = cluster.config
     # the router and the supervisor on the driver's node (no CPU reserved); the

@@ -20,7 +20,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cluster.config import ClusterConfig, PoolConfig
+    from pdserve.cluster.config import ClusterConfig, PoolConfig
 
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")

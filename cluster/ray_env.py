@@ -24,8 +24,8 @@ import secrets
 import shutil
 import tempfile
 
-from cluster.config import RayConfig
-from cluster.security_checks import apply_ray_tls, check_connected
+from pdserve.cluster.config import RayConfig
+from pdserve.cluster.security_checks import apply_ray_tls, check_connected
 
 NAMESPACE = "pdserve"
 RAY_WORKER_NICENESS = "RAY_worker_niceness"  # Ray's workers' niceness (its default: 15)
@@ -77,7 +77,7 @@ class RaySession:
 
     def _check_joined(self, gcs_address: str) -> None:
         """Leave a Ray that is off loopback and unsecured (cluster/security_checks.py)."""
-        from cluster.config_loader import ConfigError
+        from pdserve.cluster.config_loader import ConfigError
 
         problem = check_connected(self.config, gcs_address)
         if problem is not None:

@@ -23,7 +23,7 @@ import ipaddress
 import logging
 import os
 
-from cluster.config import ClusterConfig, RayConfig
+from pdserve.cluster.config import ClusterConfig, RayConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ _TRUE = ("1", "true")
 
 def check_router(config: ClusterConfig) -> list[tuple[str, str]]:
     """Problems as (dotted key, message); empty when the router's settings hold."""
-    from router.auth import KeyFileError, read_key_file
+    from pdserve.router.auth import KeyFileError, read_key_file
 
     problems = []
     tls = config.router.tls

@@ -17,9 +17,9 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cluster.actors import InstanceHandles, find_instance
-from cluster.config import ClusterConfig, PoolConfig
-from router.incidents import first_line
+from pdserve.cluster.actors import InstanceHandles, find_instance
+from pdserve.cluster.config import ClusterConfig, PoolConfig
+from pdserve.router.incidents import first_line
 
 log = logging.getLogger(__name__)
 

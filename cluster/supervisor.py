@@ -39,7 +39,7 @@ import os
 import threading
 import time
 
-from cluster.actors import (
+from pdserve.cluster.actors import (
     InstanceHandles,
     kill,
     rank_names,
@@ -47,10 +47,10 @@ from cluster.actors import (
     start_instance,
     wait_names_free,
 )
-from cluster.config import ClusterConfig, PoolConfig
-from cluster.ray_env import NAMESPACE
-from cluster.supervised import Supervised, adopt, planned, router_views
-from router.incidents import first_line
+from pdserve.cluster.config import ClusterConfig, PoolConfig
+from pdserve.cluster.ray_env import NAMESPACE
+from pdserve.cluster.supervised import Supervised, adopt, planned, router_views
+from pdserve.router.incidents import first_line
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Supervisor:
     def __init__(self, config: dict, kv_secret: bytes):
         """``config``: ``ClusterConfig.to_dict()`` (checked already); ``kv_secret``: what
         the KV plane's peers prove (``cluster.launcher.kv_secret``)."""
-        from cluster.config_loader import load_config
+        from pdserve.cluster.config_loader import load_config
 
         self.config: ClusterConfig = load_config(config)
         self.kv = {**config["kv_transfer"], "secret": kv_secret}
@@ -117,7 +117,7 @@ class Supervisor:
         """The ``metrics`` argument of a pool's rank 0 (None: ``metrics_port`` unset):
         where it serves its metrics (the pool's KV interface) and the digests of the
         router's API keys, which a scrape must present one of."""
-        from router.auth import ApiKeys
+        from pdserve.router.auth import ApiKeys
 
         if pool.metrics_port is None:
             return None
@@ -339,7 +339,7 @@ class Supervisor:
             return self.routers
         import ray
 
-        from router.replicas import replica_name
+        from pdserve.router.replicas import replica_name
 
         found = []
         for k in range(self.config.router.replicas):

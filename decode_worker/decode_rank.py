@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from instance.rank_part import RankPart
-from kv_transfer import Outcome, backend_options, get_transport
-from kv_transfer.layout import cache_layout
+from pdserve.instance.rank_part import RankPart
+from pdserve.kv_transfer import Outcome, backend_options, get_transport
+from pdserve.kv_transfer.layout import cache_layout
 
 if TYPE_CHECKING:
-    from instance.rank_actor import RankActor
+    from pdserve.instance.rank_actor import RankActor
 
 
 class DecodeRank(RankPart):

@@ -49,16 +49,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from engine.outputs import Logprobs
-from engine.reservation import NoRoom
-from instance.component import Component
-from instance.inbox import Expected, Landed, Released, Reserve
-from instance.messages import Attempt, Reserved, Update
-from kv_transfer import KVDestination, Outcome, State, backend_options, get_transport
-from kv_transfer.layout import cache_layout
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.reservation import NoRoom
+from pdserve.instance.component import Component
+from pdserve.instance.inbox import Expected, Landed, Released, Reserve
+from pdserve.instance.messages import Attempt, Reserved, Update
+from pdserve.kv_transfer import KVDestination, Outcome, State, backend_options, get_transport
+from pdserve.kv_transfer.layout import cache_layout
 
 if TYPE_CHECKING:
-    from instance.worker import EngineWorker
+    from pdserve.instance.worker import EngineWorker
 
 
 def _one_line(e: BaseException) -> str:

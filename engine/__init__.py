@@ -1,9 +1,9 @@
 """The model runtime both pools share: model, weights, tokenizer, paged KV cache, scheduler."""
 
-from engine.config import EngineConfig, ModelConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "RequestOutput", "SamplingParams"]

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from engine import native
+from pdserve.engine import native
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

@@ -48,7 +48,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.block_hash import block_hashes
+from pdserve.engine.block_hash import block_hashes
 
 EMPTY, CACHED, USED = 1, 2, 0
 PLACEHOLDER = 0  # the entry of a placeholder reserved as one: any block id would do

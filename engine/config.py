@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.families import LLAMA, Family, check_family, family_fields, rope_parameters
-from engine.mla_config import MLAConfig
+from pdserve.engine.families import LLAMA, Family, check_family, family_fields, rope_parameters
+from pdserve.engine.mla_config import MLAConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -17,8 +17,8 @@ import ctypes
 
 import torch
 
-from engine import native
-from engine.amx_gemm import AmxGemm
+from pdserve.engine import native
+from pdserve.engine.amx_gemm import AmxGemm
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # the PANELS_* layouts of cpu_kernels.h, the block ones tried first

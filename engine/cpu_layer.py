@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import native
-from engine.attention import AttentionMetadata
-from engine.cpu_gemm import MAX_ROWS
+from pdserve.engine import native
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.cpu_gemm import MAX_ROWS
 
 _P = ctypes.c_void_p
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")

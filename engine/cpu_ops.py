@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from engine import native
+from pdserve.engine import native
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

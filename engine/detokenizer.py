@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 
 class Detokenizer:

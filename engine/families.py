@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.mla_config import MLA_ARCHITECTURES
+from pdserve.engine.mla_config import MLA_ARCHITECTURES
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 _DIRECT = {
     "token_embd.weight": "model.embed_tokens.weight",

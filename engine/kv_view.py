@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.model_runner import ModelRunner
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.model_runner import ModelRunner
 
 
 class KVView:

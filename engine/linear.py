@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_gemm import PanelWeight
+from pdserve.engine.cpu_gemm import PanelWeight
 
 
 def prepare(weight: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.parallel import SINGLE, check_degree
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.parallel import SINGLE, check_degree
+from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -55,8 +55,8 @@ class LLM:
         if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
             raise ValueError(f"tensor_parallel={tensor_parallel!r}: must be a positive integer")
         if tensor_parallel > 1:
-            from engine.checkpoint import load_checkpoint
-            from engine.tp_rank import LocalRanks, threads_per_rank
+            from pdserve.engine.checkpoint import load_checkpoint
+            from pdserve.engine.tp_rank import LocalRanks, threads_per_rank
 
             config.validate()
             check_degree(load_checkpoint(model).config, tensor_parallel)

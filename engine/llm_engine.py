@@ -19,25 +19,25 @@ import time
 
 import torch
 
-from engine.attention import default_backend_name, get_backend
-from engine.block_manager import BlockManager, CacheEvents
-from engine.checkpoint import load_checkpoint
-from engine.config import EngineConfig
-from engine.detokenizer import Detokenizer
-from engine.engine_stats import EngineStats
-from engine.kv_view import KVView
-from engine.model import LlamaModel
-from engine.model_runner import ModelRunner
-from engine.outputs import Logprobs, RequestOutput
-from engine.parallel import SINGLE, TensorParallel
-from engine.prefilled import LastChunkHook, Prefilled
-from engine.request import Request, RequestStatus
-from engine.request_checks import check_delivered, check_prompt
-from engine.reservation import NoRoom, Reservation
-from engine.sampler import Sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, StepShape
-from engine.step_plan import StepPlan
+from pdserve.engine.attention import default_backend_name, get_backend
+from pdserve.engine.block_manager import BlockManager, CacheEvents
+from pdserve.engine.checkpoint import load_checkpoint
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.engine_stats import EngineStats
+from pdserve.engine.kv_view import KVView
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import Logprobs, RequestOutput
+from pdserve.engine.parallel import SINGLE, TensorParallel
+from pdserve.engine.prefilled import LastChunkHook, Prefilled
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request_checks import check_delivered, check_prompt
+from pdserve.engine.reservation import NoRoom, Reservation
+from pdserve.engine.sampler import Sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler, StepShape
+from pdserve.engine.step_plan import StepPlan
 
 
 def load_model(model: str, config: EngineConfig, tp: TensorParallel = SINGLE):

@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, latent_decode_op
-from engine.config import ModelConfig
-from engine.linear import linear
-from engine.ops import Ops
-from engine.parallel import TensorParallel
+from pdserve.engine.attention import AttentionMetadata, latent_decode_op
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.linear import linear
+from pdserve.engine.ops import Ops
+from pdserve.engine.parallel import TensorParallel
 
 # HF's DeepSeek norms of the low-rank query and of the latent use their default eps
 LATENT_NORM_EPS = 1e-6

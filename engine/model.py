@@ -19,16 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.amx_gemm import amx_gemm
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
-from engine.cpu_gemm import CpuGemm, PanelWeight, cpu_gemm
-from engine.cpu_layer import CpuDecodeLayers
-from engine.linear import linear, prepare
-from engine.mla import MLAAttention
-from engine.ops import Ops
-from engine.parallel import SINGLE, TensorParallel
-from engine.rope import rope_tables
+from pdserve.engine.amx_gemm import amx_gemm
+from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.cpu_gemm import CpuGemm, PanelWeight, cpu_gemm
+from pdserve.engine.cpu_layer import CpuDecodeLayers
+from pdserve.engine.linear import linear, prepare
+from pdserve.engine.mla import MLAAttention
+from pdserve.engine.ops import Ops
+from pdserve.engine.parallel import SINGLE, TensorParallel
+from pdserve.engine.rope import rope_tables
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -233,7 +233,7 @@ class LlamaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...),
         keeping this rank's slices. Raises if any parameter is left unset."""
-        from engine.weight_map import assign_weights
+        from pdserve.engine.weight_map import assign_weights
 
         assign_weights(self, weights)
 

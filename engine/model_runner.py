@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.block_manager import BlockManager
-from engine.model import LlamaModel
-from engine.request import Request
-from engine.sampler import Sample, Sampler
-from engine.scheduler import ScheduledBatch
-from engine.step_plan import StepPlan
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sample, Sampler
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.step_plan import StepPlan
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

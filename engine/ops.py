@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_ops import CpuOps, cpu_ops
+from pdserve.engine.cpu_ops import CpuOps, cpu_ops
 
 
 class Ops(ABC):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rendezvous.client import RendezvousStore
-from rendezvous.server import RendezvousServer
+from pdserve.rendezvous.client import RendezvousStore
+from pdserve.rendezvous.server import RendezvousServer
 
 TIMEOUT = datetime.timedelta(minutes=30)  # an idle rank waits this long for the next step
 POLL_S = 0.1  # how often a rank tries to reach a rendezvous that does not listen yet

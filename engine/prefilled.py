@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.outputs import Logprobs
-from engine.request import Request
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.request import Request
 
 # Given the hand-off requests whose prompt completes in this step: a per-layer callback
 # (or None) and bytes for the other tensor-parallel ranks (StepPlan.extra).

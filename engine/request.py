@@ -6,9 +6,9 @@ import enum
 import time
 from dataclasses import InitVar, dataclass, field
 
-from engine.outputs import Logprobs
-from engine.reservation import Reservation
-from engine.sampling_params import SamplingParams
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.reservation import Reservation
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_manager import window_start
+from pdserve.engine.block_manager import window_start
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.families import ROPE_TYPES
+from pdserve.engine.families import ROPE_TYPES
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cpu_ops import CpuOps, cpu_ops
-from engine.outputs import Logprobs
-from engine.request import Request
+from pdserve.engine.cpu_ops import CpuOps, cpu_ops
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.request import Request
 
 _MASK64 = (1 << 64) - 1
 

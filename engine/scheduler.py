@@ -38,9 +38,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
-from engine.reservation import NoRoom, Reservation, layer_skip
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.reservation import NoRoom, Reservation, layer_skip
 
 
 @dataclass

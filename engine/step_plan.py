@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.parallel import TensorParallel
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.parallel import TensorParallel
 
 HEADER = 9
 

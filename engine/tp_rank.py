@@ -18,13 +18,13 @@ from dataclasses import asdict
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.kv_view import KVView
-from engine.llm_engine import load_model
-from engine.model_runner import ModelRunner
-from engine.parallel import TensorParallel, serve_store
-from engine.step_plan import StepPlan
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_view import KVView
+from pdserve.engine.llm_engine import load_model
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel import TensorParallel, serve_store
+from pdserve.engine.step_plan import StepPlan
 
 StepHook = Callable[[StepPlan], tuple[Callable[[int], None] | None, Callable[[], None] | None]]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import uuid
 from collections import deque
 
-from engine.block_manager import CacheEvents
-from instance.messages import CacheCursor, CacheDelta
+from pdserve.engine.block_manager import CacheEvents
+from pdserve.instance.messages import CacheCursor, CacheDelta
 
 
 class CacheLog:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the host of a component, for the checker (worker.py imports this)
-    from engine.prefilled import LastChunkHook, Prefilled
-    from instance.messages import Update
-    from instance.worker import EngineWorker
+    from pdserve.engine.prefilled import LastChunkHook, Prefilled
+    from pdserve.instance.messages import Update
+    from pdserve.instance.worker import EngineWorker
 
 
 class Component(ABC):

@@ -67,9 +67,9 @@ from typing import Any
 
 import msgpack
 
-from engine.outputs import Logprobs
-from engine.sampling_params import SamplingParams
-from instance.messages import (
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.instance.messages import (
     Attempt,
     CacheCursor,
     CacheDelta,

@@ -17,10 +17,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from instance.messages import Attempt, Reserved
+from pdserve.instance.messages import Attempt, Reserved
 
 if TYPE_CHECKING:  # the KV transfer's event, carried as is (engine imports no transport)
-    from kv_transfer import Outcome
+    from pdserve.kv_transfer import Outcome
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.outputs import Logprobs
-from engine.sampling_params import SamplingParams
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def attempt_id(request_id: str, attempt: int, serial: str) -> str:

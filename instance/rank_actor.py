@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from engine import EngineConfig
-from engine.parallel import TensorParallel
-from engine.tp_rank import RankEngine
-from instance.rank_part import RankPart
+from pdserve.engine import EngineConfig
+from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.tp_rank import RankEngine
+from pdserve.instance.rank_part import RankPart
 
 
 class RankActor:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the host of a part, for the checker (rank_actor.py imports this)
-    from engine.step_plan import StepPlan
-    from instance.rank_actor import RankActor
+    from pdserve.engine.step_plan import StepPlan
+    from pdserve.instance.rank_actor import RankActor
 
 
 class RankPart:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from engine.scheduler import StepShape
+from pdserve.engine.scheduler import StepShape
 
 
 class StepLog:

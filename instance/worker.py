@@ -38,17 +38,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine import EngineConfig, LLMEngine
-from engine.llm_engine import StepFailed
-from engine.parallel import SINGLE, TensorParallel, serve_store
-from engine.prefilled import LastChunkHook, Prefilled
-from engine.scheduler import StepShape
-from instance.cache_log import CacheLog
-from instance.component import Component
-from instance.feed import ATTEMPT_COMMANDS, FeedServer, FeedTicket
-from instance.inbox import Abort, Add, Call, ConsumerExpired, ConsumerLeft
-from instance.messages import Attempt, CacheCursor, LiveAttempt, Polled, Reserved, Update
-from instance.step_log import StepLog
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine.llm_engine import StepFailed
+from pdserve.engine.parallel import SINGLE, TensorParallel, serve_store
+from pdserve.engine.prefilled import LastChunkHook, Prefilled
+from pdserve.engine.scheduler import StepShape
+from pdserve.instance.cache_log import CacheLog
+from pdserve.instance.component import Component
+from pdserve.instance.feed import ATTEMPT_COMMANDS, FeedServer, FeedTicket
+from pdserve.instance.inbox import Abort, Add, Call, ConsumerExpired, ConsumerLeft
+from pdserve.instance.messages import Attempt, CacheCursor, LiveAttempt, Polled, Reserved, Update
+from pdserve.instance.step_log import StepLog
 
 log = logging.getLogger(__name__)
 K = TypeVar("K")
@@ -625,5 +625,6 @@ def _merge(mine: dict[K, V], theirs: dict[K, V], who: str) -> None:
     per feed command, per call)."""
     for key, value in theirs.items():
         if key in mine:
-            raise ValueError(f"{who} takes {key!r}, which another part of the worker takes")
+            name = key.__name__ if isinstance(key, type) else repr(key)  # a message, or a name
+            raise ValueError(f"{who} takes {name}, which another part of the worker takes")
         mine[key] = value

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_paged_attention, check_window
-from kernels.kv_cache_write import ref_gather_kv
-from kernels.softcap import softcap_scores
+from pdserve.kernels._checks import check_paged_attention, check_window
+from pdserve.kernels.kv_cache_write import ref_gather_kv
+from pdserve.kernels.softcap import softcap_scores
 
 # Tiling, read at every launch (bench/tune_decode.py sweeps them on a GPU).
 BLOCK_N = 64

@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_latent_decode
-from kernels.paged_decode_attention import LOG2E, _num_splits
+from pdserve.kernels._checks import check_latent_decode
+from pdserve.kernels.paged_decode_attention import LOG2E, _num_splits
 
 # Tiling, read at every launch. BLOCK_H query heads share one program's latent tiles.
 BLOCK_H = 16

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_index, check_like
+from pdserve.kernels._checks import check_index, check_like
 
 
 @triton.jit

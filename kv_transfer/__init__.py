@@ -32,8 +32,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.protocol import (
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
+from pdserve.kv_transfer.protocol import (
     Handoff,
     KVChecksumError,
     KVDestination,
@@ -42,9 +42,9 @@ from kv_transfer.protocol import (
     KVTransferTimeout,
     Status,
 )
-from kv_transfer.receiver import KVReceiver, Outcome, State
-from kv_transfer.routes import HeadRoute, all_routes, routes_from, routes_into
-from kv_transfer.sender import Ack, KVSender, TransferAck
+from pdserve.kv_transfer.receiver import KVReceiver, Outcome, State
+from pdserve.kv_transfer.routes import HeadRoute, all_routes, routes_from, routes_into
+from pdserve.kv_transfer.sender import Ack, KVSender, TransferAck
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def get_transport(name: str) -> Transport:
         classes = []
         for path in BACKENDS[name]:
             module, _, cls = path.partition(":")
-            classes.append(getattr(importlib.import_module(f"kv_transfer.{module}"), cls))
+            classes.append(getattr(importlib.import_module(f"pdserve.kv_transfer.{module}"), cls))
         return Transport(name, *classes)
     module, _, attr = name.partition(":")
     if not (module and attr):
@@ -90,7 +90,7 @@ def backend_options(kv_config: dict) -> dict:
     """What a worker's ``kv`` argument gives its backend's sender and receiver beyond the
     options every backend takes: ``tls`` (``kv_transfer.tls``, the grpc backend's mTLS),
     when configured; the config refuses it with another built-in backend."""
-    from kv_transfer.grpc_tls import from_config
+    from pdserve.kv_transfer.grpc_tls import from_config
 
     tls = from_config(kv_config)
     return {} if tls is None else {"tls": tls}

@@ -31,14 +31,14 @@ import uuid
 import torch
 from torch.distributed import PrefixStore, QueueEmptyError
 
-from kv_transfer import auth
-from kv_transfer import gloo_wire as wire
-from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.gloo_wire import FOREVER, NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
-from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.receiver import Claim, KVReceiver
-from kv_transfer.segment import BufferPool, typed
-from rendezvous.server import RendezvousServer
+from pdserve.kv_transfer import auth
+from pdserve.kv_transfer import gloo_wire as wire
+from pdserve.kv_transfer import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.gloo_wire import FOREVER, NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
+from pdserve.kv_transfer.receiver import Claim, KVReceiver
+from pdserve.kv_transfer.segment import BufferPool, typed
+from pdserve.rendezvous.server import RendezvousServer
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02  # how often the accept thread looks for joins (and for close())

@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed import PrefixStore
 
-from kv_transfer import auth
-from kv_transfer import gloo_wire as wire
-from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.gloo_wire import NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
-from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.protocol import KVPeerError, KVTransferError, KVTransferTimeout, Status
-from kv_transfer.segment import Source, typed
-from kv_transfer.sender import Ack, KVSender, Outgoing
-from rendezvous.client import RendezvousStore
+from pdserve.kv_transfer import auth
+from pdserve.kv_transfer import gloo_wire as wire
+from pdserve.kv_transfer import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.gloo_wire import NOT_PACKED, GlooGroup, Kind, NcclGroup, abort
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
+from pdserve.kv_transfer.protocol import KVPeerError, KVTransferError, KVTransferTimeout, Status
+from pdserve.kv_transfer.segment import Source, typed
+from pdserve.kv_transfer.sender import Ack, KVSender, Outgoing
+from pdserve.rendezvous.client import RendezvousStore
 
 CONNECT_S = 5.0  # the most a connection to a receiver's rendezvous may take, handshake and all
 

@@ -31,8 +31,8 @@ from typing import Any, cast
 
 import torch
 
-from kv_transfer.protocol import KVPeerError
-from kv_transfer.segment import Segment, Source, typed
+from pdserve.kv_transfer.protocol import KVPeerError
+from pdserve.kv_transfer.segment import Segment, Source, typed
 
 MAGIC = 0x4B5634  # "KV4"
 MSG_LEN = 256  # most bytes of ACK text

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kv_transfer import auth
+from pdserve.kv_transfer import auth
 
 SENDER, TIME = "pdserve-kv-sender", "pdserve-kv-time"
 CHALLENGE, PROOF = "pdserve-kv-challenge-bin", "pdserve-kv-proof-bin"

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from kv_transfer import auth
-from kv_transfer import grpc_gate as gate
-from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.grpc_sender import CHANNEL_OPTIONS
-from kv_transfer.grpc_tls import TLSFiles
-from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.protocol import KVPeerError, KVTransferError, Status, transfer_key
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.segment import Segment
+from pdserve.kv_transfer import auth
+from pdserve.kv_transfer import grpc_gate as gate
+from pdserve.kv_transfer import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.grpc_sender import CHANNEL_OPTIONS
+from pdserve.kv_transfer.grpc_tls import TLSFiles
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
+from pdserve.kv_transfer.protocol import KVPeerError, KVTransferError, Status, transfer_key
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.segment import Segment
 
 log = logging.getLogger(__name__)
 MAX_TOKEN = 64  # most characters of a transfer token

@@ -22,14 +22,14 @@ from typing import cast
 import grpc
 import torch
 
-from kv_transfer import auth
-from kv_transfer import grpc_gate as gate
-from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.grpc_tls import TLSFiles
-from kv_transfer.layout import KVLayout
-from kv_transfer.protocol import KVPeerError, KVTransferTimeout, Status
-from kv_transfer.segment import Source
-from kv_transfer.sender import Ack, KVSender, Outgoing
+from pdserve.kv_transfer import auth
+from pdserve.kv_transfer import grpc_gate as gate
+from pdserve.kv_transfer import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.grpc_tls import TLSFiles
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.protocol import KVPeerError, KVTransferTimeout, Status
+from pdserve.kv_transfer.segment import Source
+from pdserve.kv_transfer.sender import Ack, KVSender, Outgoing
 
 METHOD = "/pdserve.kv_transfer.KVTransfer/Push"
 MAX_MESSAGE = 64 << 20  # both ends raise gRPC's message limits to this, explicitly

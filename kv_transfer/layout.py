@@ -259,7 +259,7 @@ class KVLayout:
 
     def to_proto(self, msg=None):
         """The layout as ``kv_transfer.proto``'s ``KVLayout`` (its only serialized form)."""
-        from kv_transfer import kv_transfer_pb2 as pb
+        from pdserve.kv_transfer import kv_transfer_pb2 as pb
 
         msg = pb.KVLayout() if msg is None else msg
         for name in self.__dataclass_fields__:

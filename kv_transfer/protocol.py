@@ -13,8 +13,8 @@ import hashlib
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.layout import KVLayout, KVLayoutError
+from pdserve.kv_transfer import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
 
 WILDCARDS = ("0.0.0.0", "::", "")  # bind addresses that listen on every interface
 

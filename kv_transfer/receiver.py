@@ -37,9 +37,9 @@ from enum import Enum
 import numpy as np
 import torch
 
-from kv_transfer.auth import check_secret, new_token
-from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.protocol import (
+from pdserve.kv_transfer.auth import check_secret, new_token
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
+from pdserve.kv_transfer.protocol import (
     Handoff,
     KVChecksumError,
     KVPeerError,
@@ -51,8 +51,8 @@ from kv_transfer.protocol import (
     status_of,
     transfer_key,
 )
-from kv_transfer.routes import HeadRoute, routes_into
-from kv_transfer.segment import Segment, checksum, runs, scatter
+from pdserve.kv_transfer.routes import HeadRoute, routes_into
+from pdserve.kv_transfer.segment import Segment, checksum, runs, scatter
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kv_transfer.layout import KVLayout, KVLayoutError
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 _MASK = (1 << 64) - 1
 _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))

@@ -22,9 +22,9 @@ from typing import Generic, TypeVar
 
 import torch
 
-from kv_transfer.auth import check_secret
-from kv_transfer.layout import KVLayout, KVLayoutError
-from kv_transfer.protocol import (
+from pdserve.kv_transfer.auth import check_secret
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
+from pdserve.kv_transfer.protocol import (
     Handoff,
     KVDestination,
     KVTransferError,
@@ -32,8 +32,8 @@ from kv_transfer.protocol import (
     endpoint,
     transfer_key,
 )
-from kv_transfer.routes import HeadRoute, routes_from
-from kv_transfer.segment import BufferPool, Segment, Source, checksum, plan_segments
+from pdserve.kv_transfer.routes import HeadRoute, routes_from
+from pdserve.kv_transfer.segment import BufferPool, Segment, Source, checksum, plan_segments
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,19 @@ import signal
 import sys
 import time
 
-from loadgen.chaos_killer import SIGNALS, Killer, KillEvent, check_choice, parse_roles, targets
-from loadgen.chaos_load import StreamRecord, run_load
-from loadgen.chaos_report import format_report, summarize, write
-from loadgen.chaos_timeline import Sampler, one_line
-from loadgen.runner import QUIET
-from loadgen.workloads import WorkloadSpec, arrival_times, model_info, sample_requests
+from pdserve.loadgen.chaos_killer import (
+    SIGNALS,
+    Killer,
+    KillEvent,
+    check_choice,
+    parse_roles,
+    targets,
+)
+from pdserve.loadgen.chaos_load import StreamRecord, run_load
+from pdserve.loadgen.chaos_report import format_report, summarize, write
+from pdserve.loadgen.chaos_timeline import Sampler, one_line
+from pdserve.loadgen.runner import QUIET
+from pdserve.loadgen.workloads import WorkloadSpec, arrival_times, model_info, sample_requests
 
 INTEGRITY_TIMEOUT_S = 10.0
 
@@ -110,7 +117,7 @@ def prepare(config, args: argparse.Namespace) -> tuple[list[list[int]], list[flo
 
 def expected_outputs(config, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Each prompt's greedy output, offline, with the first pool's engine settings."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     pool = next(iter(config.pools().values()))
     device = "cuda" if pool.resources.num_gpus > 0 else "cpu"
@@ -185,7 +192,7 @@ def integrity(names: list[str]) -> dict[str, dict]:
     how many are leaked, or ``error`` when it could not be checked."""
     import ray
 
-    from cluster.ray_env import NAMESPACE
+    from pdserve.cluster.ray_env import NAMESPACE
 
     out = {}
     for name in names:
@@ -203,7 +210,7 @@ def run(
 ) -> dict:
     """The whole run (``prepare``'s requests); the report's figures
     (loadgen/chaos_report.py)."""
-    from cluster.launcher import launch
+    from pdserve.cluster.launcher import launch
 
     started = time.monotonic()
     expected = expected_outputs(config, prompts, args.max_tokens)
@@ -281,7 +288,7 @@ def run(
 
 
 def main(args: argparse.Namespace) -> int:
-    from cluster.config_loader import ConfigError, load_config
+    from pdserve.cluster.config_loader import ConfigError, load_config
 
     try:
         config = load_config(args.config, args.set or [])

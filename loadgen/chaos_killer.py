@@ -68,7 +68,7 @@ class KillEvent:
 def targets(config) -> list[Target]:
     """Every engine instance a ``ClusterConfig`` starts, the supervisor and every
     router replica."""
-    from router.replicas import replica_name
+    from pdserve.router.replicas import replica_name
 
     instances = [
         Target(f"{role}-{index}", role, pool.tensor_parallel)
@@ -92,7 +92,7 @@ def actor_pid(target: Target, rank: int = 0, timeout_s: float = PID_TIMEOUT_S) -
     """The pid of ``target``'s process (of ``rank`` for an instance), from its actor."""
     import ray
 
-    from cluster.ray_env import NAMESPACE
+    from pdserve.cluster.ray_env import NAMESPACE
 
     if target.role == "supervisor":
         actor = ray.get_actor(target.name, namespace=NAMESPACE)

@@ -14,10 +14,10 @@ import io
 import json
 from pathlib import Path
 
-from loadgen.chaos_killer import INSTANCE_ROLES
-from loadgen.chaos_load import StreamRecord
-from loadgen.chaos_timeline import Sample, control_recovery, recovery
-from loadgen.chaos_verdict import KINDS, gate, verdict
+from pdserve.loadgen.chaos_killer import INSTANCE_ROLES
+from pdserve.loadgen.chaos_load import StreamRecord
+from pdserve.loadgen.chaos_timeline import Sample, control_recovery, recovery
+from pdserve.loadgen.chaos_verdict import KINDS, gate, verdict
 
 JSON_NAME, PLOT_NAME = "chaos.json", "chaos-timeline.png"
 
@@ -149,7 +149,7 @@ def format_report(results: dict) -> str:
 
 
 def _describe(v: dict) -> str:
-    from loadgen.chaos_verdict import Verdict
+    from pdserve.loadgen.chaos_verdict import Verdict
 
     return Verdict(**v).describe()
 

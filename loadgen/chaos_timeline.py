@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from router.incidents import first_line
+from pdserve.router.incidents import first_line
 
 STATS_TIMEOUT_S = 2.0  # the router's stats and every control actor's pid, together
 
@@ -58,7 +58,7 @@ def _pid_call(name: str):
     """The call that answers ``name``'s pid: the supervisor's ``ping``, a router's ``pid``."""
     import ray
 
-    from cluster.ray_env import NAMESPACE
+    from pdserve.cluster.ray_env import NAMESPACE
 
     actor = ray.get_actor(name, namespace=NAMESPACE)
     return actor.ping.remote() if name == "supervisor" else actor.pid.remote()

@@ -18,9 +18,9 @@ import asyncio
 import sys
 import time
 
-from loadgen.metrics import Record
-from loadgen.multiturn import Conversation
-from loadgen.replay import from_router
+from pdserve.loadgen.metrics import Record
+from pdserve.loadgen.multiturn import Conversation
+from pdserve.loadgen.replay import from_router
 
 
 async def _conversation(

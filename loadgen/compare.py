@@ -20,10 +20,14 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from loadgen.metrics import SLO, Record, attainment
-from loadgen.runner import run_bench
-from loadgen.workload_args import NO_MULTITURN_ENDPOINT, add_workload_arguments, parse_common
-from loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec
+from pdserve.loadgen.metrics import SLO, Record, attainment
+from pdserve.loadgen.runner import run_bench
+from pdserve.loadgen.workload_args import (
+    NO_MULTITURN_ENDPOINT,
+    add_workload_arguments,
+    parse_common,
+)
+from pdserve.loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec
 
 SLO_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
 
@@ -84,7 +88,7 @@ def run_compare(
 ) -> dict:
     """Measure each config (a path) then each endpoint with ``run_bench(**bench)``,
     write results.json after each and the report at the end; return the results."""
-    from loadgen.report import write_report
+    from pdserve.loadgen.report import write_report
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +101,7 @@ def run_compare(
         "contenders": [],
     }
     if spec.name in PRODUCTION_TRACES:
-        from loadgen.trace_replay import trace_window
+        from pdserve.loadgen.trace_replay import trace_window
 
         results["trace_replay"] = trace_window(spec).to_dict()
 
@@ -150,7 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cluster.config_loader import ConfigError, load_config
+    from pdserve.cluster.config_loader import ConfigError, load_config
 
     try:
         if len(args.configs) + len(args.endpoint) < 2:

@@ -16,8 +16,8 @@ import asyncio
 import json
 import time
 
-from loadgen.metrics import Record
-from loadgen.workloads import Request
+from pdserve.loadgen.metrics import Record
+from pdserve.loadgen.workloads import Request
 
 DONE = object()  # the stream's last event, ``data: [DONE]``
 

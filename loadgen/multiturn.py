@@ -34,8 +34,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from loadgen import datasets
-from loadgen.workloads import Request, arrival_times, sample_seed, shuffled_cycle
+from pdserve.loadgen import datasets
+from pdserve.loadgen.workloads import Request, arrival_times, sample_seed, shuffled_cycle
 
 _ANSWER = "\x00ANSWER\x00"  # stands for an answer while the template is rendered
 

@@ -13,8 +13,8 @@ import asyncio
 import sys
 import time
 
-from loadgen.metrics import Record
-from loadgen.workloads import Request
+from pdserve.loadgen.metrics import Record
+from pdserve.loadgen.workloads import Request
 
 
 async def from_router(

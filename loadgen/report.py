@@ -7,7 +7,7 @@ import base64
 import html
 from pathlib import Path
 
-from loadgen.plots import (
+from pdserve.loadgen.plots import (
     attainment_vs_rate,
     attainment_vs_slo_scale,
     tpot_cdf,

@@ -29,12 +29,16 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from loadgen.chat_replay import replay_conversations
-from loadgen.metrics import SLO, GoodputResult, Record, search_goodput, summarize
-from loadgen.multiturn import first_turns, make_conversations
-from loadgen.replay import replay
-from loadgen.workload_args import NO_MULTITURN_ENDPOINT, add_workload_arguments, parse_common
-from loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec, make_workload, model_info
+from pdserve.loadgen.chat_replay import replay_conversations
+from pdserve.loadgen.metrics import SLO, GoodputResult, Record, search_goodput, summarize
+from pdserve.loadgen.multiturn import first_turns, make_conversations
+from pdserve.loadgen.replay import replay
+from pdserve.loadgen.workload_args import (
+    NO_MULTITURN_ENDPOINT,
+    add_workload_arguments,
+    parse_common,
+)
+from pdserve.loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec, make_workload, model_info
 
 # The clusters a benchmark launches log at WARNING: the router's line per request
 # (docs/serving.md, "Metrics and logs") would bury the progress; the report has the figures.
@@ -70,13 +74,13 @@ def serving(config, endpoint: str | None, log=print):
     """A client of the server measured: ``endpoint`` (an OpenAI-compatible URL) when
     given, else a cluster launched from ``config`` and shut down afterwards."""
     if endpoint:
-        from loadgen.endpoint import EndpointClient
+        from pdserve.loadgen.endpoint import EndpointClient
 
         client = EndpointClient(endpoint)
         log(f"bench: measuring {endpoint} (model {client.model})")
         yield client
         return
-    from cluster.launcher import launch
+    from pdserve.cluster.launcher import launch
 
     started = time.monotonic()
     cluster = launch(config, [QUIET])
@@ -152,7 +156,7 @@ def run_bench(
     return (and write to ``out``, after every rate) the results. With ``endpoint``
     nothing is launched: that server is measured, ``config`` (optional) only gives
     the model and the device count, else ``model`` and ``n_devices`` (default 1)."""
-    from cluster.config_loader import load_config
+    from pdserve.cluster.config_loader import load_config
 
     source = str(config) if isinstance(config, str | Path) else None
     config = load_config(config, overrides) if config is not None else None
@@ -175,7 +179,7 @@ def run_bench(
     }
     replay_line = None
     if spec.name in PRODUCTION_TRACES:
-        from loadgen.trace_replay import trace_window
+        from pdserve.loadgen.trace_replay import trace_window
 
         results["trace_replay"] = trace_window(spec).to_dict()
         replay_line = f"bench: replay of {results['trace_replay']['summary']}"
@@ -248,7 +252,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cluster.config_loader import ConfigError, load_config
+    from pdserve.cluster.config_loader import ConfigError, load_config
 
     try:
         if args.config is None and not (args.endpoint and args.model):

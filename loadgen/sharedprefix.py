@@ -22,8 +22,14 @@ from __future__ import annotations
 
 import random
 
-from loadgen import datasets
-from loadgen.workloads import MIN_TOKENS, Request, arrival_times, sample_seed, shuffled_cycle
+from pdserve.loadgen import datasets
+from pdserve.loadgen.workloads import (
+    MIN_TOKENS,
+    Request,
+    arrival_times,
+    sample_seed,
+    shuffled_cycle,
+)
 
 QUESTION_MAX_TOKENS = 64
 

@@ -38,8 +38,14 @@ import os
 import random
 from dataclasses import dataclass
 
-from loadgen.trace_formats import MOONCAKE_BLOCK_TOKENS, TraceRow, read_azure, read_mooncake
-from loadgen.workloads import PRODUCTION_TRACES, Request, WorkloadSpec, fit_prompt, token_pool
+from pdserve.loadgen.trace_formats import MOONCAKE_BLOCK_TOKENS, TraceRow, read_azure, read_mooncake
+from pdserve.loadgen.workloads import (
+    PRODUCTION_TRACES,
+    Request,
+    WorkloadSpec,
+    fit_prompt,
+    token_pool,
+)
 
 READERS = {"azure": read_azure, "mooncake": read_mooncake}  # keys: PRODUCTION_TRACES
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from loadgen.metrics import SLO
-from loadgen.workloads import PRODUCTION_TRACES, WORKLOADS, WorkloadSpec
+from pdserve.loadgen.metrics import SLO
+from pdserve.loadgen.workloads import PRODUCTION_TRACES, WORKLOADS, WorkloadSpec
 
 NO_MULTITURN_ENDPOINT = (
     "--workload multiturn: not with --endpoint (the next turn carries the answer's token "
@@ -87,7 +87,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
 def trace_rates(args: argparse.Namespace, spec: WorkloadSpec) -> list[float]:
     """The one rate of a trace replay: its window's offered rate (its arrivals and the
     time scale set it)."""
-    from loadgen.trace_replay import trace_window
+    from pdserve.loadgen.trace_replay import trace_window
 
     if args.rates is not None or getattr(args, "search", False):
         raise ValueError(

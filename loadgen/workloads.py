@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from loadgen import datasets
+from pdserve.loadgen import datasets
 
 PRODUCTION_TRACES = ("azure", "mooncake")  # replayed by loadgen.trace_replay
 OPEN_LOOP = ("sharegpt", "humaneval", "longprompt", "trace", "sharedprefix")  # at a rate
@@ -130,7 +130,7 @@ class WorkloadSpec:
 
 def model_info(model: str):
     """(tokenizer, context length) of a model alias or HF folder."""
-    from engine.checkpoint import load_checkpoint
+    from pdserve.engine.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(model)
     if checkpoint.tokenizer is None:
@@ -170,13 +170,13 @@ def make_workload(
             "workload multiturn is closed-loop: loadgen.multiturn.make_conversations makes it"
         )
     if spec.name == "sharedprefix":
-        from loadgen.sharedprefix import shared_prefix_requests
+        from pdserve.loadgen.sharedprefix import shared_prefix_requests
 
         return shared_prefix_requests(spec, tokenizer, n, rate, max_model_len)
     if spec.name == "trace":
         return _trace(spec, tokenizer, n, rate, max_model_len)
     if spec.name in PRODUCTION_TRACES:
-        from loadgen.trace_replay import trace_requests, warmup_requests
+        from pdserve.loadgen.trace_replay import trace_requests, warmup_requests
 
         if math.isinf(rate):
             return warmup_requests(spec, tokenizer, n, max_model_len)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.prefix import POLICIES
+from pdserve.planner.prefix import POLICIES
 
 
 @dataclass(frozen=True)

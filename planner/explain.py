@@ -3,8 +3,8 @@ lowest rate that missed the target: which objective fails, and which phase makes
 
 from __future__ import annotations
 
-from loadgen.metrics import SLO, summarize
-from planner.search import Candidate
+from pdserve.loadgen.metrics import SLO, summarize
+from pdserve.planner.search import Candidate
 
 
 def _mean(values: list[float]) -> float:

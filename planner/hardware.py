@@ -47,7 +47,7 @@ def this_cpu(threads: int = 1, mem_bytes: float = 2 * 2**30) -> Hardware:
     device gets ``mem_bytes`` (2 GiB) for weights and KV cache: a local config's share."""
     import torch
 
-    from planner.floors import copy_bandwidth, matmul_peak
+    from pdserve.planner.floors import copy_bandwidth, matmul_peak
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

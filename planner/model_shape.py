@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from planner.attention import AttentionShape, GroupedAttention, LatentAttention
+from pdserve.planner.attention import AttentionShape, GroupedAttention, LatentAttention
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -103,7 +103,7 @@ class ModelShape:
                 DTYPE_BYTES[dtype],
                 mlp_matrices=2,
             )
-        from engine.config import ModelConfig
+        from pdserve.engine.config import ModelConfig
 
         return cls.from_model_config(ModelConfig.from_hf(cfg), name, dtype)
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import yaml
 
-from loadgen.metrics import SLO
-from loadgen.workloads import WorkloadSpec
-from planner.cluster_spec import PoolSpec
-from planner.explain import report
-from planner.model_shape import get_model
-from planner.search import SearchConfig, search
-from planner.workload import sample_lengths
+from pdserve.loadgen.metrics import SLO
+from pdserve.loadgen.workloads import WorkloadSpec
+from pdserve.planner.cluster_spec import PoolSpec
+from pdserve.planner.explain import report
+from pdserve.planner.model_shape import get_model
+from pdserve.planner.search import SearchConfig, search
+from pdserve.planner.workload import sample_lengths
 
 
 @dataclass
@@ -36,13 +36,13 @@ class PlanResult:
 def cost_model(model_name: str | None, dtype, hardware: str | None, profile: str | None):
     """(model shape, cost model, devices are GPUs); a profile names its model and dtype."""
     if profile:
-        from planner.fitted import FittedCost
+        from pdserve.planner.fitted import FittedCost
 
         cost = FittedCost.load(profile)
         model = get_model(model_name or cost.meta["model"], dtype or cost.meta["dtype"])
         return model, cost, False
-    from planner.hardware import get_hardware, this_cpu
-    from planner.roofline import RooflineCost
+    from pdserve.planner.hardware import get_hardware, this_cpu
+    from pdserve.planner.roofline import RooflineCost
 
     if not model_name:
         raise ValueError("--model: give a preset or HF folder (or a --profile)")

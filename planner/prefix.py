@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.block_hash import block_hashes
+from pdserve.engine.block_hash import block_hashes
 
 POLICIES = ("least_loaded", "round_robin", "cache_aware")  # round_robin: as least_loaded
 

@@ -20,9 +20,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from loadgen.workload_args import add_trace_arguments
-from loadgen.workloads import WORKLOADS
-from planner.fitted import FittedCost, fit_linear
+from pdserve.loadgen.workload_args import add_trace_arguments
+from pdserve.loadgen.workloads import WORKLOADS
+from pdserve.planner.fitted import FittedCost, fit_linear
 
 
 @dataclass
@@ -53,7 +53,7 @@ def _ids(n: int, vocab: int, salt: int) -> list[int]:
 
 def profile_engine(engine, cfg: ProfileConfig):
     """(prefill points (tokens, sum_sq, s), decode points (batch, context, s))."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     vocab = engine.model_config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -137,7 +137,7 @@ def profile_transfer(mib: tuple[float, ...], rounds: int = 3) -> list[tuple[int,
 def profile(cfg: ProfileConfig, log=lambda line: None) -> FittedCost:
     import torch
 
-    from engine import LLM, EngineConfig, LLMEngine
+    from pdserve.engine import LLM, EngineConfig, LLMEngine
 
     prefill, decode, points = {}, {}, {"prefill": {}, "decode": {}}
     kv_bytes = 0
@@ -177,7 +177,7 @@ def _show(coef: list[float]) -> str:
 
 
 def from_cluster_config(path: str, overrides=()) -> ProfileConfig:
-    from cluster.config_loader import load_config
+    from pdserve.cluster.config_loader import load_config
 
     config = load_config(path, overrides)
     pools = list(config.pools().values())
@@ -217,14 +217,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cluster.config_loader import ConfigError
+    from pdserve.cluster.config_loader import ConfigError
 
     log = lambda line: print(line, flush=True)  # noqa: E731
     started = time.monotonic()
     try:
         if args.served:
-            from loadgen.workload_args import workload_spec
-            from planner.served import profile_served
+            from pdserve.loadgen.workload_args import workload_spec
+            from pdserve.planner.served import profile_served
 
             cost = profile_served(
                 args.config, args.set or [], workload_spec(args), args.rate, args.duration, log=log

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.hardware import Hardware
-from planner.model_shape import ModelShape
+from pdserve.planner.hardware import Hardware
+from pdserve.planner.model_shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from loadgen.metrics import SLO, GoodputResult, search_goodput
-from planner.cluster_spec import ClusterSpec, PoolSpec
-from planner.simulator import simulate
-from planner.workload import with_arrivals
+from pdserve.loadgen.metrics import SLO, GoodputResult, search_goodput
+from pdserve.planner.cluster_spec import ClusterSpec, PoolSpec
+from pdserve.planner.simulator import simulate
+from pdserve.planner.workload import with_arrivals
 
 
 @dataclass

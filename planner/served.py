@@ -25,9 +25,9 @@ import math
 import time
 from collections import defaultdict
 
-from loadgen.trace_replay import trace_window
-from loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec, make_workload, model_info
-from planner.fitted import FittedCost, fit_linear
+from pdserve.loadgen.trace_replay import trace_window
+from pdserve.loadgen.workloads import PRODUCTION_TRACES, WorkloadSpec, make_workload, model_info
+from pdserve.planner.fitted import FittedCost, fit_linear
 
 # (role, tensor-parallel degree) -> [prefill_tokens, sum_sq, decodes, context, seconds]
 Samples = dict[tuple[str, int], list[list[float]]]
@@ -45,9 +45,9 @@ def serve_steps(
     instance's step log (the warm-up's steps dropped), shut the cluster down."""
     import ray
 
-    from cluster.config_loader import load_config
-    from cluster.launcher import launch
-    from loadgen.replay import replay
+    from pdserve.cluster.config_loader import load_config
+    from pdserve.cluster.launcher import launch
+    from pdserve.loadgen.replay import replay
 
     config = load_config(config_path, overrides)
     tokenizer, max_len = model_info(config.model)
@@ -125,10 +125,10 @@ def profile_served(
     log=print,
 ) -> FittedCost:
     """The cost model of the configs' clusters as served (see the module docstring)."""
-    from cluster.config_loader import load_config
-    from engine.checkpoint import load_checkpoint
-    from planner.model_shape import ModelShape
-    from planner.profile import profile_transfer
+    from pdserve.cluster.config_loader import load_config
+    from pdserve.engine.checkpoint import load_checkpoint
+    from pdserve.planner.model_shape import ModelShape
+    from pdserve.planner.profile import profile_transfer
 
     replay = trace_window(spec).to_dict() if spec.name in PRODUCTION_TRACES else None
     if replay:  # the one pace of a trace replay: the rate is not used

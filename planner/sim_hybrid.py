@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from engine.scheduler import prompt_budget
-from router.prefill_choice import PrefillChoice, PrefillCosts, PrefillInputs, choose_prefill
+from pdserve.engine.scheduler import prompt_budget
+from pdserve.router.prefill_choice import PrefillChoice, PrefillCosts, PrefillInputs, choose_prefill
 
 
 def _step_costs(cost, inst, n: int) -> tuple[float, float]:

@@ -33,10 +33,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from engine.scheduler import prompt_budget
-from loadgen.metrics import Record
-from planner.cluster_spec import ClusterSpec, PoolSpec
-from planner.prefix import (
+from pdserve.engine.scheduler import prompt_budget
+from pdserve.loadgen.metrics import Record
+from pdserve.planner.cluster_spec import ClusterSpec, PoolSpec
+from pdserve.planner.prefix import (
     NO_KEYS,
     Keys,
     PrefixLRU,
@@ -45,8 +45,8 @@ from planner.prefix import (
     pick,
     take_hit,
 )
-from planner.sim_hybrid import prefill_choice
-from router.prefill_choice import LOCAL
+from pdserve.planner.sim_hybrid import prefill_choice
+from pdserve.router.prefill_choice import LOCAL
 
 
 @dataclass

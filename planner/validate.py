@@ -1,7 +1,7 @@
 """Simulate ``pdserve bench`` runs: the same configs, requests (same seed, same token
 counts, same arrival times) and SLO, on a cost model, to set beside measured results.
 
-    python -m planner.validate configs/local-colocated.yaml configs/local-disagg.yaml \\
+    python -m pdserve.planner.validate configs/local-colocated.yaml configs/local-disagg.yaml \\
         --profile profile.json --workload longprompt --long-prompt-mean 512 \\
         --long-output-mean 64 --rates 0.2,0.4,0.6 --duration 60 \\
         --slo-ttft-ms 4000 --slo-tpot-ms 150 [--search]
@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import argparse
 
-from loadgen.metrics import SLO, search_goodput, summarize
-from loadgen.workloads import WorkloadSpec, make_workload
-from planner.cluster_spec import from_cluster_config
-from planner.simulator import simulate
-from planner.workload import _tokenizer
+from pdserve.loadgen.metrics import SLO, search_goodput, summarize
+from pdserve.loadgen.workloads import WorkloadSpec, make_workload
+from pdserve.planner.cluster_spec import from_cluster_config
+from pdserve.planner.simulator import simulate
+from pdserve.planner.workload import _tokenizer
 
 
 def simulate_bench(
     config_path: str, cost, spec: WorkloadSpec, rates, duration_s, slo: SLO, search=False
 ):
     """(rate -> (summary, records), goodput result), as ``pdserve bench`` would measure."""
-    from cluster.config_loader import load_config
-    from engine.checkpoint import load_checkpoint
+    from pdserve.cluster.config_loader import load_config
+    from pdserve.engine.checkpoint import load_checkpoint
 
     config = load_config(config_path)
     cluster = from_cluster_config(config)
@@ -52,10 +52,10 @@ def prefill_ms(records) -> float:
 
 
 def main(argv=None) -> None:
-    from loadgen.workload_args import add_workload_arguments, parse_common
-    from planner.fitted import FittedCost
+    from pdserve.loadgen.workload_args import add_workload_arguments, parse_common
+    from pdserve.planner.fitted import FittedCost
 
-    p = argparse.ArgumentParser(prog="planner.validate")
+    p = argparse.ArgumentParser(prog="pdserve.planner.validate")
     p.add_argument("configs", nargs="+")
     p.add_argument("--profile", required=True)
     add_workload_arguments(p)

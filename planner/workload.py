@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from loadgen.workloads import WorkloadSpec, arrival_times, make_workload, sample_requests
-from planner.prefix import SimInput
+from pdserve.loadgen.workloads import WorkloadSpec, arrival_times, make_workload, sample_requests
+from pdserve.planner.prefix import SimInput
 
 TOKENIZER_MODEL = "smollm2-135m"  # the embedded model; its tokenizer sizes the requests
 
 
 @lru_cache(maxsize=8)
 def _tokenizer(model: str):
-    from loadgen.workloads import model_info
+    from pdserve.loadgen.workloads import model_info
 
     return model_info(model)[0]
 
@@ -47,7 +47,7 @@ def sim_inputs(
     if spec.name != "multiturn":
         reqs = make_workload(spec, tokenizer, n, rate, max_len)
         return [SimInput(r.arrival_s, r.prompt_token_ids, [0] * r.output_len) for r in reqs]
-    from loadgen.multiturn import make_conversations, turn_prompts
+    from pdserve.loadgen.multiturn import make_conversations, turn_prompts
 
     out: list[SimInput] = []
     for conv in make_conversations(spec, tokenizer, n, rate, max_len):

@@ -10,15 +10,15 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from instance.rank_part import RankPart
-from kv_transfer import KVDestination, backend_options, get_transport
-from kv_transfer import kv_transfer_pb2 as kv_pb
-from kv_transfer.layout import cache_layout
-from prefill_worker.sending import ack_timeout_s
+from pdserve.instance.rank_part import RankPart
+from pdserve.kv_transfer import KVDestination, backend_options, get_transport
+from pdserve.kv_transfer import kv_transfer_pb2 as kv_pb
+from pdserve.kv_transfer.layout import cache_layout
+from pdserve.prefill_worker.sending import ack_timeout_s
 
 if TYPE_CHECKING:
-    from engine.step_plan import StepPlan
-    from instance.rank_actor import RankActor
+    from pdserve.engine.step_plan import StepPlan
+    from pdserve.instance.rank_actor import RankActor
 
 
 class PrefillRank(RankPart):

@@ -36,16 +36,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.prefilled import LastChunkHook, Prefilled
-from instance.component import Component
-from instance.inbox import Acked, Prefill
-from instance.messages import Attempt, Update
-from kv_transfer import Handoff, KVDestination, backend_options, get_transport
-from kv_transfer import kv_transfer_pb2 as kv_pb
-from kv_transfer.layout import cache_layout
+from pdserve.engine.prefilled import LastChunkHook, Prefilled
+from pdserve.instance.component import Component
+from pdserve.instance.inbox import Acked, Prefill
+from pdserve.instance.messages import Attempt, Update
+from pdserve.kv_transfer import Handoff, KVDestination, backend_options, get_transport
+from pdserve.kv_transfer import kv_transfer_pb2 as kv_pb
+from pdserve.kv_transfer.layout import cache_layout
 
 if TYPE_CHECKING:
-    from instance.worker import EngineWorker
+    from pdserve.instance.worker import EngineWorker
 
 
 def ack_timeout_s(lease_s: float) -> float:

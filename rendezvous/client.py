@@ -18,7 +18,7 @@ import time
 
 import torch.distributed as dist
 
-from rendezvous.wire import (
+from pdserve.rendezvous.wire import (
     Channel,
     Op,
     RendezvousBusy,

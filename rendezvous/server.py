@@ -31,7 +31,7 @@ from typing import Any
 
 from torch.distributed import HashStore
 
-from rendezvous.wire import Channel, Op, RendezvousError, Reply, Request, server_handshake
+from pdserve.rendezvous.wire import Channel, Op, RendezvousError, Reply, Request, server_handshake
 
 log = logging.getLogger(__name__)
 HANDSHAKE_S = 3.0

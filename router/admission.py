@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-from router.request import Refusal, Refused
+from pdserve.router.request import Refusal, Refused
 
 T = TypeVar("T")
 WINDOW_S = 10.0  # the first tokens their rate is measured over

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.prefill_choice import PrefillChoice
+from pdserve.router.prefill_choice import PrefillChoice
 
 
 @dataclass

@@ -9,7 +9,7 @@ way the instance's own cache decides what is reused; the view only steers routin
 
 from __future__ import annotations
 
-from instance.messages import CacheCursor, CacheDelta
+from pdserve.instance.messages import CacheCursor, CacheDelta
 
 
 class CacheIndex:

@@ -29,10 +29,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router import pdserve_pb2 as pb
-from router import pdserve_pb2_grpc as pb_grpc
-from router.client_streams import AsyncStream, Stream
-from router.client_types import (
+from pdserve.router import pdserve_pb2 as pb
+from pdserve.router import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.client_streams import AsyncStream, Stream
+from pdserve.router.client_types import (
     Chunk,
     Completion,
     Timings,

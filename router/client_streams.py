@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import grpc
 
-from router.client_types import Chunk, read_chunk
+from pdserve.router.client_types import Chunk, read_chunk
 
 BACKOFF_S = 0.1
 MAX_BACKOFF_S = 1.0

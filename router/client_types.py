@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router import pdserve_pb2 as pb
+from pdserve.router import pdserve_pb2 as pb
 
 
 @dataclass(frozen=True)

@@ -19,24 +19,24 @@ import time
 import uuid
 from collections.abc import Callable
 
-from engine.tokenizer import Tokenizer
-from router.admission import AdmissionQueue, CallLimit, FirstTokens
-from router.clock import Clock
-from router.disagg import Disaggregated
-from router.hybrid import Hybrid
-from router.instances import Instance
-from router.intake import Intake
-from router.metrics import RouterMetrics
-from router.placement import Colocated, Placement, RouterHooks
-from router.policies import make_policy
-from router.prefill_costs import CostModel
-from router.rebuild import Rebuild
-from router.replicas import Peers, Replica, merge_stats
-from router.request import GenerateRequest, Refusal, Refused
-from router.request_log import log_request
-from router.stall import StallWatch
-from router.stream import Delta, RequestStream
-from router.validation import ModelLimits, RequestValidator
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.admission import AdmissionQueue, CallLimit, FirstTokens
+from pdserve.router.clock import Clock
+from pdserve.router.disagg import Disaggregated
+from pdserve.router.hybrid import Hybrid
+from pdserve.router.instances import Instance
+from pdserve.router.intake import Intake
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement import Colocated, Placement, RouterHooks
+from pdserve.router.policies import make_policy
+from pdserve.router.prefill_costs import CostModel
+from pdserve.router.rebuild import Rebuild
+from pdserve.router.replicas import Peers, Replica, merge_stats
+from pdserve.router.request import GenerateRequest, Refusal, Refused
+from pdserve.router.request_log import log_request
+from pdserve.router.stall import StallWatch
+from pdserve.router.stream import Delta, RequestStream
+from pdserve.router.validation import ModelLimits, RequestValidator
 
 STATS_TIMEOUT_S = 2.0  # an instance that does not answer (stopped, hung) is shown as such
 

@@ -29,11 +29,11 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from instance.messages import Attempt, Update
-from router.instances import Instance
-from router.placement import Placement, RouterHooks
-from router.policies import RoutingPolicy
-from router.stream import Delta, RequestStream
+from pdserve.instance.messages import Attempt, Update
+from pdserve.router.instances import Instance
+from pdserve.router.placement import Placement, RouterHooks
+from pdserve.router.policies import RoutingPolicy
+from pdserve.router.stream import Delta, RequestStream
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from instance.feed import cut, decode
-from instance.messages import Polled
-from router.incidents import first_line
+from pdserve.instance.feed import cut, decode
+from pdserve.instance.messages import Polled
+from pdserve.router.incidents import first_line
 
 
 class FeedReader(asyncio.Protocol):

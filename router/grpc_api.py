@@ -34,14 +34,14 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from router import pdserve_pb2 as pb
-from router import pdserve_pb2_grpc as pb_grpc
-from router import tls as router_tls
-from router.auth import ApiKeys
-from router.core import RouterCore
-from router.grpc_gate import SERVICE_NAME, GrpcAuth, Unparsable, add_router, peer_address
-from router.incidents import internal_error, one_line
-from router.request import (
+from pdserve.router import pdserve_pb2 as pb
+from pdserve.router import pdserve_pb2_grpc as pb_grpc
+from pdserve.router import tls as router_tls
+from pdserve.router.auth import ApiKeys
+from pdserve.router.core import RouterCore
+from pdserve.router.grpc_gate import SERVICE_NAME, GrpcAuth, Unparsable, add_router, peer_address
+from pdserve.router.incidents import internal_error, one_line
+from pdserve.router.request import (
     OPTIONAL_SAMPLING,
     ChatMessage,
     GenerateRequest,
@@ -49,7 +49,7 @@ from router.request import (
     Refused,
     SamplingOptions,
 )
-from router.stream import Delta, RequestStream, Timings
+from pdserve.router.stream import Delta, RequestStream, Timings
 
 MAX_MESSAGE_BYTES = 8 * 2**20  # router.max_message_bytes's default
 WRITE_TIMEOUT_S = 60.0  # router.write_timeout_s's default

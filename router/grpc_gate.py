@@ -15,9 +15,9 @@ from urllib.parse import unquote
 import grpc
 from google.protobuf.message import DecodeError
 
-from router import pdserve_pb2 as pb
-from router.auth import ApiKeys, refusal
-from router.incidents import first_line
+from pdserve.router import pdserve_pb2 as pb
+from pdserve.router.auth import ApiKeys, refusal
+from pdserve.router.incidents import first_line
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # pdserve.v1.Router
 

@@ -52,10 +52,10 @@ import time
 
 from aiohttp import web
 
-from router import tls as router_tls
-from router.auth import ApiKeys
-from router.core import RouterCore
-from router.http_gate import (
+from pdserve.router import tls as router_tls
+from pdserve.router.auth import ApiKeys
+from pdserve.router.core import RouterCore
+from pdserve.router.http_gate import (
     BodyTimeout,
     Events,
     HeaderDeadlines,
@@ -63,10 +63,10 @@ from router.http_gate import (
     authenticate,
     read_body,
 )
-from router.incidents import internal_error, one_line
-from router.openai_fields import model_names
-from router.openai_logprobs import LogprobsShape
-from router.openai_request import (
+from pdserve.router.incidents import internal_error, one_line
+from pdserve.router.openai_fields import model_names
+from pdserve.router.openai_logprobs import LogprobsShape
+from pdserve.router.openai_request import (
     BadRequest,
     OpenAIRequest,
     parse_body,
@@ -74,7 +74,7 @@ from router.openai_request import (
     requested_model,
     show,
 )
-from router.openai_shapes import (
+from pdserve.router.openai_shapes import (
     Reply,
     error_body,
     error_response,
@@ -83,8 +83,8 @@ from router.openai_shapes import (
     refusal_response,
     usage_object,
 )
-from router.request import Refused
-from router.stream import Delta, RequestStream
+from pdserve.router.request import Refused
+from pdserve.router.stream import Delta, RequestStream
 
 MAX_BODY_BYTES = 8 * 2**20  # router.max_body_bytes's default
 REQUEST_ID = "X-Request-Id"

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from router.auth import ApiKeys, refusal
-from router.openai_shapes import error_response
+from pdserve.router.auth import ApiKeys, refusal
+from pdserve.router.openai_shapes import error_response
 
 OPEN_PATHS = ("/health",)  # probes: answered without a key
 SWEEPS_PER_TIMEOUT = 4  # how often HeaderDeadlines looks, per header timeout (at most 1 s)

@@ -32,13 +32,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from router.disagg import Disaggregated
-from router.instances import Instance
-from router.placement import RouterHooks
-from router.policies import RoutingPolicy
-from router.prefill_choice import LOCAL, REMOTE, PrefillChoice, PrefillInputs, choose_prefill
-from router.prefill_costs import CostModel
-from router.stream import RequestStream
+from pdserve.router.disagg import Disaggregated
+from pdserve.router.instances import Instance
+from pdserve.router.placement import RouterHooks
+from pdserve.router.policies import RoutingPolicy
+from pdserve.router.prefill_choice import (
+    LOCAL,
+    REMOTE,
+    PrefillChoice,
+    PrefillInputs,
+    choose_prefill,
+)
+from pdserve.router.prefill_costs import CostModel
+from pdserve.router.stream import RequestStream
 
 
 class Hybrid(Disaggregated):

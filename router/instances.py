@@ -30,14 +30,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from instance.feed import encode_command
-from instance.messages import Attempt, Polled
-from router.cache_index import CacheIndex
-from router.feed_reader import FeedReader
-from router.incidents import first_line
-from router.policies import InstanceLoad
-from router.replicas import replica_name
-from router.stream import RequestStream
+from pdserve.instance.feed import encode_command
+from pdserve.instance.messages import Attempt, Polled
+from pdserve.router.cache_index import CacheIndex
+from pdserve.router.feed_reader import FeedReader
+from pdserve.router.incidents import first_line
+from pdserve.router.policies import InstanceLoad
+from pdserve.router.replicas import replica_name
+from pdserve.router.stream import RequestStream
 
 log = logging.getLogger(__name__)
 

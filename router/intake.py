@@ -27,9 +27,9 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.sampling_params import SamplingParams
-from router.request import GenerateRequest, Refusal, Refused
-from router.validation import InvalidRequest, RequestValidator
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.request import GenerateRequest, Refusal, Refused
+from pdserve.router.validation import InvalidRequest, RequestValidator
 
 INLINE_IDS = 4096  # token-id prompts up to this length are checked on the event loop
 

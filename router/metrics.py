@@ -40,9 +40,9 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
-from router.metrics_instances import InstanceCollector
-from router.prefill_choice import REASONS as PREFILL_REASONS
-from router.stream import RequestStream
+from pdserve.router.metrics_instances import InstanceCollector
+from pdserve.router.prefill_choice import REASONS as PREFILL_REASONS
+from pdserve.router.stream import RequestStream
 
 SERVED = ("stop", "length")  # the finish reasons of a request served to its end
 

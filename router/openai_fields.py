@@ -124,7 +124,7 @@ def model_names(model: str) -> frozenset[str]:
     string (the id ``/v1/models`` lists), and the other names of the same checkpoint
     the config accepts: an alias of its file, its file or folder as an absolute path.
     Worked out once, from the config; a request's name is only looked up."""
-    from engine.checkpoint import ALIASES, alias_path
+    from pdserve.engine.checkpoint import ALIASES, alias_path
 
     def where(name: str) -> Path | None:
         try:

@@ -26,8 +26,8 @@ tokens ``token_id:<id>`` (vLLM's form).
 
 from __future__ import annotations
 
-from engine.outputs import Logprobs
-from engine.tokenizer import Tokenizer
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.tokenizer import Tokenizer
 
 
 class LogprobsShape:

@@ -16,9 +16,9 @@ import reprlib
 from dataclasses import dataclass
 from typing import Literal, overload
 
-from engine.sampling_params import MAX_LOGPROBS
-from router.openai_fields import MESSAGE_FIXED, MESSAGE_READ, fields, same
-from router.request import ChatMessage, GenerateRequest, SamplingOptions
+from pdserve.engine.sampling_params import MAX_LOGPROBS
+from pdserve.router.openai_fields import MESSAGE_FIXED, MESSAGE_READ, fields, same
+from pdserve.router.request import ChatMessage, GenerateRequest, SamplingOptions
 
 CHAT_MAX_TOKENS = 512  # when a chat request sets no limit
 

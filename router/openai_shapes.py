@@ -16,11 +16,11 @@ import time
 
 from aiohttp import web
 
-from engine.outputs import Logprobs
-from router.incidents import internal_error
-from router.openai_logprobs import LogprobsShape
-from router.request import Refusal, Refused
-from router.stream import Usage
+from pdserve.engine.outputs import Logprobs
+from pdserve.router.incidents import internal_error
+from pdserve.router.openai_logprobs import LogprobsShape
+from pdserve.router.request import Refusal, Refused
+from pdserve.router.stream import Usage
 
 HTTP_STATUS = {
     Refusal.INVALID: 400,

@@ -15,12 +15,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from instance.messages import Attempt, Update, attempt_id
-from router.instances import Instance
-from router.policies import InstanceLoad, RoutingPolicy
-from router.rebuild import context
-from router.replicas import replica_name
-from router.stream import Delta, RequestStream
+from pdserve.instance.messages import Attempt, Update, attempt_id
+from pdserve.router.instances import Instance
+from pdserve.router.policies import InstanceLoad, RoutingPolicy
+from pdserve.router.rebuild import context
+from pdserve.router.replicas import replica_name
+from pdserve.router.stream import Delta, RequestStream
 
 
 @dataclass(frozen=True)

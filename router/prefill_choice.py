@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.scheduler import prompt_budget
+from pdserve.engine.scheduler import prompt_budget
 
 LOCAL, REMOTE = "local", "remote"
 # (where, reason) pairs a decision can have

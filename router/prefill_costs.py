@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.prefill_choice import PrefillCosts
+from pdserve.router.prefill_choice import PrefillCosts
 
 FORGET = 0.95  # weight of a sample per newer one (about the last 20 steps count)
 ALPHA = 0.2  # weight of the newest handoff in the throughput's average

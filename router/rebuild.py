@@ -36,12 +36,12 @@ import time
 
 import msgpack
 
-from instance.messages import Attempt, LiveAttempt
-from router.attempt_record import AttemptRecord
-from router.clock import Clock
-from router.instances import Instance
-from router.request import Refusal, Refused
-from router.stream import Delta, RequestStream
+from pdserve.instance.messages import Attempt, LiveAttempt
+from pdserve.router.attempt_record import AttemptRecord
+from pdserve.router.clock import Clock
+from pdserve.router.instances import Instance
+from pdserve.router.request import Refusal, Refused
+from pdserve.router.stream import Delta, RequestStream
 
 log = logging.getLogger(__name__)
 

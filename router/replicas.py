@@ -37,7 +37,7 @@ import logging
 from dataclasses import dataclass
 from typing import overload
 
-from router.incidents import first_line
+from pdserve.router.incidents import first_line
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import logging
 import sys
 from datetime import UTC, datetime
 
-from router.stream import RequestStream
+from pdserve.router.stream import RequestStream
 
 FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

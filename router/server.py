@@ -33,13 +33,13 @@ import logging
 import os
 import resource
 
-from router import request_log
-from router.auth import ApiKeys
-from router.core import RouterCore
-from router.grpc_api import GrpcApi
-from router.http_api import HttpApi
-from router.http_gate import HttpTimeouts
-from router.replicas import Replica
+from pdserve.router import request_log
+from pdserve.router.auth import ApiKeys
+from pdserve.router.core import RouterCore
+from pdserve.router.grpc_api import GrpcApi
+from pdserve.router.http_api import HttpApi
+from pdserve.router.http_gate import HttpTimeouts
+from pdserve.router.replicas import Replica
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class RouterServer:
         ``slo``, ``logging_config``: the cluster's ``slo`` and ``logging`` sections
         (the log format and level apply to this actor's process); ``replica``: which of
         the ``router.replicas`` this one is (0 binds the ports first)."""
-        from engine.checkpoint import load_checkpoint
+        from pdserve.engine.checkpoint import load_checkpoint
 
         request_log.configure(logging_config["format"], logging_config["level"])
         self.config = router_config

@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from router.stream import RequestStream
+from pdserve.router.stream import RequestStream
 
 
 class StallWatch:

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_hash import block_hashes
-from engine.outputs import Logprobs
-from engine.sampling_params import SamplingParams
-from router.attempt_record import AttemptRecord
-from router.clock import Clock, ms
-from router.request import Refusal, Refused
+from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.attempt_record import AttemptRecord
+from pdserve.router.clock import Clock, ms
+from pdserve.router.request import Refusal, Refused
 
 _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "decode_start")
 

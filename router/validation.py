@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from router.request import OPTIONAL_SAMPLING, ChatMessage, GenerateRequest
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.request import OPTIONAL_SAMPLING, ChatMessage, GenerateRequest
 
 
 class InvalidRequest(ValueError):

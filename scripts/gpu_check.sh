@@ -9,4 +9,4 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
 timeout "${TEST_TIMEOUT:-280}" python3 -m pytest -q tests/kernels -p no:cacheprovider \
     --durations=5 2>&1 | tee "$OUT/kernel_tests.log" | tail -25
-timeout "${BENCH_TIMEOUT:-220}" python3 -m bench.kernels 2>&1 | tee "$OUT/bench_kernels.log"
+timeout "${BENCH_TIMEOUT:-220}" python3 -m pdserve.bench.kernels 2>&1 | tee "$OUT/bench_kernels.log"

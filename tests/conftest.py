@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in the interpreter; it must be on before they load.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine import native  # noqa: E402
+from pdserve.engine import native  # noqa: E402
 from tests.family_models import save_tiny_family  # noqa: E402
 from tests.tiny_models import (  # noqa: E402
     TINY_MLA_SHAPES,
@@ -55,7 +55,7 @@ HEAVY = {
                      "test_http_api", "test_imports", "test_logprobs", "test_openai_api",
                      "test_router_limits", "test_router_security", "test_slow_clients",
                      "test_streaming"],
-    "tests": ["test_cli", "test_hf_parity", "test_resume", "test_resume_workers",
+    "tests": ["test_cli", "test_hf_parity", "test_packaging", "test_resume", "test_resume_workers",
               "test_tensor_parallel"],
 }  # fmt: skip
 _HEAVY_FILES = {f"{d}/{name}.py" for d, names in HEAVY.items() for name in names}
@@ -127,6 +127,6 @@ def tiny_family_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_folder() -> str:
     """The embedded SmolLM2 converted to a HF folder (cached on disk after the first run)."""
-    from engine.checkpoint import resolve
+    from pdserve.engine.checkpoint import resolve
 
     return str(resolve("smollm2-135m"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.request import Request
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.request import Request
 
 
 def prompt_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 
 PROMPTS = {
     "en": "The capital of France is",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from cluster.actors import role_components
-from instance.component import Component
-from instance.worker import EngineWorker
+from pdserve.cluster.actors import role_components
+from pdserve.instance.component import Component
+from pdserve.instance.worker import EngineWorker
 
 C = TypeVar("C", bound=Component)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
-from engine.amx_gemm import amx_gemm
-from engine.checkpoint import alias_path
-from engine.cpu_gemm import F32, MAX_ROWS, Q4, Q8, PanelWeight, cpu_gemm
-from engine.linear import linear
+from pdserve.engine import LLM
+from pdserve.engine.amx_gemm import amx_gemm
+from pdserve.engine.checkpoint import alias_path
+from pdserve.engine.cpu_gemm import F32, MAX_ROWS, Q4, Q8, PanelWeight, cpu_gemm
+from pdserve.engine.linear import linear
 from tests.engine_utils import gguf_blocks, prompt_logits
 
 pytestmark = pytest.mark.skipif(

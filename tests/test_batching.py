@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.reservation import Reservation
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.reservation import Reservation
 from tests.engine_utils import run_staggered
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

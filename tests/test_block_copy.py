@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.parallel import TensorParallel, serve_store
-from engine.step_plan import StepPlan
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.parallel import TensorParallel, serve_store
+from pdserve.engine.step_plan import StepPlan
 
 IDS = [7, 2, 3, 11]  # a stray, a run, another stray
 BLOCKS = 16

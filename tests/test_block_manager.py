@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.block_manager import EMPTY, USED, BlockManager
+from pdserve.engine.block_manager import EMPTY, USED, BlockManager
 
 
 def test_allocate_grows_tables_and_free_returns_blocks():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, native
-from engine.attention.backend import AttentionMetadata
-from engine.attention.cpu_kernel import decode_kernel
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.native import build
+from pdserve.engine import LLM, SamplingParams, native
+from pdserve.engine.attention.backend import AttentionMetadata
+from pdserve.engine.attention.cpu_kernel import decode_kernel
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.native import build
 from tests.engine_utils import hf_greedy
 
 # on each ISA the CPU has (tests/conftest.py isa)

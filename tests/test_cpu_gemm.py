@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import native
-from engine.cpu_gemm import F32, Q4, Q8, CpuGemm, PanelWeight, cpu_gemm
-from engine.linear import linear
+from pdserve.engine import native
+from pdserve.engine.cpu_gemm import F32, Q4, Q8, CpuGemm, PanelWeight, cpu_gemm
+from pdserve.engine.linear import linear
 from tests.engine_utils import gguf_blocks
 
 # every test on each ISA the CPU has (tests/conftest.py isa)

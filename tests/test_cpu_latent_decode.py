@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import native
-from engine.attention.cpu_latent import paged_latent_decode
+from pdserve.engine import native
+from pdserve.engine.attention.cpu_latent import paged_latent_decode
 from tests.latent_cases import dense_latent_decode, latent_queries, paged_latent
 
 # on each ISA the CPU has (tests/conftest.py isa)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cpu_gemm import F32, Q4, PanelWeight, cpu_gemm
-from engine.request import Request
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.cpu_gemm import F32, Q4, PanelWeight, cpu_gemm
+from pdserve.engine.request import Request
 from tests.engine_utils import gguf_blocks
 
 # every test on each ISA the CPU has (tests/conftest.py isa)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cpu_ops import cpu_ops
-from engine.ops import TorchOps
-from engine.rope import rope_tables
+from pdserve.engine.cpu_ops import cpu_ops
+from pdserve.engine.ops import TorchOps
+from pdserve.engine.rope import rope_tables
 
 # every test on each ISA the CPU has (tests/conftest.py isa)
 pytestmark = pytest.mark.usefixtures("isa")

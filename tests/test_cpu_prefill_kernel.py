@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.cpu_prefill import prefill_kernel
-from engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.attention.backend import AttentionMetadata
+from pdserve.engine.attention.cpu_prefill import prefill_kernel
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 
 # every test on each ISA the CPU has (tests/conftest.py isa)
 pytestmark = pytest.mark.usefixtures("isa")

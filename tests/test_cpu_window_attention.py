@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.cpu_kernel import decode_kernel
-from engine.attention.cpu_prefill import prefill_kernel
-from engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.attention.backend import AttentionMetadata
+from pdserve.engine.attention.cpu_kernel import decode_kernel
+from pdserve.engine.attention.cpu_prefill import prefill_kernel
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from tests.window_cases import WINDOWS, dense_attention, first_visible, paged_sequences, resolve
 
 # on each ISA the CPU has (tests/conftest.py isa)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams, native
-from engine.config import ModelConfig
-from engine.families import SUPPORTED_ARCHITECTURES
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams, native
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.families import SUPPORTED_ARCHITECTURES
 from tests.engine_utils import hf_greedy, prompt_logits, stepwise_logits
 
 FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
@@ -131,8 +131,8 @@ def test_an_instance_serves_gemma3_with_its_bytes_per_token(hf_reference):
     bytes per token of its 4 layers, and the streamed tokens are HF's greedy ones."""
     import time
 
-    from instance.messages import Attempt
-    from instance.worker import EngineWorker
+    from pdserve.instance.messages import Attempt
+    from pdserve.instance.worker import EngineWorker
 
     path, prompts, expected = hf_reference("gemma3")
     worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)
@@ -191,7 +191,7 @@ def test_family_config_reads_as_hf_builds_the_layers(tiny_family_model):
     assert (mistral.cache_window, gemma2.cache_window, gemma3.cache_window) == (64, None, None)
     qwen2 = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3}
     old = dict(qwen2, sliding_window=4, use_sliding_window=True, max_window_layers=1)
-    from engine.families import family_of, layer_windows
+    from pdserve.engine.families import family_of, layer_windows
 
     assert layer_windows(family_of(old), old) == (None, 4, 4)
     assert layer_windows(family_of(qwen2), dict(old, use_sliding_window=False)) == (None,) * 3

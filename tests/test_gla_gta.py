@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention.latent_torch import paged_latent_decode
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention.latent_torch import paged_latent_decode
 from tests.engine_utils import prompt_logits, stepwise_logits
 from tests.latent_reference import (
     reference_greedy,

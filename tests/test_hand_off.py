@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.llm_engine import StepFailed
-from engine.outputs import RequestOutput
-from engine.prefilled import Prefilled
-from engine.reservation import Reservation
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.llm_engine import StepFailed
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.prefilled import Prefilled
+from pdserve.engine.reservation import Reservation
 from tests.test_step_isolation import POISON, poison
 
 CONFIG = {"num_kv_blocks": 64, "max_batch_tokens": 24}  # blocks of 16 tokens

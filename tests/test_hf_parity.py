@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.checkpoint import alias_path
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.checkpoint import alias_path
 from tests.engine_utils import hf_greedy, prompt_logits
 
 TINY = ["gqa2", "mha", "gqa3", "mqa"]

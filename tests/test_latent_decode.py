@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.latent_torch import paged_latent_decode
+from pdserve.engine.attention.latent_torch import paged_latent_decode
 
 
 def _by_definition(q_c, q_r, c_cache, r_cache, tables, lens, scale):

@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from instance.messages import Attempt
-from instance.worker import EngineWorker
+from pdserve.engine import LLM, SamplingParams
+from pdserve.instance.messages import Attempt
+from pdserve.instance.worker import EngineWorker
 from tests.kv_transfer.helpers import WORKER_KV
 from tests.roles import worker
 

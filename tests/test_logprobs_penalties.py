@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 PROMPTS = [[5, 9, 23, 77, 101, 4], [40] * 3 + [41, 42, 43] * 4, list(range(100, 140))]
 STEPS = 24

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.attention import get_backend
-from engine.checkpoint import load_checkpoint
-from engine.config import ModelConfig
-from engine.model import LlamaModel
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.attention import get_backend
+from pdserve.engine.checkpoint import load_checkpoint
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model import LlamaModel
 from tests.engine_utils import hf_greedy, prompt_logits, stepwise_logits
 from tests.tiny_models import TINY_MLA_SHAPES
 
@@ -152,8 +152,8 @@ def test_tensor_parallel_2_equals_one_rank(hf_reference):
 def test_an_instance_serves_it_and_reports_its_bytes_per_token(hf_reference):
     """The co-located worker (the pools' base) on an MLA model: ``ready()`` carries the
     latent cache's bytes per token, and the streamed tokens are HF's greedy ones."""
-    from instance.messages import Attempt
-    from instance.worker import EngineWorker
+    from pdserve.instance.messages import Attempt
+    from pdserve.instance.worker import EngineWorker
 
     path, prompts, expected = hf_reference("v3")
     worker = EngineWorker("colocated-0", path, {"num_kv_blocks": 32}, 1)
@@ -182,7 +182,7 @@ def test_latent_cache_layout_and_bytes_per_token(tiny_mla_model):
 
 @pytest.mark.timeout(60)
 def test_absorbed_decode_equals_expanded_on_the_same_cache(tiny_mla_model):
-    from engine.attention.latent_torch import paged_latent_decode
+    from pdserve.engine.attention.latent_torch import paged_latent_decode
 
     mla = LLM(tiny_mla_model("v3_q_proj"), num_kv_blocks=8).engine.model.layers[1].mla
     g = torch.Generator().manual_seed(0)
@@ -233,7 +233,7 @@ def test_deepseek_v3_yarn_config_reads_as_hf_does():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
-    from engine.rope import attention_factor, inv_frequencies
+    from pdserve.engine.rope import attention_factor, inv_frequencies
 
     yarn = dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale=1.0,
                 mscale_all_dim=1.0, beta_fast=32, beta_slow=1)  # fmt: skip

@@ -20,9 +20,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from decode_worker import Receiving
-from engine import LLM, SamplingParams
-from instance.messages import Attempt, Update
+from pdserve.decode_worker import Receiving
+from pdserve.engine import LLM, SamplingParams
+from pdserve.instance.messages import Attempt, Update
 from tests.kv_transfer.helpers import WORKER_KV
 from tests.roles import part, worker
 

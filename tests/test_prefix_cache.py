@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.engine_utils import run_staggered
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

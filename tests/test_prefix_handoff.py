@@ -22,12 +22,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from decode_worker import Receiving
-from engine import LLM, SamplingParams
-from instance import feed
-from instance.messages import Attempt, Update
-from instance.worker import EngineWorker
-from kv_transfer import KVDestination
+from pdserve.decode_worker import Receiving
+from pdserve.engine import LLM, SamplingParams
+from pdserve.instance import feed
+from pdserve.instance.messages import Attempt, Update
+from pdserve.instance.worker import EngineWorker
+from pdserve.kv_transfer import KVDestination
 from tests.kv_transfer.faults import ENV, write_plan
 from tests.kv_transfer.helpers import WORKER_KV
 from tests.roles import part, worker

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.block_manager import PLACEHOLDER, BlockManager
-from engine.outputs import Logprobs
-from engine.request import Request, RequestStatus
-from engine.reservation import NoRoom, Reservation
-from engine.scheduler import Scheduler
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.block_manager import PLACEHOLDER, BlockManager
+from pdserve.engine.outputs import Logprobs
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.reservation import NoRoom, Reservation
+from pdserve.engine.scheduler import Scheduler
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 BS = 4  # block size

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from kv_transfer.gloo_wire import GlooGroup
-from rendezvous import server as store_server
-from rendezvous.client import RendezvousStore
-from rendezvous.server import RendezvousServer
-from rendezvous.wire import HELLO, Channel, Op, RendezvousError, Request
+from pdserve.kv_transfer.gloo_wire import GlooGroup
+from pdserve.rendezvous import server as store_server
+from pdserve.rendezvous.client import RendezvousStore
+from pdserve.rendezvous.server import RendezvousServer
+from pdserve.rendezvous.wire import HELLO, Channel, Op, RendezvousError, Request
 
 SECRET = b"the-cluster-secret-0123456789abcdef"
 OTHER = b"not-the-cluster-secret-0123456789"
@@ -129,7 +129,7 @@ def test_a_server_without_the_secret_is_refused_before_any_request():
 def test_a_forged_frame_closes_that_connection_only(server):
     client = _client(server)
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    from rendezvous.wire import client_handshake
+    from pdserve.rendezvous.wire import client_handshake
 
     session = client_handshake(sock, SECRET, time.monotonic() + 5)
     forged = Channel(sock, bytes(32), b"c")  # not the session's key

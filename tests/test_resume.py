@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.resume_utils import (
     PROMPTS,
     assert_resumes,

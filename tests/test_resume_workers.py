@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from engine import EngineConfig, LLMEngine
-from instance.messages import Attempt
-from instance.worker import EngineWorker
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.instance.messages import Attempt
+from pdserve.instance.worker import EngineWorker
 from tests.kv_transfer.helpers import WORKER_KV
 from tests.resume_utils import (
     PROMPTS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampler import _filtered_probs
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.sampler import _filtered_probs
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_filtered_probs_keep_the_right_tokens():
 def test_sampling_follows_the_distribution(llm):
     """With temperature 1 and no cut, token frequencies approach softmax(logits): across
     a seeded request's output positions, and across draws of an unseeded one."""
-    from engine.request import Request
+    from pdserve.engine.request import Request
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     for seed in (0, None):
@@ -73,8 +73,8 @@ def test_sampling_follows_the_distribution(llm):
 def test_seeded_draw_depends_on_seed_and_position_only(llm):
     """The draw at output position p is the same whatever came before it, in whichever
     sampler (process) draws it; another position or seed draws independently."""
-    from engine.request import Request
-    from engine.sampler import Sampler, position_seed
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampler import Sampler, position_seed
 
     assert position_seed(1234567, 0) == 6457827717110365317  # splitmix64's first output
     assert position_seed(1234567, 1) == 3203168211198807973

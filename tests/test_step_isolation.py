@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.llm_engine import StepFailed
-from instance.messages import Attempt
-from instance.worker import EngineWorker
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.llm_engine import StepFailed
+from pdserve.instance.messages import Attempt
+from pdserve.instance.worker import EngineWorker
 
 POISON = 250
 PROMPTS = {"a": [3, 4, 5, 6, 7], "poisoned": [8, 9, POISON, 10], "c": list(range(20, 60))}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.scheduler import StepShape
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.scheduler import StepShape
 
 
 def test_chunks_then_decodes_then_mixed(tiny_model):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

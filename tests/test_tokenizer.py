@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.checkpoint import alias_path, load_checkpoint
-from engine.detokenizer import Detokenizer
+from pdserve.engine.checkpoint import alias_path, load_checkpoint
+from pdserve.engine.detokenizer import Detokenizer
 
 TEXTS = [
     "The capital of France is Paris.",

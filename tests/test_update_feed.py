@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.outputs import Logprobs
-from instance import feed
-from instance.feed import HANDSHAKE_S, LENGTH, FeedTicket, decode, encode, frames
-from instance.messages import Attempt, CacheCursor, CacheDelta, Polled, Reserved, Update
-from instance.worker import EngineWorker
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.outputs import Logprobs
+from pdserve.instance import feed
+from pdserve.instance.feed import HANDSHAKE_S, LENGTH, FeedTicket, decode, encode, frames
+from pdserve.instance.messages import Attempt, CacheCursor, CacheDelta, Polled, Reserved, Update
+from pdserve.instance.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention.backend import AttentionBackend
-from engine.block_manager import CACHED, EMPTY, PLACEHOLDER, BlockManager
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention.backend import AttentionBackend
+from pdserve.engine.block_manager import CACHED, EMPTY, PLACEHOLDER, BlockManager
 from tests.engine_utils import hf_greedy
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker import Receiving
-from engine import LLM
-from instance.worker import EngineWorker
+from pdserve.decode_worker import Receiving
+from pdserve.engine import LLM
+from pdserve.instance.worker import EngineWorker
 from tests.kv_transfer.helpers import WORKER_KV
 from tests.roles import part, worker
 from tests.test_prefix_handoff import (

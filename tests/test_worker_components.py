@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
-from instance.component import Component
-from instance.inbox import Add
-from instance.messages import Attempt, Update
-from instance.worker import EngineWorker
+from pdserve.engine import SamplingParams
+from pdserve.instance.component import Component
+from pdserve.instance.inbox import Add
+from pdserve.instance.messages import Attempt, Update
+from pdserve.instance.worker import EngineWorker
 from tests.kv_transfer.helpers import WORKER_KV
 from tests.roles import worker
 
@@ -96,7 +96,7 @@ class TakesAdd(Component):
 
 
 def test_two_parts_may_not_take_one_message(path):
-    with pytest.raises(ValueError, match="TakesAdd takes <class 'instance.inbox.Add'>"):
+    with pytest.raises(ValueError, match="TakesAdd takes Add, which another part"):
         EngineWorker("colocated-0", path, CONFIG, 1, components=(TakesAdd,), kv={})
 
 

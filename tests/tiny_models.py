@@ -136,7 +136,7 @@ def save_byte_tokenizer(folder: Path) -> None:
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     byte_char = _byte_chars()
     assert set(byte_char) == set(pre_tokenizers.ByteLevel.alphabet())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.ops import Ops, TorchOps
+from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata
+from pdserve.engine.ops import Ops, TorchOps
 
 BACKENDS = ("torch", "triton")
 
@@ -17,11 +17,11 @@ def default_backend_name(device: torch.device) -> str:
 def get_backend(name: str) -> tuple[AttentionBackend, Ops]:
     """The attention backend called ``name`` and the op set that goes with it."""
     if name == "torch":
-        from engine.attention.torch_backend import TorchAttentionBackend
+        from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(), TorchOps()
     if name == "triton":
-        from engine.attention.triton_backend import TritonAttentionBackend, TritonOps
+        from pdserve.engine.attention.triton_backend import TritonAttentionBackend, TritonOps
 
         return TritonAttentionBackend(), TritonOps()
     raise ValueError(f"attention_backend={name!r}: allowed values are {', '.join(BACKENDS)}")
@@ -31,11 +31,11 @@ def latent_decode_op(name: str):
     """The ``paged_latent_decode`` of backend ``name``: decode attention over a
     latent/tied cache, one signature for all (contract: ``latent_torch.py``)."""
     if name == "torch":
-        from engine.attention.latent_torch import cpu_or_torch_latent_decode
+        from pdserve.engine.attention.latent_torch import cpu_or_torch_latent_decode
 
         return cpu_or_torch_latent_decode
     if name == "triton":
-        from kernels.paged_latent_decode import paged_latent_decode
+        from pdserve.kernels.paged_latent_decode import paged_latent_decode
 
         return paged_latent_decode
     raise ValueError(f"attention_backend={name!r}: allowed values are {', '.join(BACKENDS)}")

@@ -7,8 +7,8 @@ import ctypes
 
 import torch
 
-from engine import native
-from engine.attention.backend import check_window
+from pdserve.engine import native
+from pdserve.engine.attention.backend import check_window
 
 
 class DecodeKernel:

@@ -7,9 +7,9 @@ import ctypes
 
 import torch
 
-from engine import native
-from engine.attention.backend import check_window
-from engine.attention.cpu_kernel import float32_cpu_caches
+from pdserve.engine import native
+from pdserve.engine.attention.backend import check_window
+from pdserve.engine.attention.cpu_kernel import float32_cpu_caches
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import cpu_latent
+from pdserve.engine.attention import cpu_latent
 
 
 def paged_latent_decode(

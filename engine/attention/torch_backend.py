@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata, check_window
-from engine.attention.cpu_kernel import DecodeKernel, decode_kernel
-from engine.attention.cpu_prefill import PrefillKernel, prefill_kernel
+from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata, check_window
+from pdserve.engine.attention.cpu_kernel import DecodeKernel, decode_kernel
+from pdserve.engine.attention.cpu_prefill import PrefillKernel, prefill_kernel
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.ops import Ops
-from kernels import (
-    add_rms_norm,
-    paged_decode_attention,
-    paged_prefill_attention,
-    rms_norm,
-    rotary,
-    silu_and_mul,
-    write_kv_cache,
-)
+from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata
+from pdserve.engine.ops import Ops
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.kv_cache_write import write_kv_cache
+from pdserve.kernels.paged_decode_attention import paged_decode_attention
+from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
+from pdserve.kernels.rms_norm import add_rms_norm, rms_norm
+from pdserve.kernels.rotary import rotary
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -2,7 +2,7 @@
 prometheus_client exposition (scrape deltas, bucket-interpolated quantiles), the
 AIPerf input file, the reading of AIPerf's export files (in the layout AIPerf 0.13
 writes them), the comparison rows, and the refusal when AIPerf is not installed.
-``python -m bench.aiperf_check`` runs the whole of it against a cluster."""
+``python -m pdserve.bench.aiperf_check`` runs the whole of it against a cluster."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from bench import aiperf_check, aiperf_run
-from bench.aiperf_check import halves
-from bench.aiperf_report import agreement_rows, histogram_rows, paired_ratios
-from bench.prom_histograms import Histogram as PromHistogram
-from bench.prom_histograms import bucket_width, delta, histograms, quantile
-from engine.tokenizer import Tokenizer
-from loadgen.metrics import SLO, Record, percentile
-from loadgen.workloads import Request
+from pdserve.bench import aiperf_check, aiperf_run
+from pdserve.bench.aiperf_check import halves
+from pdserve.bench.aiperf_report import agreement_rows, histogram_rows, paired_ratios
+from pdserve.bench.prom_histograms import Histogram as PromHistogram
+from pdserve.bench.prom_histograms import bucket_width, delta, histograms, quantile
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.loadgen.metrics import SLO, Record, percentile
+from pdserve.loadgen.workloads import Request
 from tests.tiny_models import save_byte_tokenizer
 
 TTFT = "pdserve:time_to_first_token_seconds"

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.engine import family_rows, prompt_ids
+from pdserve.bench.engine import family_rows, prompt_ids
 
 
 def test_prompts_stay_inside_the_vocabulary():

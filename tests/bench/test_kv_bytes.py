@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.kv_bytes import (
+from pdserve.bench.kv_bytes import (
     VARIANTS,
     bytes_per_token_per_device,
     format_table,
@@ -14,8 +14,8 @@ from bench.kv_bytes import (
     table,
     transfer_bytes,
 )
-from bench.kv_decode_time import latent_decode_ops, report, time_grouped
-from bench.kv_measured import measure_handoff
+from pdserve.bench.kv_decode_time import latent_decode_ops, report, time_grouped
+from pdserve.bench.kv_measured import measure_handoff
 
 L, B = 61, 2  # layers, bf16 bytes
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.mixed_trace import main, mixed_trace
-from loadgen.datasets import read_trace
+from pdserve.bench.mixed_trace import main, mixed_trace
+from pdserve.loadgen.datasets import read_trace
 
 
 def test_mixed_trace_is_seeded_and_reads_back(tmp_path):

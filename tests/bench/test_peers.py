@@ -2,7 +2,7 @@
 of impossible figures, the tables, ratios and saturation on recorded results, the
 served workload and AIPerf's summary read back, and the pdserve offline driver on the
 tiny model, through the same orchestration the vLLM driver runs under.
-``python -m bench.peers`` runs the whole of it (docs/benchmarks.md)."""
+``python -m pdserve.bench.peers`` runs the whole of it (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench import aiperf_run, peers, peers_offline, peers_served
-from bench.peers_driver import measure, prompt
-from bench.peers_report import (
+from pdserve.bench import aiperf_run, peers, peers_offline, peers_served
+from pdserve.bench.peers_driver import measure, prompt
+from pdserve.bench.peers_report import (
     Impossible,
     best_pdserve,
     ceiling_tok_s,
@@ -32,7 +32,7 @@ from bench.peers_report import (
     saturation,
     served_table,
 )
-from loadgen.metrics import SLO
+from pdserve.loadgen.metrics import SLO
 
 pytestmark = pytest.mark.timeout(30)  # each; the driver test below has its own
 

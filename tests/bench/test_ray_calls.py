@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import ray_calls
+from pdserve.bench import ray_calls
 
 
 @pytest.mark.timeout(300)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import router_replicas
+from pdserve.bench import router_replicas
 
 
 @pytest.mark.timeout(600)

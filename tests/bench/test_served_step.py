@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench import served_step
+from pdserve.bench import served_step
 from tests.tiny_models import TINY_SHAPES, save_tiny_chat_llama
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import serving_overhead, serving_profile
+from pdserve.bench import serving_overhead, serving_profile
 
 
 @pytest.mark.timeout(600)

@@ -32,8 +32,8 @@ def shared_ray():
     running, so each cluster saves Ray's start and stop. Use it through ``on_shared_ray``,
     which gives each test a Ray as a fresh one would be: no named actor left of the
     test before, every CPU free."""
-    from cluster.config import RayConfig
-    from cluster.ray_env import RaySession
+    from pdserve.cluster.config import RayConfig
+    from pdserve.cluster.ray_env import RaySession
 
     session = RaySession(RayConfig())
     session.start()

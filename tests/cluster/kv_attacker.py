@@ -30,8 +30,8 @@ def _store_attacks(address: str, name: str) -> dict:
     on a thread of its own, bounded: torch's client retries with back-offs."""
     from torch.distributed import TCPStore
 
-    from kv_transfer import gloo_wire as wire
-    from kv_transfer import kv_transfer_pb2 as pb
+    from pdserve.kv_transfer import gloo_wire as wire
+    from pdserve.kv_transfer import kv_transfer_pb2 as pb
 
     host, port = wire.split_address(address)
     spoof = pb.Join(name=name, rank=0, gen=secrets.token_hex(16), proof=secrets.token_bytes(32))
@@ -65,8 +65,8 @@ def _raw_attacks(address: str) -> dict:
     """Sockets that speak the rendezvous without the secret: made-up proofs, each
     followed by 4 MiB (64 of them), and 80 connections that never answer the challenge.
     ``after_challenge``: bytes the rendezvous sent past its challenge (must be none)."""
-    from kv_transfer import gloo_wire as wire
-    from rendezvous.wire import CHALLENGE, HELLO
+    from pdserve.kv_transfer import gloo_wire as wire
+    from pdserve.rendezvous.wire import CHALLENGE, HELLO
 
     host, port = wire.split_address(address)
     hello, after = len(HELLO) + CHALLENGE, 0
@@ -98,8 +98,8 @@ def gloo(address: str, name: str, tp_address: str) -> dict:
 def grpc_(address: str, token: str) -> dict:
     import grpc
 
-    from kv_transfer import kv_transfer_pb2 as pb
-    from kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
+    from pdserve.kv_transfer import kv_transfer_pb2 as pb
+    from pdserve.kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
 
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     call = channel.stream_unary(
@@ -131,9 +131,9 @@ def idle(address: str, name: str) -> dict:
 
     import grpc
 
-    from kv_transfer import grpc_gate as gate
-    from kv_transfer import kv_transfer_pb2 as pb
-    from kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
+    from pdserve.kv_transfer import grpc_gate as gate
+    from pdserve.kv_transfer import kv_transfer_pb2 as pb
+    from pdserve.kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
 
     hold = threading.Event()
 

@@ -27,7 +27,7 @@ import grpc
 import pytest
 import ray
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from tests.cluster.helpers import wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config
 from tests.cluster.test_launch import health
@@ -74,8 +74,8 @@ class Request(threading.Thread):
 
 @pytest.mark.timeout(600)
 def test_decode_killed_while_its_reservation_is_pending_three_times(chat_model):
-    from cluster import launch
-    from engine import LLM
+    from pdserve.cluster import launch
+    from pdserve.engine import LLM
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = LLM(chat_model).generate([PROMPT], params)[0].token_ids
@@ -118,7 +118,7 @@ STALL_BOUND_S = STALL_S + 15  # the signal -> the client's error, generously
 
 @pytest.mark.timeout(300)
 def test_a_stalled_stream_ends_naming_what_it_waited_for(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = disagg_config(chat_model, "gloo", True, 1)
     config["router"]["stall_timeout_s"] = STALL_S

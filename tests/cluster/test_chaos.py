@@ -11,8 +11,8 @@ import json
 import pytest
 import yaml
 
-from cluster.cli import main
-from loadgen.chaos_report import JSON_NAME, PLOT_NAME
+from pdserve.cluster.cli import main
+from pdserve.loadgen.chaos_report import JSON_NAME, PLOT_NAME
 from tests.cluster.helpers import small_cluster_config
 
 SUPERVISOR = {"heartbeat_s": 0.5, "unresponsive_s": 3.0}

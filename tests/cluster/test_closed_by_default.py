@@ -37,9 +37,9 @@ import psutil
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
-from instance.messages import Attempt
-from kv_transfer import KVDestination
+from pdserve.engine import LLM, SamplingParams
+from pdserve.instance.messages import Attempt
+from pdserve.kv_transfer import KVDestination
 from tests.cluster.helpers import wait_until
 from tests.cluster.test_disagg import (
     check_pools,
@@ -58,7 +58,7 @@ SETUPS = {"gloo": (1, 2), "grpc": (2, 1)}  # backend: (prefill TP, decode TP)
 @pytest.fixture(scope="module", params=sorted(SETUPS))
 def closed(request, chat_model):
     """(backend, prefill TP, decode TP, the cluster)."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     backend = request.param
     prefill_tp, decode_tp = SETUPS[backend]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster import ClusterConfig, ConfigError, launch, load_config
+from pdserve.cluster import ClusterConfig, ConfigError, launch, load_config
 from tests.cluster.helpers import ray_temp_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -276,7 +276,7 @@ def test_disaggregated_kv_transfer_checks(tmp_path, chat_model, overrides, key, 
 def test_pdserve_up_reports_a_broken_config(tmp_path, chat_model):
     path = write(tmp_path, "model: MODEL\nrouter: {polcy: x}\n", chat_model)
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "up", str(path)],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", str(path)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -295,7 +295,7 @@ def test_an_unknown_architecture_fails_before_ray_naming_the_families(
     import json
     import shutil
 
-    from engine.families import SUPPORTED_ARCHITECTURES
+    from pdserve.engine.families import SUPPORTED_ARCHITECTURES
 
     folder = tmp_path / "mixtral"
     shutil.copytree(chat_model, folder)
@@ -311,7 +311,7 @@ def test_an_unknown_architecture_fails_before_ray_naming_the_families(
     assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
     assert not ray.is_initialized() and ray_temp_dirs(tmp_path) == []
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "up", str(path)],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", str(path)],
         capture_output=True,
         text=True,
         cwd=ROOT,

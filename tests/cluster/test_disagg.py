@@ -12,7 +12,7 @@ import random
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster.helpers import all_blocks_free, wait_until
 
 # pairwise over backend x layer-wise x prefill instances: every pair of values of any
@@ -140,7 +140,7 @@ def check_logprobs(client, expected_logprobs) -> None:
 def test_32_concurrent_requests_equal_offline(
     chat_model, expected, expected_logprobs, on_shared_ray, backend, layerwise, prefills
 ):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     work, want = expected
     with launch(disagg_config(chat_model, backend, layerwise, prefills)) as cluster:
@@ -176,7 +176,7 @@ def test_every_isa_serves_the_offline_tokens(isa, chat_model, on_shared_ray):
     """With PDSERVE_CPU_ISA forced (tests/conftest.py isa), the instances run that ISA's
     kernels (they say so in the router's stats) and the cluster's greedy tokens are the
     offline engine's on the same ISA."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     work = workload(8, seed=3)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work]
@@ -196,7 +196,7 @@ def test_a_queued_prefill_never_expires_its_lease(chat_model, on_shared_ray):
     """48 long prompts at once on one prefill instance with a small token budget: most
     wait in its queue several times kv_transfer.lease_s, with their decode blocks reserved.
     The lease runs from the first byte of a transfer, so none expires and none is redone."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     lease_s = 0.3
     config = disagg_config(chat_model, "gloo", True, 1, lease_s=lease_s)

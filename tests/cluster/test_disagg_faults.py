@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from tests.cluster.helpers import all_blocks_free, fill_then_refuse, wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config
 from tests.kv_transfer.faults import ENV, write_plan
@@ -21,7 +21,7 @@ PROMPT = [7, 8, 9, 10] * 10  # 40 tokens: 3 blocks
 
 @pytest.fixture(scope="module", params=["gloo", "grpc"])
 def cluster(chat_model, request, tmp_path_factory):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     plan = tmp_path_factory.mktemp("faults") / "plan.json"
     write_plan(plan, [])
@@ -49,7 +49,7 @@ def client(cluster):
 
 @pytest.fixture(scope="module")
 def want(chat_model):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     return LLM(chat_model).generate([PROMPT], params)[0].token_ids

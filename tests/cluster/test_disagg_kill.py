@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from tests.cluster.helpers import wait_until
 from tests.cluster.test_disagg import disagg_config
 from tests.kv_transfer.faults import ENV, write_plan
@@ -22,8 +22,8 @@ PROMPT = list(range(3, 83))  # 80 tokens: 5 blocks
 
 @pytest.mark.parametrize("backend", ["gloo", "grpc"])
 def test_killed_sender_then_killed_receiver_are_survived(chat_model, backend, tmp_path):
-    from cluster import launch
-    from engine import LLM
+    from pdserve.cluster import launch
+    from pdserve.engine import LLM
 
     want = (
         LLM(chat_model)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster.helpers import all_blocks_free, wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently
 
@@ -117,7 +117,7 @@ def colocated_config(model: str, tp: int, chunk: int) -> dict:
 def test_family_serves_the_offline_greedy(
     models, on_shared_ray, model, mode, backend, prefill_tp, decode_tp, chunk
 ):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     folder, outs, per_token, windows = models(model)
     if mode == "colocated":

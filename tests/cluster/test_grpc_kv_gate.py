@@ -22,7 +22,7 @@ import pytest
 import ray
 import trustme
 
-from engine import LLM
+from pdserve.engine import LLM
 from tests.cluster.helpers import wait_until
 from tests.cluster.test_disagg import (
     check_pools,
@@ -38,7 +38,7 @@ RSS_BOUND = 32 << 20
 @pytest.fixture(scope="module", params=["plain", "mtls"])
 def gated(request, chat_model, tmp_path_factory):
     """(whether mTLS is on, the cluster)."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     kv = {}
     if request.param == "mtls":

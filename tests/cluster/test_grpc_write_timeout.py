@@ -19,8 +19,8 @@ import h2.connection
 import h2.events
 import pytest
 
-from router import pdserve_pb2 as pb
-from router import pdserve_pb2_grpc as pb_grpc
+from pdserve.router import pdserve_pb2 as pb
+from pdserve.router import pdserve_pb2_grpc as pb_grpc
 from tests.cluster.helpers import small_cluster_config, wait_until
 
 WRITE_TIMEOUT_S = 2.0
@@ -109,7 +109,7 @@ class StalledCall:
 
 @pytest.mark.timeout(300)
 def test_a_stream_its_client_stops_reading_is_ended_after_write_timeout_s(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = small_cluster_config(chat_model, write_timeout_s=WRITE_TIMEOUT_S)
     with launch(config) as cluster:

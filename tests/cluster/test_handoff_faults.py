@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from tests.cluster.helpers import all_blocks_free, wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config
 from tests.kv_transfer.faults import ENV, write_plan
@@ -38,7 +38,7 @@ ROWS = [  # name, rules (a sender's rules hit its last rank), attempts (0: an er
 @pytest.fixture(scope="module", params=[("gloo", 1), ("grpc", 1), ("gloo", 2), ("grpc", 2)],
                 ids=["gloo-tp1", "grpc-tp1", "gloo-tp2", "grpc-tp2"])  # fmt: skip
 def cluster(chat_model, request, tmp_path_factory):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     backend, tp = request.param
     plan = tmp_path_factory.mktemp("faults") / "plan.json"
@@ -57,7 +57,7 @@ def cluster(chat_model, request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def want(chat_model):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     return LLM(chat_model).generate([PROMPT], params)[0].token_ids

@@ -23,7 +23,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster.helpers import wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently
 from tests.kv_transfer.faults import ENV, write_plan
@@ -38,7 +38,7 @@ def hybrid_cluster(chat_model, tmp_path_factory, prefills: int, decode=None, rou
     """A hybrid cluster of ``prefills`` prefill instances (the ``decode`` and ``router``
     sections updated), its KV through the test transport, tiny ``slo.tpot_ms``, JSON
     logs; ``.plan``: the transport's fault plan (empty)."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     plan = tmp_path_factory.mktemp("faults") / "plan.json"
     write_plan(plan, [])

@@ -41,7 +41,7 @@ def cluster(chat_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(chat_model):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM(chat_model)
 

@@ -16,10 +16,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.instance_metrics import metered
-from engine import SamplingParams
-from instance.messages import Attempt
-from instance.worker import EngineWorker
+from pdserve.cluster.instance_metrics import metered
+from pdserve.engine import SamplingParams
+from pdserve.instance.messages import Attempt
+from pdserve.instance.worker import EngineWorker
 from tests.cluster.helpers import wait_until
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -19,7 +19,7 @@ import threading
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster.helpers import all_blocks_free, wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently
 from tests.cluster.test_disagg_kill import restarted
@@ -91,7 +91,7 @@ def models(tmp_path_factory):
 def test_latent_kv_hands_off_to_the_offline_greedy(
     models, model, backend, prefill_tp, decode_tp, chunk, decode_blocks
 ):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     folder, outs, per_instance = models[model]
     max_tokens = MAX_TOKENS if decode_blocks >= 256 else PREEMPT_TOKENS
@@ -126,7 +126,7 @@ def test_mla_decode_rank_killed_before_the_forward_is_survived(models, tmp_path)
     rank gone: rank 0 ends the instance (ranks out of step), and the router redoes the
     request on the other decode instance with the offline greedy output; the victim is
     restarted and every instance ends with every block free."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     folder, outs, _ = models["mla"]
     prompt, want, rid = PROMPTS[1], outs[1], "mla-forward-fault"

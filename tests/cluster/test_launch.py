@@ -18,7 +18,7 @@ from tests.cluster.helpers import ray_temp_dirs, small_cluster_config
 
 @pytest.fixture(scope="module")
 def cluster(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     base = tempfile.mkdtemp(prefix="pdt-", dir="/tmp")  # short: Ray's socket paths
     with pytest.MonkeyPatch.context() as mp:
@@ -76,8 +76,8 @@ def test_every_instance_has_a_placement_group_of_its_pool(cluster):
 
 
 def test_a_group_no_node_can_hold_fails_in_bound_naming_the_pool(cluster):
-    from cluster.config import PoolConfig, Resources
-    from cluster.placement_groups import PlacementError, create
+    from pdserve.cluster.config import PoolConfig, Resources
+    from pdserve.cluster.placement_groups import PlacementError, create
 
     pool = PoolConfig(resources=Resources(num_cpus=0.5, custom={"pool_x": 1}),
                       node_labels={"pool": "nowhere"})  # fmt: skip

@@ -15,7 +15,7 @@ from tests.cluster.test_launch import health
 
 @pytest.fixture
 def cluster(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     with launch(small_cluster_config(chat_model, policy="round_robin")) as c:
         yield c

@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from cluster import launch
-from router.admission import FirstTokens
+from pdserve.cluster import launch
+from pdserve.router.admission import FirstTokens
 from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config
 
 MAX_WAIT_S = 0.5

@@ -26,8 +26,8 @@ import psutil
 import pytest
 import yaml
 
-from engine import LLM, SamplingParams
-from router.client import RouterClient
+from pdserve.engine import LLM, SamplingParams
+from pdserve.router.client import RouterClient
 from tests.cluster.helpers import wait_until
 from tests.cluster.ray_nodes import AUTH, RayNode, RayNodes
 from tests.router.pdserve_up import ROOT, pdserve_up
@@ -159,7 +159,7 @@ def test_a_pool_no_node_can_hold_fails_the_start_naming_it(nodes, chat_model, tm
     path = tmp_path / "nowhere.yaml"
     path.write_text(yaml.safe_dump(config))
     up = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "up", str(path)],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", str(path)],
         cwd=ROOT, env={**os.environ, **AUTH}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert up.returncode == 1, up.stdout + up.stderr

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import ray
 
-from cluster import launch
+from pdserve.cluster import launch
 from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config, wait_until
 
 QUEUE_TIMEOUT_S, MAX_CALLS, RUNNING = 0.5, 10, 8

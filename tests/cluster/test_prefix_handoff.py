@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster.helpers import all_blocks_free, wait_until
 from tests.cluster.test_disagg import check_pools, disagg_config, run_concurrently
 
@@ -62,7 +62,7 @@ def blocks(n: int) -> int:
 def test_second_turns_move_only_what_decode_lacks(
     kv4_model, expected, on_shared_ray, backend, prefill_tp, decode_tp, caching
 ):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     firsts, seconds, outs, block_bytes = expected
     config = disagg_config(kv4_model, backend, backend == "gloo", 1)

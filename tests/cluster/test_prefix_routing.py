@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from cluster.cli_router import _summary
+from pdserve.cluster.cli_router import _summary
 from tests.cluster.helpers import small_cluster_config
 from tests.cluster.test_router_metrics import delta, scrape
 
@@ -23,7 +23,7 @@ BS = 16  # small_cluster_config's block_size
 
 @pytest.fixture(scope="module")
 def cluster(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     c = launch(small_cluster_config(chat_model, policy="cache_aware"))
     yield c
@@ -32,7 +32,7 @@ def cluster(chat_model):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    from router.client import RouterClient
+    from pdserve.router.client import RouterClient
 
     with RouterClient(cluster.address) as c:
         yield c

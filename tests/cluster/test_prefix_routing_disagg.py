@@ -18,7 +18,7 @@ from tests.cluster.test_router_metrics import delta, scrape
 
 @pytest.fixture(scope="module")
 def cluster(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = disagg_config(chat_model, "gloo", True, 2)
     config["router"]["policy"] = "cache_aware"
@@ -28,7 +28,7 @@ def cluster(chat_model):
 
 
 def test_requests_sharing_a_prefix_go_to_the_prefill_instance_holding_it(cluster, chat_model):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     client = cluster.client()
     p, q = tokens(11, 10 * BS), tokens(12, 10 * BS)

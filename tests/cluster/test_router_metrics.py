@@ -26,7 +26,7 @@ LATENCY = ("time_to_first_token_seconds", "e2e_request_latency_seconds",
 
 @pytest.fixture(scope="module")
 def cluster(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = disagg_config(chat_model, "gloo", True, 1)
     config["logging"] = {"format": "json", "level": "INFO"}
@@ -77,10 +77,10 @@ def bucket_quantile(before: dict, after: dict, name: str, q: float, **labels):
 
 
 def test_sharegpt_load_histograms_count_the_requests_and_agree_with_bench(cluster, chat_model):
-    from loadgen.endpoint import EndpointClient
-    from loadgen.metrics import SLO
-    from loadgen.runner import measure
-    from loadgen.workloads import WorkloadSpec
+    from pdserve.loadgen.endpoint import EndpointClient
+    from pdserve.loadgen.metrics import SLO
+    from pdserve.loadgen.runner import measure
+    from pdserve.loadgen.workloads import WorkloadSpec
 
     spec = WorkloadSpec("sharegpt", max_prompt_tokens=64, max_output_tokens=8,
                         dataset_limit=200)  # fmt: skip

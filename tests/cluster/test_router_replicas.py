@@ -20,7 +20,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config, wait_until
 from tests.cluster.test_disagg import disagg_config
 
@@ -31,7 +31,7 @@ MAX_TOKENS = 12
 
 
 def launch_replicas(config: dict):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config["router"]["replicas"] = 2
     return launch(config)

@@ -25,11 +25,11 @@ import httpx
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
-from router import pdserve_pb2 as pb
-from router import pdserve_pb2_grpc as pb_grpc
-from router.client import RouterClient
-from router.client_types import make_request
+from pdserve.engine import LLM, SamplingParams
+from pdserve.router import pdserve_pb2 as pb
+from pdserve.router import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.client import RouterClient
+from pdserve.router.client_types import make_request
 from tests.cluster.helpers import seconds_until_blocks_free, wait_until
 from tests.cluster.test_disagg import disagg_config, greedy_outputs
 
@@ -238,7 +238,7 @@ class LateStreams:
 
 
 def test_a_killed_router_comes_back_and_every_stream_resumes(chat_model, want, on_shared_ray):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     with launch(restart_config(chat_model)) as cluster:
         pids = instance_pids(cluster)
@@ -264,7 +264,7 @@ def test_a_killed_router_comes_back_and_every_stream_resumes(chat_model, want, o
 
 
 def test_a_hung_router_is_replaced_and_every_stream_resumes(chat_model, want, on_shared_ray):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     with launch(restart_config(chat_model)) as cluster:
         pids = instance_pids(cluster)
@@ -310,7 +310,7 @@ def test_a_router_restarted_after_an_instance_restart_finds_its_new_incarnation(
     """The new router takes the instances from the supervisor (their current handles and
     generations), not from the launch: a decode instance restarted before the router
     dies is the one it routes to."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     with launch(restart_config(chat_model)) as cluster:
         old_decode = instance_pids(cluster)["decode-0"]
@@ -335,7 +335,7 @@ def test_a_rebuilt_request_no_client_resumes_is_dropped_after_the_retention(
 ):
     """Its client gone with the router, a rebuilt request is kept only
     ``router.resume_retention_s``: then a resume finds nothing and every block is free."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = restart_config(chat_model)
     config["router"]["resume_retention_s"] = 3.0

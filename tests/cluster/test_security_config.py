@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from cluster.config_loader import ConfigError, load_config
-from cluster.security_checks import address_host, apply_ray_tls, check_connected
+from pdserve.cluster.config_loader import ConfigError, load_config
+from pdserve.cluster.security_checks import address_host, apply_ray_tls, check_connected
 
 
 def _config(model: str, ray: dict | None = None, router: dict | None = None) -> dict:
@@ -71,7 +71,7 @@ def test_the_address_ray_found_is_checked_after_connecting(chat_model, clean_env
     assert check_connected(ray, "127.0.0.1:6379") is None
     assert "'10.1.2.3:6379' is not loopback" in check_connected(ray, "10.1.2.3:6379")
     ray.insecure = True
-    with caplog.at_level(logging.WARNING, logger="cluster.security_checks"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.cluster.security_checks"):
         assert check_connected(ray, "10.1.2.3:6379") is None
     assert "ray.insecure" in caplog.text
     clean_env.setenv("RAY_AUTH_MODE", "token")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.actors import _free_port
+from pdserve.cluster.actors import _free_port
 
 
 @pytest.mark.timeout(30)

@@ -15,7 +15,7 @@ import time
 import pytest
 import ray
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config, wait_until
 from tests.cluster.test_disagg import disagg_config
 
@@ -33,7 +33,7 @@ RESTART_BOUND_S = 90  # kill -> restarted, model loaded and serving again
 
 def expected(model: str) -> list:
     """The uninterrupted runs' outputs (tokens, and logprobs where asked)."""
-    from engine import LLM
+    from pdserve.engine import LLM
 
     llm = LLM(model)
     return [
@@ -129,7 +129,7 @@ def survive(cluster, role: str, sig=signal.SIGKILL, rank: int = 0) -> str:
 
 
 def test_colocated_streams_survive_their_instance(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = small_cluster_config(chat_model, policy="round_robin")
     config["supervisor"] = SUPERVISOR
@@ -145,7 +145,7 @@ def test_colocated_streams_survive_their_instance(chat_model):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_disaggregated_streams_survive_their_decode_instance(chat_model, sig):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = disagg_config(chat_model, "gloo", True, 1)
     config["decode"].update(instances=2, resources={"num_cpus": 0.5})
@@ -157,7 +157,7 @@ def test_disaggregated_streams_survive_their_decode_instance(chat_model, sig):
 
 
 def test_a_lost_tensor_parallel_rank_fails_its_whole_instance(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = disagg_config(chat_model, "gloo", True, 1)
     config["ray"] = {"num_cpus": 4}
@@ -173,7 +173,7 @@ def test_a_lost_tensor_parallel_rank_fails_its_whole_instance(chat_model):
 def test_requests_wait_for_the_only_decode_instance_to_come_back(chat_model):
     """With no other decode instance, health says NOT_SERVING while it restarts, and
     its streams continue on it once the router takes it back."""
-    from cluster import launch
+    from pdserve.cluster import launch
     from tests.cluster.test_launch import health
 
     config = disagg_config(chat_model, "grpc", False, 1)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster.helpers import small_cluster_config, wait_until
 from tests.cluster.test_disagg import disagg_config
 from tests.cluster.test_supervision import (
@@ -164,7 +164,7 @@ def signal_the_supervisor(cluster, sig: int, back_within_s: float) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["colocated", "disaggregated"])
 def test_streams_and_instances_outlive_a_killed_supervisor(chat_model, layout):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     with launch(layout_config(chat_model, layout)) as cluster:
         signal_the_supervisor(cluster, signal.SIGKILL, BACK_WITHIN_S)
@@ -176,7 +176,7 @@ def test_streams_and_instances_outlive_a_killed_supervisor(chat_model, layout):
 
 @pytest.mark.timeout(600)
 def test_a_hung_supervisor_is_killed_and_replaced(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     with launch(layout_config(chat_model, "colocated")) as cluster:
         # found hung within a probe, killed by a task on its node, then restarted
@@ -188,7 +188,7 @@ def test_a_hung_supervisor_is_killed_and_replaced(chat_model):
 def test_an_instance_killed_while_there_is_no_supervisor_is_restarted(chat_model):
     """The new supervisor finds it gone (or the routers holding it restarting): it is
     restarted, its streams migrate and end as the uninterrupted runs."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     with launch(layout_config(chat_model, "colocated")) as cluster:
         want = expected(cluster.config.model)
@@ -225,9 +225,9 @@ class Leftover:
 
 @pytest.mark.timeout(300)
 def test_a_launch_removes_the_instances_a_crashed_one_left(chat_model):
-    from cluster import launch
-    from cluster.config import RayConfig
-    from cluster.ray_env import RaySession
+    from pdserve.cluster import launch
+    from pdserve.cluster.config import RayConfig
+    from pdserve.cluster.ray_env import RaySession
 
     session = RaySession(RayConfig())  # a Ray that outlives the launches on it
     session.start()
@@ -252,7 +252,7 @@ def test_a_call_waits_on_an_adoption_at_most_adopt_timeout_s(chat_model):
     (it waits on the router's stats); a call that needs the instances fails after
     ``supervisor.adopt_timeout_s``, naming it, and is answered once the router is back;
     then it adopts with the router's view and watches the instances again."""
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = layout_config(chat_model, "colocated")
     config["supervisor"] = {**SUPERVISOR, "adopt_timeout_s": 2.0}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster.helpers import all_blocks_free, wait_until
 from tests.cluster.test_disagg import (
     LOGPROB_REQUESTS,
@@ -45,7 +45,7 @@ def _check(cluster, work, want, logprobs) -> None:
 
 
 def test_colocated_tp2(kv4_model, expected, on_shared_ray):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     config = {
         "model": kv4_model,
@@ -75,7 +75,7 @@ def test_colocated_tp2(kv4_model, expected, on_shared_ray):
 def test_disaggregated_with_different_degrees(
     kv4_model, expected, on_shared_ray, backend, prefill_tp, decode_tp
 ):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     # layer-wise sending over gloo, all layers after the pass over gRPC
     config = disagg_config(kv4_model, backend, backend == "gloo", 1)

@@ -20,7 +20,7 @@ import grpc
 import pytest
 import yaml
 
-from router.client import RouterClient
+from pdserve.router.client import RouterClient
 from tests.cluster.helpers import ray_temp_dirs, small_cluster_config, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def up(tmp_path, chat_model):
     path.write_text(yaml.safe_dump(small_cluster_config(chat_model)))
     ray_base = tempfile.mkdtemp(prefix="pdt-", dir="/tmp")  # short: Ray's socket paths
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", str(path), "--set", "router.port=0"],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", str(path), "--set", "router.port=0"],
         cwd=ROOT,
         env={**os.environ, "PDSERVE_RAY_TMPDIR": ray_base},
         stdout=subprocess.PIPE,
@@ -99,7 +99,8 @@ def test_up_serves_then_drains_on_sigterm_and_stops_everything(up):
     assert client.health() == "SERVING"
 
     gen = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "generate", "--router", address, "Hi", "--max-tokens",
+        [sys.executable, "-m", "pdserve.cluster.cli", "generate", "--router", address, "Hi",
+         "--max-tokens",
          "5"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -10,8 +10,8 @@ import secrets
 import pytest
 import yaml
 
-from cluster.config_loader import ConfigError, load_config
-from cluster.security_checks import is_loopback
+from pdserve.cluster.config_loader import ConfigError, load_config
+from pdserve.cluster.security_checks import is_loopback
 from tests.deploy.manifests import DEPLOY, VARIANTS, embedded_config
 
 COVERS = (*(f"kuberay/configmap-{v}.yaml" for v in VARIANTS), "configs/vm.yaml")

@@ -2,7 +2,7 @@ import pytest
 import torch
 from paged_cases import DEVICE, DTYPES, TOLERANCES, dtype_id
 
-from kernels import ref_silu_and_mul, silu_and_mul
+from pdserve.kernels.activation import ref_silu_and_mul, silu_and_mul
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

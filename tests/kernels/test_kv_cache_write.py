@@ -2,7 +2,7 @@ import pytest
 import torch
 from paged_cases import DEVICE, DTYPES, dtype_id
 
-from kernels import ref_write_kv_cache, write_kv_cache
+from pdserve.kernels.kv_cache_write import ref_write_kv_cache, write_kv_cache
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

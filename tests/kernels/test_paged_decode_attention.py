@@ -13,7 +13,10 @@ from paged_cases import (
     paged_kv,
 )
 
-from kernels import paged_decode_attention, ref_paged_decode_attention
+from pdserve.kernels.paged_decode_attention import (
+    paged_decode_attention,
+    ref_paged_decode_attention,
+)
 
 
 def _run(seq_lens, block_size, heads, head_dim, dtype, num_splits=None):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from paged_cases import DEVICE, DTYPES, TOLERANCES, dtype_id, nan_like
 
-from kernels import paged_latent_decode, ref_paged_latent_decode
+from pdserve.kernels.paged_latent_decode import paged_latent_decode, ref_paged_latent_decode
 from tests.latent_cases import dense_latent_decode, latent_queries, paged_latent
 
 # lengths on, just before and just after block edges of 16, odd ones, several blocks

@@ -12,7 +12,10 @@ from paged_cases import (
     paged_kv,
 )
 
-from kernels import paged_prefill_attention, ref_paged_prefill_attention
+from pdserve.kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+    ref_paged_prefill_attention,
+)
 
 
 def edge_chunks(block_size):

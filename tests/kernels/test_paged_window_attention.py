@@ -7,12 +7,14 @@ import pytest
 import torch
 from paged_cases import DEVICE, TOLERANCES, int32, layout_id, nan_like
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.triton_backend import TritonAttentionBackend
-from kernels import (
+from pdserve.engine.attention.backend import AttentionMetadata
+from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+from pdserve.kernels.paged_decode_attention import (
     paged_decode_attention,
-    paged_prefill_attention,
     ref_paged_decode_attention,
+)
+from pdserve.kernels.paged_prefill_attention import (
+    paged_prefill_attention,
     ref_paged_prefill_attention,
 )
 from tests.window_cases import WINDOWS, dense_attention, first_visible, paged_sequences, resolve

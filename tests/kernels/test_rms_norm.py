@@ -2,7 +2,7 @@ import pytest
 import torch
 from paged_cases import DEVICE, DTYPES, TOLERANCES, dtype_id
 
-from kernels import add_rms_norm, ref_add_rms_norm, ref_rms_norm, rms_norm
+from pdserve.kernels.rms_norm import add_rms_norm, ref_add_rms_norm, ref_rms_norm, rms_norm
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -2,7 +2,7 @@ import pytest
 import torch
 from paged_cases import DEVICE, DTYPES, TOLERANCES, dtype_id, layout_id
 
-from kernels import ref_rotary, rotary
+from pdserve.kernels.rotary import ref_rotary, rotary
 
 
 def _cos_sin(max_pos, head_dim, theta=10000.0):

@@ -4,10 +4,11 @@ import pytest
 import torch
 from paged_cases import DEVICE, DTYPES, TOLERANCES, dtype_id, int32, layout_id, paged_kv
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
-from kernels import ref_paged_prefill_attention, ref_write_kv_cache
+from pdserve.engine.attention.backend import AttentionMetadata
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+from pdserve.kernels.kv_cache_write import ref_write_kv_cache
+from pdserve.kernels.paged_prefill_attention import ref_paged_prefill_attention
 
 
 def _mixed_step(chunks, num_decodes, block_size, heads, head_dim, dtype):

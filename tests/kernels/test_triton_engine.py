@@ -3,7 +3,7 @@
 import pytest
 from paged_cases import DEVICE
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 # Lengths that end inside, at and past 16-token blocks; with a 16-token step budget the
 # long prompts are prefilled in chunks, in the same steps as the short ones decode.

@@ -4,7 +4,7 @@
 import pytest
 from paged_cases import DEVICE
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 pytest.importorskip("kernels.paged_latent_decode")
 

@@ -35,12 +35,12 @@ import threading
 import time
 from collections import defaultdict
 
-from kv_transfer import Transport
-from kv_transfer.gloo_receiver import GlooReceiver
-from kv_transfer.gloo_sender import GlooSender
-from kv_transfer.grpc_receiver import GrpcReceiver
-from kv_transfer.grpc_sender import GrpcSender
-from kv_transfer.protocol import KVTransferError, KVTransferTimeout, Status
+from pdserve.kv_transfer import Transport
+from pdserve.kv_transfer.gloo_receiver import GlooReceiver
+from pdserve.kv_transfer.gloo_sender import GlooSender
+from pdserve.kv_transfer.grpc_receiver import GrpcReceiver
+from pdserve.kv_transfer.grpc_sender import GrpcSender
+from pdserve.kv_transfer.protocol import KVTransferError, KVTransferTimeout, Status
 
 ENV = "PDSERVE_KV_FAULTS"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kv_transfer import KVLayout
+from pdserve.kv_transfer import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"pdserve-tests-kv-plane-secret-0001"  # the KV plane's secret in these tests

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from engine.block_manager import BlockManager
-from kv_transfer import Handoff, KVDestination, KVTransferError, get_transport
+from pdserve.engine.block_manager import BlockManager
+from pdserve.kv_transfer import Handoff, KVDestination, KVTransferError, get_transport
 from tests.kv_transfer.helpers import BS, SECRET, layout, reference, shard
 
 

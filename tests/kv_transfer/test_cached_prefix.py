@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer import Handoff, KVDestination, KVLayoutError, get_transport
+from pdserve.kv_transfer import Handoff, KVDestination, KVLayoutError, get_transport
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard, tokened
 
 NUM_BLOCKS = 16

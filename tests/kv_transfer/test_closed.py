@@ -15,12 +15,12 @@ import psutil
 import pytest
 import torch
 
-from kv_transfer import KVPeerError, KVTransferError, State, auth, get_transport
-from kv_transfer import gloo_wire as wire
-from kv_transfer import grpc_gate as gate
-from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.gloo_wire import Kind
-from kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
+from pdserve.kv_transfer import KVPeerError, KVTransferError, State, auth, get_transport
+from pdserve.kv_transfer import gloo_wire as wire
+from pdserve.kv_transfer import grpc_gate as gate
+from pdserve.kv_transfer import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.gloo_wire import Kind
+from pdserve.kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard
 from tests.kv_transfer.test_integrity import DST_IDS, NUM_BLOCKS, SRC_IDS, Side
 
@@ -196,7 +196,7 @@ def test_receivers_listen_on_loopback_only(backend):
 def test_listening_store_binds_the_interface_given():
     store = wire.listening_store("127.0.0.1", 0, datetime.timedelta(seconds=5))
     assert _listening(store.port) == ["127.0.0.1"]
-    from engine.parallel import serve_store
+    from pdserve.engine.parallel import serve_store
 
     tp_store, address = serve_store(SECRET, "127.0.0.1", 0, "127.0.0.1")
     assert _listening(tp_store.port) == ["127.0.0.1"] and address.endswith(f":{tp_store.port}")
@@ -230,7 +230,7 @@ def test_only_the_expected_sender_feeds_a_reservation(backend):
 
 
 def test_the_cluster_secret_comes_from_secret_file_or_is_made(tmp_path):
-    from cluster.launcher import kv_secret
+    from pdserve.cluster.launcher import kv_secret
 
     assert len(kv_secret(None)) == 32 and kv_secret(None) != kv_secret(None)
     good = tmp_path / "kv.secret"

@@ -12,8 +12,8 @@ import itertools
 import pytest
 import torch
 
-from kv_transfer import KVDestination, get_transport
-from kv_transfer.routes import routes_into
+from pdserve.kv_transfer import KVDestination, get_transport
+from pdserve.kv_transfer.routes import routes_into
 from tests.kv_transfer.helpers import SECRET, Peer, layout, reference, shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

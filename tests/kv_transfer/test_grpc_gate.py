@@ -14,10 +14,10 @@ import grpc
 import pytest
 import torch
 
-from kv_transfer import KVDestination, KVTransferError, State, auth, get_transport
-from kv_transfer import grpc_gate as gate
-from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
+from pdserve.kv_transfer import KVDestination, KVTransferError, State, auth, get_transport
+from pdserve.kv_transfer import grpc_gate as gate
+from pdserve.kv_transfer import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard
 from tests.kv_transfer.test_integrity import DST_IDS, NUM_BLOCKS, SRC_IDS, Side
 

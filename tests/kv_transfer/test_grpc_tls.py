@@ -10,11 +10,11 @@ import grpc
 import pytest
 import trustme
 
-from kv_transfer import KVTransferError, State, get_transport
-from kv_transfer import grpc_gate as gate
-from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
-from kv_transfer.grpc_tls import TLSFiles
+from pdserve.kv_transfer import KVTransferError, State, get_transport
+from pdserve.kv_transfer import grpc_gate as gate
+from pdserve.kv_transfer import kv_transfer_pb2 as pb
+from pdserve.kv_transfer.grpc_sender import CHANNEL_OPTIONS, METHOD
+from pdserve.kv_transfer.grpc_tls import TLSFiles
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard
 from tests.kv_transfer.test_integrity import NUM_BLOCKS, SRC_IDS, Side
 

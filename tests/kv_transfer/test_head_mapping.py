@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from kv_transfer import KVDestination, get_transport
+from pdserve.kv_transfer import KVDestination, get_transport
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard, tokened
 
 COMBOS = list(itertools.product((1, 2, 4), repeat=2))

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kv_transfer import (
+from pdserve.kv_transfer import (
     KVChecksumError,
     KVDestination,
     KVLayoutError,
@@ -292,7 +292,7 @@ def test_mismatched_block_sizes_are_refused_by_name():
     tr = get_transport("grpc")
     sender = tr.sender(layout(), secret=SECRET)
     try:
-        from kv_transfer import KVLayout
+        from pdserve.kv_transfer import KVLayout
 
         other = KVLayout(3, 8, 4, 8)  # block_size 8 against the sender's 4
         dst = KVDestination(["127.0.0.1:1"], DST_IDS, other, "grpc")

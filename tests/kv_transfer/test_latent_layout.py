@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 
-from kv_transfer import KVDestination, KVLayout, KVLayoutError
-from kv_transfer.routes import routes, routes_from, routes_into
+from pdserve.kv_transfer import KVDestination, KVLayout, KVLayoutError
+from pdserve.kv_transfer.routes import routes, routes_from, routes_into
 from tests.kv_transfer.helpers import layout, reference, shard
 
 # model-wide latent heads, their width, the RoPE width (tiny; the transport is shape-blind)

@@ -16,8 +16,14 @@ import itertools
 import pytest
 import torch
 
-from kv_transfer import KVChecksumError, KVDestination, KVLayout, KVLayoutError, get_transport
-from kv_transfer.routes import routes, routes_into
+from pdserve.kv_transfer import (
+    KVChecksumError,
+    KVDestination,
+    KVLayout,
+    KVLayoutError,
+    get_transport,
+)
+from pdserve.kv_transfer.routes import routes, routes_into
 from tests.kv_transfer.faults import ENV, write_plan
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard, tokened
 

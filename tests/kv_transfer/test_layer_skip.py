@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer import KVDestination, KVLayoutError, KVTransferError, Status, get_transport
-from kv_transfer.segment import Segment, plan_segments
+from pdserve.kv_transfer import KVDestination, KVLayoutError, KVTransferError, Status, get_transport
+from pdserve.kv_transfer.segment import Segment, plan_segments
 from tests.kv_transfer.helpers import SECRET, layout, reference, shard, tokened
 
 NUM_BLOCKS = 16

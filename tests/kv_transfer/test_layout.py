@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 
-from kv_transfer import Handoff, KVDestination, KVLayout, KVLayoutError, get_transport
-from kv_transfer.gloo_wire import layer_spans
-from kv_transfer.routes import all_routes, routes_from, routes_into
-from kv_transfer.segment import Segment, checksum, gather, is_run, plan_positions, scatter
+from pdserve.kv_transfer import Handoff, KVDestination, KVLayout, KVLayoutError, get_transport
+from pdserve.kv_transfer.gloo_wire import layer_spans
+from pdserve.kv_transfer.routes import all_routes, routes_from, routes_into
+from pdserve.kv_transfer.segment import Segment, checksum, gather, is_run, plan_positions, scatter
 from tests.kv_transfer.helpers import SECRET
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.chaos_verdict import Verdict, verdict
+from pdserve.loadgen.chaos_verdict import Verdict, verdict
 
 EXPECTED = list(range(10, 20))  # 10 distinct tokens: 10, 11, ..., 19
 

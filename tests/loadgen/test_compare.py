@@ -11,10 +11,10 @@ import re
 import yaml
 from PIL import Image
 
-from cluster.cli import main
-from loadgen.compare import SLO_SCALES
-from loadgen.metrics import SLO, Record, attainment, goodput_from, summarize
-from loadgen.report import PLOTS, ROW_LABELS, fmt_goodput, rows_at, table, text_table
+from pdserve.cluster.cli import main
+from pdserve.loadgen.compare import SLO_SCALES
+from pdserve.loadgen.metrics import SLO, Record, attainment, goodput_from, summarize
+from pdserve.loadgen.report import PLOTS, ROW_LABELS, fmt_goodput, rows_at, table, text_table
 from tests.cluster.helpers import make_chat_model, small_cluster_config
 from tests.cluster.test_disagg import disagg_config
 

@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cluster.cli import main
-from loadgen.endpoint import DONE, parse_event
-from loadgen.workloads import WorkloadSpec, make_workload, model_info
+from pdserve.cluster.cli import main
+from pdserve.loadgen.endpoint import DONE, parse_event
+from pdserve.loadgen.workloads import WorkloadSpec, make_workload, model_info
 
 FIRST_S, GAP_S = 0.08, 0.02  # the canned server's delay to the first chunk, then between
 

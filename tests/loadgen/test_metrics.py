@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from loadgen.metrics import (
+from pdserve.loadgen.metrics import (
     SLO,
     Record,
     attainment,

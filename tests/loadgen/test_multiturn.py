@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster import launch
-from loadgen.chat_replay import replay_conversations
-from loadgen.multiturn import build_conversation, make_conversations, turn_prompts
-from loadgen.workloads import WorkloadSpec, make_workload, model_info
+from pdserve.cluster import launch
+from pdserve.loadgen.chat_replay import replay_conversations
+from pdserve.loadgen.multiturn import build_conversation, make_conversations, turn_prompts
+from pdserve.loadgen.workloads import WorkloadSpec, make_workload, model_info
 from tests.cluster.helpers import small_cluster_config
 
 LIMIT = 300  # ShareGPT conversations read by these tests
@@ -168,7 +168,7 @@ def test_closed_loop_replay_through_a_cluster(chat_model):
 
 @pytest.mark.timeout(60)
 def test_cli_refuses_multiturn_against_an_endpoint_and_bad_options(capsys):
-    from cluster.cli import main
+    from pdserve.cluster.cli import main
 
     config = str(Path(__file__).parents[2] / "configs" / "local-colocated.yaml")
     url = ["--endpoint", "http://127.0.0.1:1"]

@@ -7,10 +7,10 @@ import json
 
 import yaml
 
-from cluster.cli import main
-from loadgen.metrics import SLO
-from loadgen.runner import run_bench
-from loadgen.workloads import WorkloadSpec
+from pdserve.cluster.cli import main
+from pdserve.loadgen.metrics import SLO
+from pdserve.loadgen.runner import run_bench
+from pdserve.loadgen.workloads import WorkloadSpec
 from tests.cluster.helpers import small_cluster_config
 from tests.cluster.test_disagg import disagg_config
 

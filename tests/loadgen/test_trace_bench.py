@@ -10,9 +10,9 @@ import json
 import pytest
 import yaml
 
-from cluster.cli import main
-from loadgen.trace_replay import trace_window
-from loadgen.workloads import WorkloadSpec, make_workload, model_info
+from pdserve.cluster.cli import main
+from pdserve.loadgen.trace_replay import trace_window
+from pdserve.loadgen.workloads import WorkloadSpec, make_workload, model_info
 from tests.cluster.test_disagg import disagg_config
 from tests.loadgen.test_trace_formats import MOONCAKE
 

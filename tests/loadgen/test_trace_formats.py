@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.trace_formats import TraceFormatError, read_azure, read_mooncake
+from pdserve.loadgen.trace_formats import TraceFormatError, read_azure, read_mooncake
 
 TRACES = Path(__file__).resolve().parents[2] / "loadgen" / "traces"
 AZURE = TRACES / "azure-llm-2023-code.csv"

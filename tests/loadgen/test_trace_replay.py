@@ -9,11 +9,11 @@ import argparse
 
 import pytest
 
-from engine.block_hash import block_hashes
-from loadgen.report import html_report, replay_line
-from loadgen.trace_replay import block_tokens, read_rows, trace_window
-from loadgen.workload_args import add_workload_arguments, parse_common
-from loadgen.workloads import WorkloadSpec, make_workload, model_info
+from pdserve.engine.block_hash import block_hashes
+from pdserve.loadgen.report import html_report, replay_line
+from pdserve.loadgen.trace_replay import block_tokens, read_rows, trace_window
+from pdserve.loadgen.workload_args import add_workload_arguments, parse_common
+from pdserve.loadgen.workloads import WorkloadSpec, make_workload, model_info
 from tests.loadgen.test_trace_formats import AZURE, MOONCAKE
 
 LIMIT = 200  # ShareGPT conversations the prompts' text comes from

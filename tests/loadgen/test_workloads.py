@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from loadgen import datasets
-from loadgen.workloads import WorkloadSpec, arrival_times, make_workload, model_info
+from pdserve.loadgen import datasets
+from pdserve.loadgen.workloads import WorkloadSpec, arrival_times, make_workload, model_info
 
 LIMIT = 200  # ShareGPT conversations read by these tests
 

@@ -4,7 +4,7 @@ counts the published ones (model cards; Gemma ties its embedding to the LM head,
 
 import pytest
 
-from planner.model_shape import get_model
+from pdserve.planner.model_shape import get_model
 
 # name -> (billions of parameters as published, embedding tied to the LM head)
 PUBLISHED = {

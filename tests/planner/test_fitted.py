@@ -2,8 +2,8 @@
 
 import pytest
 
-from planner.fitted import FittedCost, fit_linear
-from planner.profile import ProfileConfig, profile
+from pdserve.planner.fitted import FittedCost, fit_linear
+from pdserve.planner.profile import ProfileConfig, profile
 
 
 def test_fit_recovers_linear():

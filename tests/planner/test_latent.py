@@ -2,13 +2,13 @@
 
 import pytest
 
-from cluster.cli import main
-from planner.attention import GroupedAttention, LatentAttention
-from planner.cluster_spec import ClusterSpec, PoolSpec
-from planner.hardware import Hardware
-from planner.model_shape import PRESETS, ModelShape, get_model
-from planner.roofline import RooflineCost
-from planner.simulator import simulate
+from pdserve.cluster.cli import main
+from pdserve.planner.attention import GroupedAttention, LatentAttention
+from pdserve.planner.cluster_spec import ClusterSpec, PoolSpec
+from pdserve.planner.hardware import Hardware
+from pdserve.planner.model_shape import PRESETS, ModelShape, get_model
+from pdserve.planner.roofline import RooflineCost
+from pdserve.planner.simulator import simulate
 
 D = 128  # d_h
 
@@ -180,7 +180,7 @@ def test_the_engines_own_latent_models_plan_with_the_bytes_they_allocate(tmp_pat
     """``ModelShape.from_model_config`` (how a served profile's model reaches the planner)
     of the engine's tiny MLA / GLA / GTA checkpoints: per-device KV bytes per token equal
     the bytes the engine's cache holds per token on one rank."""
-    from engine.llm import LLM
+    from pdserve.engine.llm import LLM
     from tests.latent_reference import save_tiny_gla, save_tiny_gta
     from tests.tiny_models import save_tiny_deepseek
 

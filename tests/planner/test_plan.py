@@ -6,9 +6,9 @@ import time
 
 import yaml
 
-from cluster.cli import main
-from cluster.config_loader import load_config
-from planner.cluster_spec import ClusterSpec, PoolSpec
+from pdserve.cluster.cli import main
+from pdserve.cluster.config_loader import load_config
+from pdserve.planner.cluster_spec import ClusterSpec, PoolSpec
 
 OPT_13B = {
     "model_type": "opt",
@@ -85,8 +85,8 @@ def test_plan_errors(capsys):
 
 
 def test_hybrid_candidates_and_config():
-    from loadgen.metrics import SLO
-    from planner.search import SearchConfig, candidates
+    from pdserve.loadgen.metrics import SLO
+    from pdserve.planner.search import SearchConfig, candidates
 
     phase = {("prefill", 1): 2.0, ("decode", 1): 3.0, ("colocated", 1): 1.0}
     cfg = SearchConfig(devices=2, slo=SLO(ttft_ms=500, tpot_ms=80), modes=("hybrid",))

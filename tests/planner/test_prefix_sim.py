@@ -4,11 +4,11 @@ where each policy sends it. Every number is computed by hand in the comments."""
 
 import pytest
 
-from loadgen.workloads import WorkloadSpec
-from planner.cluster_spec import ClusterSpec, PoolSpec
-from planner.prefix import PrefixLRU, SimInput
-from planner.simulator import simulate
-from planner.workload import sim_inputs
+from pdserve.loadgen.workloads import WorkloadSpec
+from pdserve.planner.cluster_spec import ClusterSpec, PoolSpec
+from pdserve.planner.prefix import PrefixLRU, SimInput
+from pdserve.planner.simulator import simulate
+from pdserve.planner.workload import sim_inputs
 from tests.planner.costs import LinearCost
 
 POOL = PoolSpec(block_size=4, kv_blocks=64)

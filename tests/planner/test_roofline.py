@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.config import ModelConfig
-from planner.hardware import Hardware, get_hardware, this_cpu
-from planner.model_shape import PRESETS, ModelShape, get_model
-from planner.roofline import RooflineCost
+from pdserve.engine.config import ModelConfig
+from pdserve.planner.hardware import Hardware, get_hardware, this_cpu
+from pdserve.planner.model_shape import PRESETS, ModelShape, get_model
+from pdserve.planner.roofline import RooflineCost
 
 TOY = ModelShape(
     "toy",

@@ -8,10 +8,10 @@ import json
 import pytest
 import yaml
 
-from cluster.cli import main
-from loadgen.workloads import WorkloadSpec, make_workload, model_info
-from planner.fitted import FittedCost
-from planner.served import fit_served
+from pdserve.cluster.cli import main
+from pdserve.loadgen.workloads import WorkloadSpec, make_workload, model_info
+from pdserve.planner.fitted import FittedCost
+from pdserve.planner.served import fit_served
 from tests.cluster.helpers import make_chat_model, small_cluster_config
 from tests.cluster.test_disagg import disagg_config
 

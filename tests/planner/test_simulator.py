@@ -2,9 +2,9 @@
 
 import pytest
 
-from loadgen.metrics import SLO, summarize
-from planner.cluster_spec import ClusterSpec, PoolSpec
-from planner.simulator import simulate
+from pdserve.loadgen.metrics import SLO, summarize
+from pdserve.planner.cluster_spec import ClusterSpec, PoolSpec
+from pdserve.planner.simulator import simulate
 from tests.planner.costs import LinearCost
 
 DISAGG = ClusterSpec("disaggregated", PoolSpec(), PoolSpec())
@@ -93,8 +93,8 @@ def test_request_larger_than_cache_fails():
 
 
 def test_simulate_bench_replays_the_bench_requests():
-    from loadgen.workloads import WorkloadSpec
-    from planner.validate import simulate_bench
+    from pdserve.loadgen.workloads import WorkloadSpec
+    from pdserve.planner.validate import simulate_bench
 
     spec = WorkloadSpec("longprompt", long_prompt_mean=64, long_output_mean=8, dataset_limit=200)
     out, result = simulate_bench(

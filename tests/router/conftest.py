@@ -15,7 +15,7 @@ def chat_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="package")
 def cluster(chat_model):
-    from cluster import launch
+    from pdserve.cluster import launch
 
     c = launch(small_cluster_config(chat_model))
     yield c
@@ -24,7 +24,7 @@ def cluster(chat_model):
 
 @pytest.fixture(scope="package")
 def client(cluster):
-    from router.client import RouterClient
+    from pdserve.router.client import RouterClient
 
     with RouterClient(cluster.address) as c:
         yield c

@@ -43,7 +43,7 @@ def pdserve_up(
     path.write_text(yaml.safe_dump(config))
     ray_base = tempfile.mkdtemp(prefix="pdu-", dir="/tmp")  # short: Ray's socket paths
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", str(path)],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", str(path)],
         cwd=ROOT,
         env={**os.environ, "PDSERVE_RAY_TMPDIR": ray_base, **(env or {})},
         stdout=subprocess.PIPE,

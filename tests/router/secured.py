@@ -65,7 +65,7 @@ def start(model: str, folder: Path, **router) -> Secured:
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", str(path)],
+        [sys.executable, "-m", "pdserve.cluster.cli", "up", str(path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

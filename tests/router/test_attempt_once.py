@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.sampling_params import SamplingParams
-from router.disagg import Disaggregated
-from router.instances import Instance
-from router.placement import RouterHooks
-from router.policies import make_policy
-from router.stream import RequestStream
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.disagg import Disaggregated
+from pdserve.router.instances import Instance
+from pdserve.router.placement import RouterHooks
+from pdserve.router.policies import make_policy
+from pdserve.router.stream import RequestStream
 
 
 def instance(name: str, role: str, index: int, aborted: list) -> Instance:

@@ -6,11 +6,11 @@ whichever path ends it."""
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from router.attempt_record import AttemptRecord
-from router.instances import Instance
-from router.policies import CacheAware
-from router.stream import RequestStream
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.attempt_record import AttemptRecord
+from pdserve.router.instances import Instance
+from pdserve.router.policies import CacheAware
+from pdserve.router.stream import RequestStream
 
 
 def test_an_attempt_is_retired_once_and_a_failure_moves_the_next_one_off_its_pair():
@@ -69,7 +69,7 @@ def test_queued_prompt_tokens_are_charged_and_discharged_once_per_attempt():
 
 
 def test_a_cache_aware_choice_reads_copies_of_the_loads():
-    from router.placement import Colocated, RouterHooks
+    from pdserve.router.placement import Colocated, RouterHooks
 
     def unexpected(*args) -> bool:
         raise AssertionError(f"unexpected call to the router core: {args}")
@@ -87,8 +87,8 @@ def test_a_cache_aware_choice_reads_copies_of_the_loads():
 
 
 def test_the_clock_is_written_by_the_stream_placing_it_and_delivering_to_it():
-    from router.clock import Clock
-    from router.stream import Delta
+    from pdserve.router.clock import Clock
+    from pdserve.router.stream import Delta
 
     firsts: list[int] = []
     stream = RequestStream("r", [1, 2, 3], SamplingParams(max_tokens=4), clock=Clock(0.0, 1.0))

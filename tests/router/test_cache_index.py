@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from engine.block_hash import block_hashes
-from engine.block_manager import BlockManager, CacheEvents
-from instance.cache_log import CacheLog
-from instance.messages import CacheCursor, CacheDelta
-from router.cache_index import CacheIndex
+from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.block_manager import BlockManager, CacheEvents
+from pdserve.instance.cache_log import CacheLog
+from pdserve.instance.messages import CacheCursor, CacheDelta
+from pdserve.router.cache_index import CacheIndex
 
 BS = 4
 

@@ -16,16 +16,16 @@ import grpc
 import httpx
 import pytest
 
-from engine.sampling_params import SamplingParams
-from router.admission import CallLimit
-from router.auth import ApiKeys
-from router.client import RouterClient
-from router.grpc_api import GrpcApi
-from router.grpc_gate import peer_address
-from router.http_api import HttpApi
-from router.http_gate import HttpTimeouts
-from router.metrics import RouterMetrics
-from router.stream import Delta, RequestStream
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.admission import CallLimit
+from pdserve.router.auth import ApiKeys
+from pdserve.router.client import RouterClient
+from pdserve.router.grpc_api import GrpcApi
+from pdserve.router.grpc_gate import peer_address
+from pdserve.router.http_api import HttpApi
+from pdserve.router.http_gate import HttpTimeouts
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.stream import Delta, RequestStream
 
 TIMEOUT_S = 0.5
 TIMEOUTS = HttpTimeouts(header_s=TIMEOUT_S, body_s=TIMEOUT_S, write_s=TIMEOUT_S)

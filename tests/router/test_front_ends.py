@@ -9,12 +9,12 @@ import re
 import grpc
 import pytest
 
-from router.client import make_request
-from router.grpc_api import GRPC_STATUS, generate_request, timings_message
-from router.openai_request import BadRequest, read_request
-from router.openai_shapes import HTTP_STATUS
-from router.request import ChatMessage, GenerateRequest, Refusal, SamplingOptions
-from router.stream import Phases, Timings
+from pdserve.router.client import make_request
+from pdserve.router.grpc_api import GRPC_STATUS, generate_request, timings_message
+from pdserve.router.openai_request import BadRequest, read_request
+from pdserve.router.openai_shapes import HTTP_STATUS
+from pdserve.router.request import ChatMessage, GenerateRequest, Refusal, SamplingOptions
+from pdserve.router.stream import Phases, Timings
 
 
 def test_every_refusal_has_a_grpc_and_an_http_status():

@@ -34,8 +34,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from engine import LLM, SamplingParams
-from router.client import RouterClient
+from pdserve.engine import LLM, SamplingParams
+from pdserve.router.client import RouterClient
 from tests.cluster.helpers import all_blocks_free, small_cluster_config, wait_until
 from tests.router.pdserve_up import pdserve_up
 from tests.tiny_models import TINY_SHAPES, save_tiny_chat_llama
@@ -201,7 +201,7 @@ OK_OR_CLIENTS_FAULT = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
 @st.composite
 def generate_requests(draw):
     """Half of them with values a request may run with, half with any."""
-    from router import pdserve_pb2 as pb
+    from pdserve.router import pdserve_pb2 as pb
 
     runs = draw(st.booleans())
     ascii_id = st.from_regex(r"[ -~]{0,20}", fullmatch=True)
@@ -229,7 +229,7 @@ def generate_requests(draw):
 
 
 def test_hypothesis_fuzzes_grpc_generate(fuzz_cluster):
-    from router import pdserve_pb2_grpc as pb_grpc
+    from pdserve.router import pdserve_pb2_grpc as pb_grpc
 
     channel = grpc.insecure_channel(fuzz_cluster.address)
     stub = pb_grpc.RouterStub(channel)

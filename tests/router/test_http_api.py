@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 IDS = [5, 9, 33, 81, 17, 4, 60]
 
@@ -93,9 +93,9 @@ def test_health_and_prometheus_metrics(cluster):
 
 
 def test_bench_endpoint_client_measures_our_server(cluster):
-    from loadgen.endpoint import EndpointClient
-    from loadgen.metrics import Record
-    from loadgen.workloads import Request
+    from pdserve.loadgen.endpoint import EndpointClient
+    from pdserve.loadgen.metrics import Record
+    from pdserve.loadgen.workloads import Request
 
     client = EndpointClient(f"http://{cluster.http_address}")
     record = Record(index=0, sent_s=0.0, prompt_tokens=len(IDS), output_len=6)
@@ -122,7 +122,7 @@ def test_hostile_sampling_values_fail_alone(cluster, chat_model, offline):
     instances; those finish intact."""
     import grpc
 
-    from router.client import RouterClient
+    from pdserve.router.client import RouterClient
 
     prompts = [[5 + i, 9, 33, 81] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

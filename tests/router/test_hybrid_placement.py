@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from router.hybrid import Hybrid
-from router.instances import Instance
-from router.placement import RouterHooks
-from router.policies import make_policy
-from router.prefill_choice import LOCAL, REMOTE, PrefillChoice
-from router.prefill_costs import CostModel
-from router.stream import RequestStream
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.hybrid import Hybrid
+from pdserve.router.instances import Instance
+from pdserve.router.placement import RouterHooks
+from pdserve.router.policies import make_policy
+from pdserve.router.prefill_choice import LOCAL, REMOTE, PrefillChoice
+from pdserve.router.prefill_costs import CostModel
+from pdserve.router.stream import RequestStream
 
 
 def instance(name: str, role: str, index: int, sent: list) -> Instance:

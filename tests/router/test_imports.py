@@ -12,9 +12,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER = ROOT / "router"
-GRPC = ("grpc", "google.protobuf", "router.pdserve_pb2")  # grpc_health, the stubs included
+GRPC = ("grpc", "google.protobuf", "pdserve.router.pdserve_pb2")  # grpc_health, the stubs included
 WIRE = (*GRPC, "aiohttp")
-FRONT_ENDS = ("router.grpc_api", "router.http_api", "router.server")
+FRONT_ENDS = ("pdserve.router.grpc_api", "pdserve.router.http_api", "pdserve.router.server")
 
 
 def _imports(path: Path) -> set[str]:
@@ -33,7 +33,10 @@ def _imports(path: Path) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     """Router module -> everything it imports (the generated stubs are not sources)."""
     files = [p for p in ROUTER.glob("*.py") if "_pb2" not in p.name]
-    return {"router" if p.stem == "__init__" else f"router.{p.stem}": _imports(p) for p in files}
+    return {
+        "pdserve.router" if p.stem == "__init__" else f"pdserve.router.{p.stem}": _imports(p)
+        for p in files
+    }
 
 
 def _router_deps(graph, module: str) -> set[str]:
@@ -79,31 +82,41 @@ def _fresh_modules(statement: str) -> list[str]:
 
 def test_no_import_cycles_among_router_modules():
     graph = _graph()
-    assert {"router.core", "router.grpc_api", "router.http_api", "router.server"} <= set(graph)
+    assert {
+        "pdserve.router.core",
+        "pdserve.router.grpc_api",
+        "pdserve.router.http_api",
+        "pdserve.router.server",
+    } <= set(graph)
     cycles = [" -> ".join(c) for m in sorted(graph) if (c := _cycle(graph, m))]
     assert cycles == []
 
 
 def test_the_core_imports_no_front_end_and_no_wire_format():
     graph = _graph()
-    for module in ("router.core", "router.request", "router.stream", "router.validation"):
+    for module in (
+        "pdserve.router.core",
+        "pdserve.router.request",
+        "pdserve.router.stream",
+        "pdserve.router.validation",
+    ):
         reached = {module} | _closure(graph, module)
         assert not reached & set(FRONT_ENDS), (module, reached)
         wire = {n for m in reached for n in graph[m] if n.startswith(WIRE)}
         assert not wire, f"{module} reaches {sorted(wire)}"
-    loaded = _fresh_modules("import router.core")
+    loaded = _fresh_modules("import pdserve.router.core")
     assert not [m for m in loaded if m.startswith(WIRE)]
 
 
 def test_the_front_ends_do_not_import_each_other():
     graph = _graph()
-    assert "router.http_api" not in _closure(graph, "router.grpc_api")
-    http = {"router.http_api"} | _closure(graph, "router.http_api")
-    assert "router.grpc_api" not in http
+    assert "pdserve.router.http_api" not in _closure(graph, "pdserve.router.grpc_api")
+    http = {"pdserve.router.http_api"} | _closure(graph, "pdserve.router.http_api")
+    assert "pdserve.router.grpc_api" not in http
     assert not {n for m in http for n in graph[m] if n.startswith(GRPC)}
 
 
 def test_router_client_loads_neither_torch_nor_the_engine():
-    loaded = _fresh_modules("from router.client import RouterClient")
-    assert "router.client" in loaded
-    assert [m for m in loaded if m.split(".")[0] == "torch" or m.startswith("engine")] == []
+    loaded = _fresh_modules("from pdserve.router.client import RouterClient")
+    assert "pdserve.router.client" in loaded
+    assert [m for m in loaded if m.split(".")[0] == "torch" or m.startswith("pdserve.engine")] == []

@@ -13,15 +13,15 @@ import grpc
 import httpx
 import pytest
 
-from router import pdserve_pb2 as pb
-from router.admission import CallLimit
-from router.client import RouterClient
-from router.grpc_api import GrpcApi
-from router.http_api import HttpApi
-from router.incidents import one_line
-from router.metrics import RouterMetrics
-from router.request import Refusal, Refused
-from router.stream import Delta, RequestStream
+from pdserve.router import pdserve_pb2 as pb
+from pdserve.router.admission import CallLimit
+from pdserve.router.client import RouterClient
+from pdserve.router.grpc_api import GrpcApi
+from pdserve.router.http_api import HttpApi
+from pdserve.router.incidents import one_line
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.request import Refusal, Refused
+from pdserve.router.stream import Delta, RequestStream
 
 SECRET = "secret-internal-state\nTraceback (most recent call last):\n  File 'x.py'"
 

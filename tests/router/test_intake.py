@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from router.intake import INLINE_IDS, Intake
-from router.request import GenerateRequest, Refused
-from router.validation import ModelLimits, RequestValidator
+from pdserve.router.intake import INLINE_IDS, Intake
+from pdserve.router.request import GenerateRequest, Refused
+from pdserve.router.validation import ModelLimits, RequestValidator
 
 CONFIG = dict(
     max_prompt_tokens=8,

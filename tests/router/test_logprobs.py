@@ -10,7 +10,7 @@ import grpc
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 IDS = [5, 9, 33, 81, 17, 4, 60]
 MESSAGES = [{"role": "user", "content": "Name a colour."}]

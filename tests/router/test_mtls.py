@@ -14,11 +14,11 @@ import httpx
 import pytest
 import trustme
 
-from router.admission import CallLimit
-from router.client import RouterClient
-from router.grpc_api import GrpcApi
-from router.http_api import HttpApi
-from router.metrics import RouterMetrics
+from pdserve.router.admission import CallLimit
+from pdserve.router.client import RouterClient
+from pdserve.router.grpc_api import GrpcApi
+from pdserve.router.http_api import HttpApi
+from pdserve.router.metrics import RouterMetrics
 
 
 class ServingCore:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from router.openai_fields import CHAT_FIXED, COMPLETIONS_FIXED
+from pdserve.router.openai_fields import CHAT_FIXED, COMPLETIONS_FIXED
 
 IDS = [5, 9, 33, 81]
 # one value per unimplemented field that asks for what pdserve does not do

@@ -14,8 +14,8 @@ import pytest
 import schemathesis
 import yaml
 
-from router import openai_fields as f
-from router.openai_request import BadRequest, read_request
+from pdserve.router import openai_fields as f
+from pdserve.router.openai_request import BadRequest, read_request
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "docs" / "openapi.yaml"

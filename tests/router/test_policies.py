@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import AdmissionQueue
-from router.policies import (
+from pdserve.router.admission import AdmissionQueue
+from pdserve.router.policies import (
     POLICIES,
     CacheAware,
     InstanceLoad,
@@ -106,8 +106,8 @@ def test_every_attempt_has_an_id_of_its_own_even_when_a_request_id_comes_back():
     """An abort that reaches an instance after its attempt ended is kept there as an
     early abort: it must never match a later attempt, of the same request or of a new
     request that reuses the request id."""
-    from router.placement import Colocated, RouterHooks
-    from router.stream import RequestStream
+    from pdserve.router.placement import Colocated, RouterHooks
+    from pdserve.router.stream import RequestStream
 
     hooks = RouterHooks(migrate=unexpected, requeue=unexpected, ended=unexpected)
     placement = Colocated(hooks, instances=[], policy=RoundRobin())
@@ -125,11 +125,11 @@ def test_every_attempt_has_an_id_of_its_own_even_when_a_request_id_comes_back():
 def test_disaggregated_placement_scores_prefill_and_decode_by_their_cached_prefix():
     """The router's views (no Ray): prefill-1 and decode-0 hold the prompt's first 6
     blocks; cache_aware picks them, least_loaded keeps its own choices."""
-    from engine.block_hash import block_hashes
-    from router.disagg import Disaggregated
-    from router.instances import Instance
-    from router.placement import RouterHooks
-    from router.stream import RequestStream
+    from pdserve.engine.block_hash import block_hashes
+    from pdserve.router.disagg import Disaggregated
+    from pdserve.router.instances import Instance
+    from pdserve.router.placement import RouterHooks
+    from pdserve.router.stream import RequestStream
 
     prompt = list(range(3, 3 + 8 * 16 + 5))
     names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from router.prefill_choice import (
+from pdserve.router.prefill_choice import (
     LOCAL,
     REASONS,
     REMOTE,
@@ -15,7 +15,7 @@ from router.prefill_choice import (
     PrefillInputs,
     choose_prefill,
 )
-from router.prefill_costs import CostModel
+from pdserve.router.prefill_costs import CostModel
 
 # 1 ms per prompt token on either side, steps of 20 ms (decode) and 10 ms (prefill)
 # beside their prompt tokens, 0.1 ms per token of KV

@@ -9,9 +9,9 @@ import logging
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from router.request_log import JsonFormatter, configure, log_request
-from router.stream import Delta, RequestStream
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.request_log import JsonFormatter, configure, log_request
+from pdserve.router.stream import Delta, RequestStream
 
 
 def finished_stream() -> RequestStream:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from router.metrics import REFUSAL_REASONS, RouterMetrics, token_gaps
-from router.request import Refusal
+from pdserve.router.metrics import REFUSAL_REASONS, RouterMetrics, token_gaps
+from pdserve.router.request import Refusal
 
 ROUTER = Path(__file__).resolve().parents[2] / "router"
 

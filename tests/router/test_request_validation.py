@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from instance import feed
-from instance.messages import Attempt
-from router.request import ChatMessage, GenerateRequest, SamplingOptions
-from router.validation import InvalidRequest, ModelLimits, RequestValidator
+from pdserve.instance import feed
+from pdserve.instance.messages import Attempt
+from pdserve.router.request import ChatMessage, GenerateRequest, SamplingOptions
+from pdserve.router.validation import InvalidRequest, ModelLimits, RequestValidator
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ TEMPLATES = {
 def test_a_chat_template_failing_on_the_messages_is_invalid(tmp_path, template):
     """Whatever a model's template raises on a request's messages refuses that request
     (INVALID, naming the failure in one line), never the router."""
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
     from tests.tiny_models import save_byte_tokenizer
 
     save_byte_tokenizer(tmp_path)

@@ -8,7 +8,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster.config import RouterConfig
+from pdserve.cluster.config import RouterConfig
 
 DEFAULTS = RouterConfig()
 

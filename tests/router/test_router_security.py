@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from router.client import RouterClient
+from pdserve.router.client import RouterClient
 from tests.cluster.helpers import refusals
 from tests.router import secured
 
@@ -215,7 +215,7 @@ def test_one_key_holds_at_most_its_share_of_calls(server):
 def test_the_cli_passes_the_key_and_the_ca(server):
     def cli(*args: str) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-        command = [sys.executable, "-m", "cluster.cli", *args, "--router", server.address]
+        command = [sys.executable, "-m", "pdserve.cluster.cli", *args, "--router", server.address]
         return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
 
     ok = cli("stats", "--api-key", ALPHA, "--ca-file", server.ca_file)
@@ -227,8 +227,8 @@ def test_the_cli_passes_the_key_and_the_ca(server):
 
 
 def test_the_cluster_handle_s_client_brings_the_key_and_tls(server, monkeypatch):
-    from cluster.config_loader import load_config
-    from cluster.launcher import Cluster
+    from pdserve.cluster.config_loader import load_config
+    from pdserve.cluster.launcher import Cluster
 
     config = load_config(server.folder / "secured.yaml")
     monkeypatch.setenv("PDSERVE_CA_FILE", server.ca_file)

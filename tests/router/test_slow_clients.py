@@ -27,7 +27,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster.config import RouterConfig
+from pdserve.cluster.config import RouterConfig
 from tests.cluster.helpers import refusals, wait_until
 
 DEFAULTS = RouterConfig()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from engine.sampling_params import SamplingParams
-from router.stall import StallWatch
-from router.stream import Delta, RequestStream
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.stall import StallWatch
+from pdserve.router.stream import Delta, RequestStream
 
 
 def stream(request_id: str) -> RequestStream:
