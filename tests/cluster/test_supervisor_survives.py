@@ -279,8 +279,17 @@ def test_a_call_waits_on_an_adoption_at_most_adopt_timeout_s(chat_model):
                 os.kill(router, signal.SIGCONT)
         assert 2.0 <= took < 15, took
         assert set(cluster.workers) == names
-        # the router answers again: the supervisor adopts, then watches (an instance
-        # killed now is restarted)
+        # the router answers again (its keeper may have replaced the stopped one): the
+        # supervisor adopts, then watches (an instance killed now is restarted)
+
+        def router_answers() -> bool:
+            try:
+                cluster.stats()
+            except ray.exceptions.RayError:
+                return False
+            return True
+
+        assert wait_until(router_answers, 60, interval_s=0.2)
         victim, pid = next(iter(instance_pids(cluster).items()))
         os.kill(pid, signal.SIGKILL)
         assert back_in_service(cluster, victim)["restarts"] == 1
