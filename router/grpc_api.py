@@ -196,6 +196,24 @@ class RouterService(pb_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
+
+        async def opened(owner: str, deadline: float | None) -> RequestStream:
+            return await self.core.open_stream(generate_request(request), arrival, deadline, owner)
+
+        await self._stream_call("Generate", request, context, opened)
+
+    async def Resume(self, request, context):
+        """A rebuilt request's tokens after ``request.after``, then the rest (as Generate)."""
+
+        async def opened(owner: str, deadline: float | None) -> RequestStream:
+            return self.core.resume(request.request_id, request.after, owner, deadline)
+
+        await self._stream_call("Resume", request, context, opened)
+
+    async def _stream_call(self, name: str, request, context, opened) -> None:
+        """What a streaming call does around ``opened(owner, deadline)``, its stream: the
+        request parsed, a place in ``core.calls`` held to its end, the call's deadline the
+        stream's, a refusal answered with its status, anything else INTERNAL."""
         if isinstance(request, Unparsable):
             self.core.metrics.refused("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -205,38 +223,14 @@ class RouterService(pb_grpc.RouterServicer):
             with self.core.calls.call(owner, address):
                 left = context.time_remaining()  # None: the call has no deadline
                 deadline = None if left is None else time.monotonic() + left
-                stream = await self.core.open_stream(
-                    generate_request(request), arrival, deadline, owner
-                )
-                await self._relay(stream, context)
+                await self._relay(await opened(owner, deadline), context)
         except Refused as e:
             self.core.metrics.refused(e.reason)
             await _abort(context, e)
         except grpc.aio.AbortError:
             raise
         except Exception:
-            await context.abort(grpc.StatusCode.INTERNAL, internal_error("Generate"))
-
-    async def Resume(self, request, context):
-        """A rebuilt request's tokens after ``request.after``, then the rest (as Generate)."""
-        if isinstance(request, Unparsable):
-            self.core.metrics.refused("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        owner = _owner(self.keys, context)
-        address = None if self.keys.enabled else peer_address(context.peer())
-        try:
-            with self.core.calls.call(owner, address):
-                left = context.time_remaining()
-                deadline = None if left is None else time.monotonic() + left
-                stream = self.core.resume(request.request_id, request.after, owner, deadline)
-                await self._relay(stream, context)
-        except Refused as e:
-            self.core.metrics.refused(e.reason)
-            await _abort(context, e)
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            await context.abort(grpc.StatusCode.INTERNAL, internal_error("Resume"))
+            await context.abort(grpc.StatusCode.INTERNAL, internal_error(name))
 
     async def _relay(self, stream: RequestStream, context) -> None:
         """The stream's messages to its end (each bounded by ``_write``); ``core.finish``
