@@ -93,7 +93,7 @@ def test_chaos_gate_fails_when_no_fault_fires(chat_model, tmp_path, capsys):
 @pytest.mark.timeout(420)
 def test_chaos_kills_the_router_and_it_serves_again(chat_model, tmp_path, capsys):
     code, results = chaos(chat_model, tmp_path, "--requests", "40", "--rate", "3",
-                          "--max-tokens", "16", "--kill-every", "5", "--role", "router",
+                          "--max-tokens", "16", "--kill-every", "10", "--role", "router",
                           "--signal", "KILL", "--settle-s", "90")  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0, printed
