@@ -93,7 +93,10 @@ def adopt(config: ClusterConfig, views: dict[str, dict]) -> Iterator[Adopted]:
     for role, index, pool, engine in planned(config):
         name = f"{role}-{index}"
         view = views.get(name, {"state": "serving", "restarts": 0})
-        handles = find_instance(name, role, pool.tensor_parallel)
+        try:
+            handles, lookup = find_instance(name, role, pool.tensor_parallel), None
+        except Exception as e:  # Ray could not say (its GCS busy): restarted to be sure
+            handles, lookup = None, first_line(e)
         generation = view["restarts"]
         found = handles or InstanceHandles(name, role, None)
         s = Supervised(role, index, pool, engine, found, generation, restarts=generation)
@@ -102,6 +105,7 @@ def adopt(config: ClusterConfig, views: dict[str, dict]) -> Iterator[Adopted]:
             s.state = "failed"
         elif handles is None:
             problem = f"instance {name}: a part of it is gone (found by a restarted supervisor)"
+            problem += f": {lookup}" if lookup else ""
         elif view["state"] == "restarting":
             problem = f"instance {name}: its restart was under way when the supervisor died"
         yield Adopted(s, problem)

@@ -208,6 +208,8 @@ class Supervisor:
                 self.instances[s.name] = s
             if found.problem is not None:
                 self._failed(s.name, s.generation, found.problem)
+        # an instance found whole may die while the others are found: the watch's pings
+        # see it (the router's report of it may have come before its record existed)
         if views and all(v["state"] != "starting" for v in views.values()):
             self._start_watching(self._routers())
 
@@ -229,7 +231,10 @@ class Supervisor:
     # ---- failures ----
 
     def report(self, name: str, generation: int, why: str) -> None:
-        """The router saw generation ``generation`` of ``name`` fail (its feed ended)."""
+        """The router saw generation ``generation`` of ``name`` fail (its feed ended). A
+        restarted supervisor takes it once it holds the instances again: a report that
+        came before would find no record and be lost."""
+        self._adopted()
         self._failed(name, generation, why)
 
     def _watch(self) -> None:

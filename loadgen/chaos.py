@@ -249,6 +249,7 @@ def run(
             sys.stderr.write("\n")
         load_s = time.monotonic() - start
         settled = settle(cluster, sampler, args.settle_s)  # the sampler records the recovery on
+        sampler.stop()  # its last sample is taken now: after settle saw the cluster settled
         checked = integrity([t.name for t in all_targets if t.instance])
     finally:
         if killer.is_alive():

@@ -145,7 +145,11 @@ class Sampler(threading.Thread):
             t = round(time.monotonic() - self.start_t, 3)
             self.samples.append(sample(self.router, t, self.control))
             if self._halt.wait(self.interval_s):
-                return
+                break
+        # one more at the stop: the caller stops it once it saw the cluster settled,
+        # which may be after the sample before (a recovery in between would be missed)
+        t = round(time.monotonic() - self.start_t, 3)
+        self.samples.append(sample(self.router, t, self.control))
 
 
 def recovery(kill_t: float, victim: str, samples: list[Sample]) -> dict:

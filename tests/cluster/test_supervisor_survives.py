@@ -101,6 +101,15 @@ def supervisor_pid(cluster, timeout_s: float) -> int:
     return ray.get(cluster.supervisor.ping.remote(), timeout=timeout_s)["pid"]
 
 
+def new_supervisor(cluster, old: int) -> int | None:
+    """The pid of a supervisor process other than ``old`` that answers now, else None."""
+    try:
+        pid = supervisor_pid(cluster, 1.0)
+    except (ray.exceptions.RayError, TimeoutError):
+        return None
+    return pid if pid != old else None
+
+
 def instance_pids(cluster) -> dict[str, int]:
     return {n: ray.get(h.ready.remote(), timeout=30)["pid"] for n, h in cluster.workers.items()}
 
@@ -133,14 +142,7 @@ def signal_the_supervisor(cluster, sig: int, back_within_s: float) -> None:
             signalled = time.monotonic()
             in_flight = sum(r[0].end is None for r in streams.rounds)
 
-            def answered():
-                try:
-                    pid = supervisor_pid(cluster, 1.0)
-                except (ray.exceptions.RayError, TimeoutError):
-                    return None
-                return pid if pid != old else None
-
-            new = wait_until(answered, back_within_s + 20, interval_s=0.1)
+            new = wait_until(lambda: new_supervisor(cluster, old), back_within_s + 20, 0.1)
             back = time.monotonic()
         finally:
             streams.stop(120)
