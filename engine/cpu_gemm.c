@@ -330,8 +330,15 @@ static void expand(int format, const uint8_t *src, int64_t kn, float *dst,
  * each block, so that a block's x and accumulators stay in L2 while the panels pass */
 #define ROW_BLOCK 256
 
+/* A thread's scratch: its chunk, SKEW floats, its accumulators, SKEW floats; the next
+ * thread's follows. Without the skew the buffers of every thread, and a thread's chunk
+ * and accumulators, sit at one offset modulo 4 KiB, and a thread's stores alias the
+ * loads of a thread on the same core (two vCPUs of a VM may share one: SMT siblings),
+ * which slowed each thread of the tiled path by a fifth (docs/performance.md). */
+#define SKEW 272 /* floats: 17 cache lines */
+
 int64_t gemm_scratch_floats(int64_t M, int num_threads) {
-    return num_threads * (CHUNK + (M < ROW_BLOCK ? M : ROW_BLOCK)) * PANEL;
+    return num_threads * ((CHUNK + (M < ROW_BLOCK ? M : ROW_BLOCK)) * PANEL + 2 * SKEW);
 }
 
 /* acc[M][PANEL] -> columns p * PANEL .. of y (those below N) */
@@ -379,7 +386,7 @@ void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format,
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_WORK)
     {
         float *chunk = scratch + gemm_scratch_floats(M, 1) * omp_get_thread_num();
-        float *acc = chunk + CHUNK * PANEL; /* [min(M, ROW_BLOCK)][PANEL] */
+        float *acc = chunk + CHUNK * PANEL + SKEW; /* [min(M, ROW_BLOCK)][PANEL] */
         if (M <= DIRECT_M) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < count; p++) {

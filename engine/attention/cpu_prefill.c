@@ -72,12 +72,6 @@ struct task {
     int64_t kv_head, g0, t0;
 };
 
-static inline const float *key_row(const struct prefill *p, const float *cache, int64_t l,
-                                   int64_t kv_head) {
-    const int64_t slot = p->table[l / p->block_size] * p->block_size + l % p->block_size;
-    return cache + (slot * p->num_kv_heads + kv_head) * p->head_dim;
-}
-
 /* Lanes that do not see key l: past their position pos, or before their window's
  * first position lo. */
 static inline vni hidden(vni pos, vni lo, int64_t l) {
@@ -182,10 +176,18 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
     for (int64_t k0 = begin; k0 <= last; k0 += KEYS) {
         const int64_t reach = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
         const int64_t nk = (reach + KEY_ROWS - 1) / KEY_ROWS * KEY_ROWS;
+        /* the tile's rows, walking the block table (no division per key); keys past
+         * the last repeat it, masked below */
+        int64_t block = k0 / p->block_size, slot = k0 % p->block_size;
         for (int64_t j = 0; j < nk; j++) {
-            const int64_t l = k0 + j <= last ? k0 + j : last; /* masked below */
-            keys[j] = key_row(p, p->k_cache, l, w.kv_head);
-            values[j] = key_row(p, p->v_cache, l, w.kv_head);
+            if (k0 + j <= last) {
+                const int64_t at = (p->table[block] * p->block_size + slot) * p->num_kv_heads;
+                keys[j] = p->k_cache + (at + w.kv_head) * p->head_dim;
+                values[j] = p->v_cache + (at + w.kv_head) * p->head_dim;
+                if (++slot == p->block_size) block++, slot = 0;
+            } else {
+                keys[j] = keys[j - 1], values[j] = values[j - 1];
+            }
         }
         const int masked = k0 + nk - 1 > first + w.t0 || k0 < shared_from;
         vn tile_top[VECS];
