@@ -310,16 +310,7 @@ class Receiving(Component):
             "cached_tokens": h.cached_tokens,
             "kv_cached_tokens": dst.cached_blocks * self.layout.block_size,
         }
-        return [
-            Update(
-                attempt.id,
-                out.new_token_ids,
-                out.new_text,
-                out.finish_reason,
-                info=info,
-                logprobs=out.new_logprobs,
-            )
-        ]
+        return [Update.of(attempt.id, out, info)]
 
     def _release(self, attempt_id: str, free: bool = True) -> None:
         """Take the transfer out of every rank's receiver; with ``free``, then its blocks

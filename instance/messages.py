@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.outputs import Logprobs
+from pdserve.engine.outputs import Logprobs, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -80,6 +80,19 @@ class Update:
     info: dict = field(default_factory=dict)
     # one per token of ``token_ids`` when the request asked for logprobs, else None
     logprobs: list[Logprobs] | None = None
+
+    @classmethod
+    def of(cls, request_id: str, out: RequestOutput, info: dict) -> Update:
+        """Engine output ``out`` (its new tokens and text, its end, their logprobs) as
+        attempt ``request_id``'s update."""
+        return cls(
+            request_id,
+            out.new_token_ids,
+            out.new_text,
+            out.finish_reason,
+            info=info,
+            logprobs=out.new_logprobs,
+        )
 
     @property
     def final(self) -> bool:

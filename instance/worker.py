@@ -553,16 +553,7 @@ class EngineWorker:
             # when 0 (a decode instance's handed-over request leaves the prefill's figure)
             hit = o.num_cached_tokens if o.finish_reason else 0
             info = {"cached_tokens": hit} if hit else {}
-            out.append(
-                Update(
-                    o.request_id,
-                    o.new_token_ids,
-                    o.new_text,
-                    o.finish_reason,
-                    info=info,
-                    logprobs=o.new_logprobs,
-                )
-            )
+            out.append(Update.of(o.request_id, o, info))
         return out
 
     def _last_chunk(self) -> LastChunkHook | None:

@@ -145,9 +145,9 @@ class GlooSender(KVSender[GlooOutgoing]):
             join.gen,
             join.layout.SerializeToString(deterministic=True),
         )
-        store.queue_push("kv/joins", join.SerializeToString())
         prefix = f"pair/{join.name}/{join.rank}/{join.gen}"
-        try:
+        try:  # the receiver may die between its card and the join: the same peer failure
+            store.queue_push("kv/joins", join.SerializeToString())
             form = min(self.connect_timeout, wire.PAIR_FORM)
             pg = self.group.make_group(PrefixStore(prefix, store), 0, self.advertise, form)
         except Exception as e:  # noqa: BLE001

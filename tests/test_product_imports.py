@@ -6,23 +6,13 @@ kv_transfer/ (the transport library) imports neither the engine nor the serving 
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from tests.module_imports import imports
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("engine", "instance", "kernels", "cluster", "router", "prefill_worker", "decode_worker",
            "kv_transfer", "rendezvous", "planner", "loadgen")  # fmt: skip
-
-
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, at any depth of its code."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
 
 
 def _crossings(packages: tuple[str, ...], into: tuple[str, ...]) -> set[tuple[str, str]]:
@@ -30,7 +20,7 @@ def _crossings(packages: tuple[str, ...], into: tuple[str, ...]) -> set[tuple[st
     found = set()
     for package in packages:
         for path in (ROOT / package).rglob("*.py"):
-            for name in _imports(path):
+            for name in imports(path):
                 if name.removeprefix("pdserve.").split(".")[0] in into:
                     found.add((path.relative_to(ROOT).as_posix(), name))
     return found

@@ -4,11 +4,12 @@ functions included), and ``RouterClient`` loads neither torch nor the engine."""
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.module_imports import imports
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER = ROOT / "router"
@@ -17,24 +18,11 @@ WIRE = (*GRPC, "aiohttp")
 FRONT_ENDS = ("pdserve.router.grpc_api", "pdserve.router.http_api", "pdserve.router.server")
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, at any depth of its code."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            # ``from router import stream`` imports router.stream
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
-
-
 def _graph() -> dict[str, set[str]]:
     """Router module -> everything it imports (the generated stubs are not sources)."""
     files = [p for p in ROUTER.glob("*.py") if "_pb2" not in p.name]
     return {
-        "pdserve.router" if p.stem == "__init__" else f"pdserve.router.{p.stem}": _imports(p)
+        "pdserve.router" if p.stem == "__init__" else f"pdserve.router.{p.stem}": imports(p)
         for p in files
     }
 
