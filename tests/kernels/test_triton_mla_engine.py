@@ -6,7 +6,7 @@ from paged_cases import DEVICE
 
 from pdserve.engine import LLM, SamplingParams
 
-pytest.importorskip("kernels.paged_latent_decode")
+pytest.importorskip("pdserve.kernels.paged_latent_decode")
 
 # 16-token step budget: the 37-token prompt runs in chunks beside the others' decodes
 PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([37, 5, 16, 23])]
