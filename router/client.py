@@ -54,6 +54,7 @@ __all__ = [
 # the channel's reconnect backoff after losing its router (gRPC's own: 1 s growing to 120 s)
 MIN_RECONNECT_MS = 100
 MAX_RECONNECT_MS = 1000
+UNARY_TIMEOUT_S = 30.0  # Abort and Stats: the most they wait for a connection and answer
 
 
 class RouterClient:
@@ -159,13 +160,17 @@ class RouterClient:
             out.add(chunk)
         return out
 
-    def abort(self, request_id: str) -> bool:
-        """End a request this client's key started; False when there is none."""
+    def abort(self, request_id: str, timeout: float = UNARY_TIMEOUT_S) -> bool:
+        """End a request this client's key started; False when there is none. Like
+        ``stats``, it waits up to ``timeout`` for a connection (``wait_for_ready``): a
+        router restarting, or a handshake slow on a loaded host, is not a failure."""
         request = pb.AbortRequest(request_id=request_id)
-        return self._stub.Abort(request, metadata=self._metadata).found
+        kw = dict(timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+        return self._stub.Abort(request, **kw).found
 
-    def stats(self) -> pb.StatsResponse:
-        return self._stub.Stats(pb.StatsRequest(), metadata=self._metadata)
+    def stats(self, timeout: float = UNARY_TIMEOUT_S) -> pb.StatsResponse:
+        kw = dict(timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+        return self._stub.Stats(pb.StatsRequest(), **kw)
 
     def health(self, service: str = "", timeout: float = 5.0) -> str:
         """SERVING, NOT_SERVING, ... from the standard grpc.health.v1 service."""
@@ -209,12 +214,14 @@ class RouterClient:
             out.add(chunk)
         return out
 
-    async def aabort(self, request_id: str) -> bool:
+    async def aabort(self, request_id: str, timeout: float = UNARY_TIMEOUT_S) -> bool:
         request = pb.AbortRequest(request_id=request_id)
-        return (await self._astub().Abort(request, metadata=self._metadata)).found
+        kw = dict(timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+        return (await self._astub().Abort(request, **kw)).found
 
-    async def astats(self) -> pb.StatsResponse:
-        return await self._astub().Stats(pb.StatsRequest(), metadata=self._metadata)
+    async def astats(self, timeout: float = UNARY_TIMEOUT_S) -> pb.StatsResponse:
+        kw = dict(timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+        return await self._astub().Stats(pb.StatsRequest(), **kw)
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()

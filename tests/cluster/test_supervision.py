@@ -93,7 +93,11 @@ def busiest(cluster, role: str, rank: int = 0) -> tuple[str, int]:
 
 def back_in_service(cluster, victim: str) -> dict:
     def serving():
-        mine = [i for i in cluster.stats()["instances"] if i["name"] == victim]
+        try:
+            instances = cluster.stats()["instances"]
+        except ray.exceptions.RayError:  # the router restarting (its keeper replaced it)
+            return None
+        mine = [i for i in instances if i["name"] == victim]
         return mine[0] if mine[0]["state"] == "serving" and mine[0]["restarts"] >= 1 else None
 
     started = time.monotonic()
