@@ -35,6 +35,9 @@ SLOW_CLIENTS = 4100
 ATTACKER = "127.0.0.2"  # loopback too: the per-address bound tells it from 127.0.0.1
 GREEDY = {"prompt": "hello there", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
 HUGE = 4 * 2**20
+# a greedy stream beside the slow bodies may take this much longer than alone: a stalled
+# router would hold it up to body_timeout_s (60 s by default)
+STALL_S = 5.0
 
 
 def _refused(http: httpx.Client, reason: str) -> float:
@@ -94,7 +97,7 @@ def test_slow_body_connections_leave_other_clients_served(cluster):
     print(f"greedy stream: {unloaded:.3f} s unloaded, {loaded:.3f} s beside them")
     assert refused == over  # the others hold a place each, waiting for their bodies
     assert loaded_texts == texts  # greedy: the same completion, attack or not
-    assert loaded < 2 * unloaded, (loaded, unloaded)
+    assert loaded < unloaded + STALL_S, (loaded, unloaded)
     http.close()
 
 
