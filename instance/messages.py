@@ -11,9 +11,13 @@ prefix cache holds, as changes since the consumer's last poll (instance/cache_lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.outputs import Logprobs, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the router imports these messages without the engine's runtime
+    from pdserve.engine.llm_engine import LLMEngine
 
 
 def attempt_id(request_id: str, attempt: int, serial: str) -> str:
@@ -61,6 +65,19 @@ class Attempt:
     # the router's own record of the request (msgpack; what it needs to rebuild the
     # request's stream after a restart, router/rebuild.py): never read by an instance
     context: bytes = b""
+
+    def queue_in(self, engine: LLMEngine, hand_off: bool = False) -> None:
+        """Queue this attempt's prompt (and what its client already has) in ``engine``
+        under its id (``hand_off``: it leaves at its first token); ValueError when the
+        engine refuses it."""
+        engine.add_request(
+            self.id,
+            list(self.prompt_ids),
+            self.params,
+            self.delivered,
+            self.delivered_chars,
+            hand_off=hand_off,
+        )
 
 
 @dataclass

@@ -523,13 +523,7 @@ class EngineWorker:
             return []
         self.bind_consumer(attempt)
         try:
-            self.engine.add_request(
-                attempt.id,
-                list(attempt.prompt_ids),
-                attempt.params,
-                attempt.delivered,
-                attempt.delivered_chars,
-            )
+            attempt.queue_in(self.engine)
         except ValueError as e:
             return [Update(attempt.id, error=str(e))]
         self._totals["requests_total"] += 1

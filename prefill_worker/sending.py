@@ -142,14 +142,7 @@ class Sending(Component):
         """Queue ``attempt``'s prompt as a hand-off request bound for
         ``attempt.destination``; ValueError (nothing kept) when either is refused."""
         dst = KVDestination.from_bytes(attempt.destination)
-        self.engine.add_request(
-            attempt.id,
-            list(attempt.prompt_ids),
-            attempt.params,
-            attempt.delivered,
-            attempt.delivered_chars,
-            hand_off=True,
-        )
+        attempt.queue_in(self.engine, hand_off=True)
         self.jobs[attempt.id] = Job(attempt, dst)
 
     def owns(self, request_id: str) -> bool:
