@@ -41,6 +41,7 @@ class RankActor:
             raise ValueError(f"kv=None: the part {part.__name__} of {name!r} needs the KV config")
         torch.set_num_threads(max(1, num_threads))
         self.name = name
+        self._leader: Any = None  # rank 0's actor handle, looked up on first use (``leader``)
         config = EngineConfig(**engine_config)
         tp = TensorParallel.join(
             parallel["address"],
@@ -95,7 +96,7 @@ class RankActor:
     def leader(self):
         """Rank 0's actor handle, for pushing it this rank's results: the instance's
         worker, named as this rank without its ``-rank<r>`` suffix."""
-        if getattr(self, "_leader", None) is None:
+        if self._leader is None:
             import ray
 
             self._leader = ray.get_actor(self.name.rsplit("-rank", 1)[0])
