@@ -38,8 +38,11 @@
  *     the rows wait in the thread's scratch between chunks, and reach y when the panel
  *     is done. Rows go ROW_BLOCK at a time through every panel, so that their x and
  *     accumulators stay in L2. While the tiles pass over a chunk they pull the same
- *     rows of the next panel into L2.
- * Threads take contiguous runs of panels.
+ *     rows of the next panel into L2. An output of more than ROW_BLOCK rows is
+ *     streamed to memory past the caches, which it would only flush.
+ * Threads take contiguous runs of panels. gemm_silu_mul_f32 runs the tiled path over a
+ * gate panel and its up panel in turn and stores silu(gate) * up alone: the MLP's
+ * widest output never reaches memory.
  */
 #include <math.h>
 #include <omp.h>
@@ -330,37 +333,47 @@ static void expand(int format, const uint8_t *src, int64_t kn, float *dst,
  * each block, so that a block's x and accumulators stay in L2 while the panels pass */
 #define ROW_BLOCK 256
 
-/* A thread's scratch: its chunk, SKEW floats, its accumulators, SKEW floats; the next
- * thread's follows. Without the skew the buffers of every thread, and a thread's chunk
- * and accumulators, sit at one offset modulo 4 KiB, and a thread's stores alias the
- * loads of a thread on the same core (two vCPUs of a VM may share one: SMT siblings),
- * which slowed each thread of the tiled path by a fifth (docs/performance.md). */
+/* A thread's scratch: its chunk, SKEW floats, its accumulators, SKEW floats, a second
+ * set of accumulators (the fused up projection's), SKEW floats; the next thread's
+ * follows. Without the skew the buffers of every thread, and a thread's chunk and
+ * accumulators, sit at one offset modulo 4 KiB, and a thread's stores alias the loads of
+ * a thread on the same core (two vCPUs of a VM may share one: SMT siblings), which
+ * slowed each thread of the tiled path by a fifth (docs/performance.md). */
 #define SKEW 272 /* floats: 17 cache lines */
 
 int64_t gemm_scratch_floats(int64_t M, int num_threads) {
-    return num_threads * ((CHUNK + (M < ROW_BLOCK ? M : ROW_BLOCK)) * PANEL + 2 * SKEW);
+    const int64_t rows = M < ROW_BLOCK ? M : ROW_BLOCK;
+    return num_threads * ((CHUNK + 2 * rows) * PANEL + 3 * SKEW);
+}
+
+/* Outputs of more rows than a row block outgrow the caches before anything reads them:
+ * they are streamed past the caches (vn_stream) when y's rows are vector-aligned. */
+static bool streamed(const float *y, int64_t ldy, int64_t M) {
+    const uintptr_t align = VL * sizeof(float);
+    return M > ROW_BLOCK && (uintptr_t)y % align == 0 && ldy * sizeof(float) % align == 0;
 }
 
 /* acc[M][PANEL] -> columns p * PANEL .. of y (those below N) */
 static void store_panel(const float *acc, float *y, int64_t ldy, int64_t p, int64_t M,
-                        int64_t N) {
+                        int64_t N, bool stream) {
     const int64_t n = p * PANEL, cols = N - n < PANEL ? N - n : PANEL;
     for (int64_t i = 0; i < M; i++)
-        if (cols == PANEL)
+        if (cols < PANEL)
+            memcpy(y + i * ldy + n, acc + i * PANEL, sizeof(float) * cols);
+        else if (stream)
+            for (int j = 0; j < PANEL_VECS; j++)
+                vn_stream(y + i * ldy + n + j * VL, vn_load(acc + i * PANEL + j * VL));
+        else
             for (int j = 0; j < PANEL_VECS; j++)
                 vn_store(y + i * ldy + n + j * VL, vn_load(acc + i * PANEL + j * VL));
-        else
-            memcpy(y + i * ldy + n, acc + i * PANEL, sizeof(float) * cols);
 }
 
-/* The tiled path for rows x[0 .. M - 1] (M <= ROW_BLOCK) against panel p: chunk by
- * chunk of k, the panel expanded (Q4 / Q8) or read in place (F32), into acc, then y. */
-static void tiled_panel(const float *x, int64_t ldx, const uint8_t *base, int format, float *y,
-                        int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p, int64_t count,
-                        float *chunk, float *acc) {
-    const int64_t bytes = gemm_panel_bytes(format, K), block = gemm_panel_bytes(format, QBLOCK);
-    const uint8_t *src = base + p * bytes;
-    const uint8_t *next = p + 1 < count ? src + bytes : NULL;
+/* The tiled path for rows x[0 .. M - 1] (M <= ROW_BLOCK) against the panel at src (of
+ * K rows, in format): chunk by chunk of k, the panel expanded (Q4 / Q8) or read in place
+ * (F32), into acc[M][PANEL]; next (or NULL): the panel to pull into L2 meanwhile. */
+static void tiled_panel(const float *x, int64_t ldx, const uint8_t *src, const uint8_t *next,
+                        int format, int64_t M, int64_t K, float *chunk, float *acc) {
+    const int64_t block = gemm_panel_bytes(format, QBLOCK);
     for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
         const int64_t kn = K - k0 < CHUNK ? K - k0 : CHUNK;
         struct tile_args t = {x + k0, NULL, acc, ldx, kn};
@@ -375,7 +388,6 @@ static void tiled_panel(const float *x, int64_t ldx, const uint8_t *base, int fo
         }
         chunk_rows(t, M, k0 == 0, ahead);
     }
-    store_panel(acc, y, ldy, p, M, N);
 }
 
 void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format, float *y,
@@ -383,6 +395,7 @@ void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format,
                     int num_threads) {
     const int64_t count = (N + PANEL - 1) / PANEL, bytes = gemm_panel_bytes(format, K);
     const uint8_t *base = (const uint8_t *)panels;
+    const bool stream = streamed(y, ldy, M);
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_WORK)
     {
         float *chunk = scratch + gemm_scratch_floats(M, 1) * omp_get_thread_num();
@@ -391,16 +404,56 @@ void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format,
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < count; p++) {
                 direct_rows(x, ldx, base + p * bytes, format, K, acc, M);
-                store_panel(acc, y, ldy, p, M, N);
+                store_panel(acc, y, ldy, p, M, N, false);
             }
         } else {
             for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
                 const int64_t rows = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
 #pragma omp for schedule(static)
-                for (int64_t p = 0; p < count; p++)
-                    tiled_panel(x + r0 * ldx, ldx, base, format, y + r0 * ldy, ldy, rows, N, K,
-                                p, count, chunk, acc);
+                for (int64_t p = 0; p < count; p++) {
+                    const uint8_t *src = base + p * bytes;
+                    tiled_panel(x + r0 * ldx, ldx, src, p + 1 < count ? src + bytes : NULL,
+                                format, rows, K, chunk, acc);
+                    store_panel(acc, y + r0 * ldy, ldy, p, rows, N, stream);
+                }
             }
         }
+        if (stream) _mm_sfence();
+    }
+}
+
+void gemm_silu_mul_f32(const float *x, int64_t ldx, const void *panels, int format, float *y,
+                       int64_t ldy, int64_t M, int64_t I, int64_t K, float *scratch,
+                       int num_threads) {
+    const int64_t pairs = I / PANEL, bytes = gemm_panel_bytes(format, K);
+    const uint8_t *gates = (const uint8_t *)panels, *ups = gates + pairs * bytes;
+    const bool stream = streamed(y, ldy, M);
+#pragma omp parallel num_threads(num_threads) if (M * 2 * I * K >= PARALLEL_WORK)
+    {
+        const int64_t block_rows = M < ROW_BLOCK ? M : ROW_BLOCK;
+        float *chunk = scratch + gemm_scratch_floats(M, 1) * omp_get_thread_num();
+        float *gate = chunk + CHUNK * PANEL + SKEW, *up = gate + block_rows * PANEL + SKEW;
+        for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+            const int64_t rows = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
+#pragma omp for schedule(static)
+            for (int64_t q = 0; q < pairs; q++) {
+                const uint8_t *g = gates + q * bytes, *u = ups + q * bytes;
+                tiled_panel(x + r0 * ldx, ldx, g, u, format, rows, K, chunk, gate);
+                tiled_panel(x + r0 * ldx, ldx, u, q + 1 < pairs ? g + bytes : NULL, format,
+                            rows, K, chunk, up);
+                for (int64_t i = 0; i < rows; i++) {
+                    float *out = y + (r0 + i) * ldy + q * PANEL;
+                    for (int j = 0; j < PANEL_VECS; j++) {
+                        const int64_t at = i * PANEL + j * VL;
+                        const vn v = vn_silu_mul(vn_load(gate + at), vn_load(up + at));
+                        if (stream)
+                            vn_stream(out + j * VL, v);
+                        else
+                            vn_store(out + j * VL, v);
+                    }
+                }
+            }
+        }
+        if (stream) _mm_sfence();
     }
 }

@@ -26,6 +26,9 @@ F32, Q4, Q8 = 0, 1, 2
 # above this many rows, AMX (where the CPU has it and the panels hold blocks) takes the
 # product: decode batches stay below it, so their results never depend on the batch
 MAX_ROWS = 64
+# the fused gate/up/SiLU takes the tiled path, which is slower than the direct one (at
+# most 4 rows, cpu_gemm.c) below this many rows
+FUSED_MIN_ROWS = 5
 
 
 class CpuGemm:
@@ -47,6 +50,9 @@ class CpuGemm:
         self.gemm = lib.gemm_panel_f32
         self.gemm.argtypes = [_P, _I, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, ctypes.c_int]
         self.gemm.restype = None
+        self.silu_mul = lib.gemm_silu_mul_f32
+        self.silu_mul.argtypes = self.gemm.argtypes
+        self.silu_mul.restype = None
         self.scratch_floats = lib.gemm_scratch_floats
         self.scratch_floats.argtypes, self.scratch_floats.restype = [_I, ctypes.c_int], _I
 
@@ -119,25 +125,48 @@ class PanelWeight:
             and x.stride(1) == 1
         )
 
+    def _on_amx(self, m: int) -> bool:
+        return m > MAX_ROWS and self.amx is not None and self.format != F32
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] (``supports``) -> x @ W.T [M, out]."""
-        m, n, k = x.shape[0], self.out_features, self.in_features
-        if m > MAX_ROWS and self.amx is not None and self.format != F32:
-            return self.amx(x, self.panels, self.format, n)
-        panels, threads = self.panels, torch.get_num_threads()
-        # per call (~70 KB at 64 rows, ~0.5 MB at 2048), so that no two threads share one
+        if self._on_amx(x.shape[0]):
+            return self.amx(x, self.panels, self.format, self.out_features)
+        return self._run(self.kernel.gemm, x, self.out_features)
+
+    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
+        """Whether ``silu_mul(x)`` runs fused: W is [gate; up] in whole panels each, and
+        x has more rows than the direct path takes (and fewer than AMX would)."""
+        half = self.out_features // 2
+        return (
+            self.supports(x)
+            and self.out_features % 2 == 0
+            and half % self.kernel.width == 0
+            and x.shape[0] >= FUSED_MIN_ROWS
+            and not self._on_amx(x.shape[0])
+        )
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] (``fuses_silu_mul``) -> silu(x @ Wg.T) * (x @ Wu.T) [M, out / 2],
+        bit for bit what the projection then ``CpuOps.silu_and_mul`` give."""
+        return self._run(self.kernel.silu_mul, x, self.out_features // 2)
+
+    def _run(self, fn, x: torch.Tensor, width: int) -> torch.Tensor:
+        """``fn`` (the kernel's gemm or silu_mul) on x into a new [M, width]."""
+        m, threads = x.shape[0], torch.get_num_threads()
+        # per call (~0.1 MB at 64 rows, ~0.25 MB from 256 on), so that no two threads share one
         scratch = torch.empty(self.kernel.scratch_floats(m, threads))
-        y = x.new_empty(m, n)
-        self.kernel.gemm(
+        y = x.new_empty(m, width)
+        fn(
             x.data_ptr(),
             x.stride(0),
-            panels.data_ptr(),
+            self.panels.data_ptr(),
             self.format,
             y.data_ptr(),
-            n,
+            width,
             m,
-            n,
-            k,
+            width,
+            self.in_features,
             scratch.data_ptr(),
             threads,
         )

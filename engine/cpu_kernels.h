@@ -50,6 +50,15 @@ void gemm_panel_f32(const float *x, int64_t ldx, const void *panels, int format,
                     int64_t ldy, int64_t M, int64_t N, int64_t K, float *scratch,
                     int num_threads);
 
+/* y[M, I] = silu(x @ Wg^T) * (x @ Wu^T), lane-wise as silu_mul_f32, where the panels
+ * hold [Wg; Wu] (2 I rows, I a multiple of gemm_panel_width()): the gate and up panels
+ * of each column run are computed in turn (the tiled path, for any M) and only their
+ * product is stored; equal bit for bit to gemm_panel_f32 then silu_mul_f32. scratch:
+ * gemm_scratch_floats(M, num_threads) floats */
+void gemm_silu_mul_f32(const float *x, int64_t ldx, const void *panels, int format, float *y,
+                       int64_t ldy, int64_t M, int64_t I, int64_t K, float *scratch,
+                       int num_threads);
+
 int64_t gemm_scratch_floats(int64_t M, int num_threads);
 
 int64_t gemm_panel_bytes(int format, int64_t K);

@@ -43,6 +43,21 @@ static inline vn vn_load(const float *p) {
 
 static inline void vn_store(float *p, vn v) { memcpy(p, &v, sizeof v); }
 
+/* a store that bypasses the caches (p aligned to a vector): for outputs larger than
+ * they are, written once and read by the next operation; _mm_sfence() before another
+ * thread reads them */
+static inline void vn_stream(float *p, vn v) {
+#if VL == 16
+    __m512 m;
+    memcpy(&m, &v, sizeof m);
+    _mm512_stream_ps(p, m);
+#else
+    __m256 m;
+    memcpy(&m, &v, sizeof m);
+    _mm256_stream_ps(p, m);
+#endif
+}
+
 static inline vn vn_splat(float s) {
 #if defined(__AVX512F__)
     return (vn)_mm512_set1_ps(s);
@@ -188,19 +203,68 @@ static inline vi widen_bytes(const void *p, const bool is_signed) {
     return out;
 }
 
+/* x clamped to [lo, hi] lane-wise: a max and a min per native vector (a compare and a
+ * blend each cost three) */
+#if defined(__AVX512F__)
+static inline __m512 clamp512(__m512 x, float lo, float hi) {
+    return _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
+}
+#endif
+static inline __m256 clamp256(__m256 x, float lo, float hi) {
+    return _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+static inline vf clamp(vf x, float lo, float hi) {
+#if defined(__AVX512F__)
+    __m512 m;
+    memcpy(&m, &x, sizeof m);
+    m = clamp512(m, lo, hi);
+#else
+    __m256 m[2];
+    memcpy(m, &x, sizeof m);
+    for (int i = 0; i < 2; i++) m[i] = clamp256(m[i], lo, hi);
+#endif
+    memcpy(&x, &m, sizeof x);
+    return x;
+}
+static inline vn vn_clamp(vn x, float lo, float hi) {
+#if VL == 16
+    return clamp(x, lo, hi);
+#else
+    __m256 m;
+    memcpy(&m, &x, sizeof m);
+    m = clamp256(m, lo, hi);
+    memcpy(&x, &m, sizeof x);
+    return x;
+#endif
+}
+
+/* the lane-wise larger of a and b (b where either is NaN) */
+static inline vn vn_max(vn a, vn b) {
+#if VL == 16
+    __m512 x, y;
+    memcpy(&x, &a, sizeof x), memcpy(&y, &b, sizeof y);
+    x = _mm512_max_ps(x, y);
+#else
+    __m256 x, y;
+    memcpy(&x, &a, sizeof x), memcpy(&y, &b, sizeof y);
+    x = _mm256_max_ps(x, y);
+#endif
+    memcpy(&a, &x, sizeof a);
+    return a;
+}
+
 /* Three lane-wise functions, defined for a vector type V with integer lanes VI (vf and
- * vi, vn and vni):
+ * vi, vn and vni), CLAMP its clamp:
  *   BLEND(mask, a, b): a where mask (all ones), else b;
  *   EXP(x): e^x, x clamped to [-87, 88] (Cephes' expf: x = n ln2 + r with n the nearest
  *     integer, a degree-6 polynomial in r, times 2^n); within 2 ulp of expf;
  *   TANH(x): 1 - 2 / (e^2x + 1): saturates to +-1 where EXP clamps, within about 1e-7
  *     of tanhf absolutely. */
-#define VEC_MATH(V, VI, BLEND, EXP, TANH)                                                  \
+#define VEC_MATH(V, VI, BLEND, CLAMP, EXP, TANH)                                                  \
     static inline V BLEND(VI mask, V a, V b) { return (V)(((VI)a & mask) | ((VI)b & ~mask)); } \
     static inline V EXP(V x) {                                                             \
         const V zero = {0};                                                                \
-        x = BLEND(x < -87.0f, zero - 87.0f, x);                                            \
-        x = BLEND(x > 88.0f, zero + 88.0f, x);                                             \
+        x = CLAMP(x, -87.0f, 88.0f);                                                       \
         /* 1.5 * 2^23 added rounds x log2(e) to the nearest integer n, in the low bits */  \
         const V big = x * 1.44269504088896341f + 12582912.0f;                              \
         const V nf = big - 12582912.0f;                                                    \
@@ -217,7 +281,11 @@ static inline vi widen_bytes(const void *p, const bool is_signed) {
     }                                                                                      \
     static inline V TANH(V x) { return 1.0f - 2.0f / (EXP(x + x) + 1.0f); }
 
-VEC_MATH(vf, vi, blend, vexp, vtanh)
-VEC_MATH(vn, vni, vn_blend, vn_exp, vn_tanh)
+VEC_MATH(vf, vi, blend, clamp, vexp, vtanh)
+VEC_MATH(vn, vni, vn_blend, vn_clamp, vn_exp, vn_tanh)
+
+/* silu(g) * u = g / (1 + e^-g) * u, lane-wise: the one formula of every path (the
+ * separate pass of cpu_ops.c and the fused epilogue of cpu_gemm.c agree bit for bit) */
+static inline vn vn_silu_mul(vn g, vn u) { return g / (1.0f + vn_exp(-g)) * u; }
 
 #endif

@@ -119,6 +119,9 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x, ops) -> torch.Tensor:
         """Normed x [T, hidden] -> this rank's partial sum of the MLP output."""
+        twin = self.panels.get("gate_up")
+        if self.family.activation == "silu" and twin is not None and twin.fuses_silu_mul(x):
+            return self.project("down", twin.silu_mul(x))
         gate_up = self.project("gate_up", x)
         if self.family.activation == "silu":
             act = ops.silu_and_mul(gate_up)

@@ -9,6 +9,7 @@ import torch
 from pdserve.engine import native
 from pdserve.engine.cpu_gemm import F32, Q4, Q8, CpuGemm, PanelWeight, cpu_gemm
 from pdserve.engine.linear import linear
+from pdserve.engine.ops import TorchOps
 from tests.engine_utils import gguf_blocks
 
 # every test on each ISA the CPU has (tests/conftest.py isa)
@@ -147,3 +148,30 @@ def test_anything_but_exact_blocks_stays_float32():
     assert panels(w[:, :48]).format == F32  # a shard that cuts through the blocks
     assert panels(torch.randn(96, 64)).format == F32
     assert panels(torch.zeros(96, 64)).format == Q4
+
+
+@pytest.mark.parametrize("fmt", [F32, Q4, Q8])
+def test_fused_silu_mul_is_the_projection_then_the_op(fmt):
+    """The gate/up projection fused with SiLU x up (``gemm_silu_mul_f32``) gives the very
+    floats of the projection followed by the separate pass, at part tiles, whole row
+    blocks and outputs streamed past the caches (above 256 rows)."""
+    kind = {Q4: "Q4_1", Q8: "Q8_0"}.get(fmt)
+    half = 2 * cpu_gemm().width
+    g = torch.Generator().manual_seed(fmt)
+    w = torch.randn(2 * half, 320, generator=g) * 0.05
+    twin = panels(gguf_blocks(w, kind) if kind else w)
+    assert twin.format == fmt
+    for m in (5, 13, 64, 256, 300, 700):
+        x = torch.randn(m, 320, generator=g)
+        assert twin.fuses_silu_mul(x)
+        assert torch.equal(twin.silu_mul(x), TorchOps().silu_and_mul(twin(x)))
+
+
+def test_fused_silu_mul_only_where_it_runs():
+    """Not below the tiled path's rows, nor where gate and up are not whole panels each."""
+    width = cpu_gemm().width
+    twin = panels(torch.randn(2 * width, 32))
+    assert twin.fuses_silu_mul(torch.randn(5, 32))
+    assert not twin.fuses_silu_mul(torch.randn(4, 32))  # the direct path's batch
+    assert not twin.fuses_silu_mul(torch.randn(16, 32, dtype=torch.float64))
+    assert not panels(torch.randn(2 * width + 2, 32)).fuses_silu_mul(torch.randn(9, 32))

@@ -85,6 +85,7 @@ static inline vni hidden(vni pos, vni lo, int64_t l) {
 static void scores(const struct prefill *p, const float *const *keys, int64_t nk,
                    const float *qt, const vni *pos, const vni *lo, int64_t k0, float *st,
                    vn *top) {
+    const float softcap = p->softcap; /* a local: the stores to st could alias p's floats */
     for (int v = 0; v < VECS; v++) top[v] = vn_splat(MASKED);
     for (int64_t j = 0; j < nk; j += KEY_ROWS)
         for (int v0 = 0; v0 < VECS; v0 += GROUP_VECS) {
@@ -103,10 +104,10 @@ static void scores(const struct prefill *p, const float *const *keys, int64_t nk
             for (int a = 0; a < KEY_ROWS; a++)
                 for (int v = v0; v < v0 + GROUP_VECS; v++) {
                     vn x = acc[a][v - v0];
-                    if (p->softcap > 0.0f) x = p->softcap * vn_tanh(x * (1.0f / p->softcap));
+                    if (softcap > 0.0f) x = softcap * vn_tanh(x * (1.0f / softcap));
                     if (pos != NULL)
                         x = vn_blend(hidden(pos[v], lo[v], k0 + j + a), vn_splat(MASKED), x);
-                    top[v] = vn_blend(x > top[v], x, top[v]);
+                    top[v] = vn_max(x, top[v]);
                     vn_store(st + (j + a) * LANES_PER_TASK + v * VL, x);
                 }
         }
@@ -190,28 +191,31 @@ static void run_task(const struct prefill *p, struct task w, float *scratch) {
             }
         }
         const int masked = k0 + nk - 1 > first + w.t0 || k0 < shared_from;
-        vn tile_top[VECS];
+        vn tile_top[VECS], old_top[VECS], total[VECS];
         scores(p, keys, nk, qt, masked ? pos : NULL, lo, k0, st, tile_top);
         for (int v = 0; v < VECS; v++) {
-            const vni rises = tile_top[v] > top[v];
-            const vn old_top = top[v], new_top = vn_blend(rises, tile_top[v], top[v]);
-            vn total = {0};
-            for (int64_t j = 0; j < nk; j++) {
+            old_top[v] = top[v], top[v] = vn_max(tile_top[v], top[v]);
+            total[v] = (vn){0};
+        }
+        /* probabilities row by row of st (in the order it lies in memory) */
+        for (int64_t j = 0; j < nk; j++)
+            for (int v = 0; v < VECS; v++) {
                 float *s = st + j * L + v * VL;
-                vn e = vn_exp(vn_load(s) - new_top);
+                vn e = vn_exp(vn_load(s) - top[v]);
                 if (masked) e = vn_blend(hidden(pos[v], lo[v], k0 + j), (vn){0}, e);
                 vn_store(s, e);
-                total += e;
+                total[v] += e;
             }
-            top[v] = new_top;
+        for (int v = 0; v < VECS; v++) {
+            const vni rises = top[v] > old_top[v];
             int any = 0; /* the rows' sums so far scale by e^(old top - new top) */
             for (int t = 0; t < VL; t++) any |= rises[t];
             if (!any) {
-                sum[v] += total;
+                sum[v] += total[v];
                 continue;
             }
-            const vn alpha = vn_exp(old_top - new_top);
-            sum[v] = sum[v] * alpha + total;
+            const vn alpha = vn_exp(old_top[v] - top[v]);
+            sum[v] = sum[v] * alpha + total[v];
             for (int64_t d = 0; d < D; d++) {
                 float *o = ot + d * L + v * VL;
                 vn_store(o, vn_load(o) * alpha);
