@@ -67,7 +67,31 @@ def load_vllm(args):
         return [len(o.outputs[0].token_ids) for o in outs]
 
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    return generate, {"version": vllm.__version__, "omp_threads_bind": bind}
+    info = {"version": vllm.__version__, "omp_threads_bind": bind}
+    return generate, {**info, "kernel_libraries": vllm_kernel_libraries()}
+
+
+def vllm_kernel_libraries() -> list[str]:
+    """The vLLM kernel builds (vllm/_C*.so) this process and its descendants have
+    mapped: the engine process's is the one that runs."""
+    parent = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:  # pid (comm) state ppid ...
+                parent[pid] = stat.read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            continue
+    pids = [str(os.getpid())]
+    for pid in pids:  # grows as it goes: every descendant
+        pids += [child for child, of in parent.items() if of == pid]
+    names = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                names |= {os.path.basename(line.split()[-1]) for line in maps if "vllm/_C" in line}
+        except OSError:
+            continue
+    return sorted(names)
 
 
 def load_pdserve(args):

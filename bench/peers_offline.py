@@ -18,8 +18,10 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.bench.engine import LIBRARY_CAPS
 from pdserve.bench.peers_driver import MARK
 from pdserve.bench.peers_report import check_figure
+from pdserve.engine import native
 
 DRIVER = Path(__file__).with_name("peers_driver.py")
 REPO = DRIVER.parent.parent
@@ -154,6 +156,16 @@ def measure_offline(
             driver.close()
 
 
+def vllm_isa_env() -> dict[str, str]:
+    """Where pdserve's kernels are forced to AVX2 on a CPU with AVX-512
+    (``PDSERVE_CPU_ISA=avx2``), vLLM is capped the same way: its kernel build
+    (bench/vllm_avx2/sitecustomize.py), torch, MKL and oneDNN (bench/engine.py's
+    LIBRARY_CAPS), so that both run as on a CPU without AVX-512."""
+    if native.isa() != "avx2" or native.supported()[-1] == "avx2":
+        return {}
+    return {"PYTHONPATH": str(Path(__file__).with_name("vllm_avx2")), **LIBRARY_CAPS["avx2"]}
+
+
 def systems_to_run(args, folder: Path, gguf: Path | None, max_id: int) -> dict:
     """name -> (driver command, env): pdserve (this interpreter), vLLM (``--vllm-venv``)
     and llama.cpp (``--llama-cpp-venv``, on the GGUF file) when given."""
@@ -164,6 +176,7 @@ def systems_to_run(args, folder: Path, gguf: Path | None, max_id: int) -> dict:
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind or cpus,
+        **vllm_isa_env(),
     }
     out = {
         "pdserve": (

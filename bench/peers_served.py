@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve.bench import aiperf_run
-from pdserve.bench.peers_offline import clean_env
+from pdserve.bench.peers_offline import clean_env, vllm_isa_env
 from pdserve.loadgen.metrics import SLO
 
 MODEL = "smollm2-135m"
@@ -170,7 +170,7 @@ def vllm_server(venv: Path, folder: Path, log_path: Path):
         "--served-model-name",
         MODEL,
     ]
-    env = clean_env(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")
+    env = clean_env(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", **vllm_isa_env())
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
