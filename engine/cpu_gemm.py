@@ -148,7 +148,7 @@ class PanelWeight:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] (``fuses_silu_mul``) -> silu(x @ Wg.T) * (x @ Wu.T) [M, out / 2],
-        bit for bit what the projection then ``CpuOps.silu_and_mul`` give."""
+        bit for bit what the projection then the C pass of ``Ops.silu_and_mul`` give."""
         return self._run(self.kernel.silu_mul, x, self.out_features // 2)
 
     def _run(self, fn, x: torch.Tensor, width: int) -> torch.Tensor:

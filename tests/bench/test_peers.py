@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -287,3 +290,25 @@ def test_pdserve_driver_on_the_tiny_model_and_a_refused_figure(chat_model, tmp_p
     assert sum("tok/s" in line for line in log) == 4
     with pytest.raises(Impossible):
         peers_offline.measure_offline(systems, args, 1.0, tmp_path, log.append)
+
+
+def test_a_forced_avx2_path_caps_vllm_the_same_way(monkeypatch):
+    """pdserve forced to AVX2 on a CPU with AVX-512: vLLM's processes get torch, MKL and
+    oneDNN capped and a start-up module under which torch reports no AVX-512 (what
+    vLLM's platform asks before it loads its AVX2 kernel build); otherwise nothing."""
+    monkeypatch.setattr(peers_offline.native, "supported", lambda: ["avx2", "avx512"])
+    monkeypatch.setattr(peers_offline.native, "isa", lambda: "avx512")
+    assert peers_offline.vllm_isa_env() == {}
+    monkeypatch.setattr(peers_offline.native, "isa", lambda: "avx2")
+    env = peers_offline.vllm_isa_env()
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    probe = "import torch.cpu; print(torch.cpu._is_avx512_supported())"
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "PYTHONPATH": env["PYTHONPATH"]},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "False"
