@@ -174,12 +174,13 @@ class Rebuild:
                 inst.abort([a.attempt.id])
                 stream.waits_for("an instance to continue on (its router was restarted)")
                 self.router.requeue(stream)
-        log.warning(
-            "router rebuilt %d requests from %s (%d attempts reported)",
-            sum(1 for a in live if not a.attempt.destination),
-            inst.name,
-            len(live),
-        )
+        if live:  # a router's first start hears of none: nothing to warn about
+            log.warning(
+                "router rebuilt %d requests from %s (%d attempts reported)",
+                sum(1 for a in live if not a.attempt.destination),
+                inst.name,
+                len(live),
+            )
         self.router.after_updates(ended)
 
     @staticmethod
