@@ -353,6 +353,14 @@ static bool streamed(const float *y, int64_t ldy, int64_t M) {
     return M > ROW_BLOCK && (uintptr_t)y % align == 0 && ldy * sizeof(float) % align == 0;
 }
 
+/* v into y at p, streamed past the caches or stored */
+static inline void put(float *p, vn v, bool stream) {
+    if (stream)
+        vn_stream(p, v);
+    else
+        vn_store(p, v);
+}
+
 /* acc[M][PANEL] -> columns p * PANEL .. of y (those below N) */
 static void store_panel(const float *acc, float *y, int64_t ldy, int64_t p, int64_t M,
                         int64_t N, bool stream) {
@@ -360,12 +368,9 @@ static void store_panel(const float *acc, float *y, int64_t ldy, int64_t p, int6
     for (int64_t i = 0; i < M; i++)
         if (cols < PANEL)
             memcpy(y + i * ldy + n, acc + i * PANEL, sizeof(float) * cols);
-        else if (stream)
-            for (int j = 0; j < PANEL_VECS; j++)
-                vn_stream(y + i * ldy + n + j * VL, vn_load(acc + i * PANEL + j * VL));
         else
             for (int j = 0; j < PANEL_VECS; j++)
-                vn_store(y + i * ldy + n + j * VL, vn_load(acc + i * PANEL + j * VL));
+                put(y + i * ldy + n + j * VL, vn_load(acc + i * PANEL + j * VL), stream);
 }
 
 /* The tiled path for rows x[0 .. M - 1] (M <= ROW_BLOCK) against the panel at src (of
@@ -445,11 +450,8 @@ void gemm_silu_mul_f32(const float *x, int64_t ldx, const void *panels, int form
                     float *out = y + (r0 + i) * ldy + q * PANEL;
                     for (int j = 0; j < PANEL_VECS; j++) {
                         const int64_t at = i * PANEL + j * VL;
-                        const vn v = vn_silu_mul(vn_load(gate + at), vn_load(up + at));
-                        if (stream)
-                            vn_stream(out + j * VL, v);
-                        else
-                            vn_store(out + j * VL, v);
+                        put(out + j * VL, vn_silu_mul(vn_load(gate + at), vn_load(up + at)),
+                            stream);
                     }
                 }
             }

@@ -66,9 +66,7 @@ void silu_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t
         const float *g = x + t * ldx, *u = g + I;
         float *o = out + t * I;
         int64_t i = 0;
-        for (; i + VL <= I; i += VL) {
-            vn_store(o + i, vn_silu_mul(vn_load(g + i), vn_load(u + i)));
-        }
+        for (; i + VL <= I; i += VL) vn_store(o + i, vn_silu_mul(vn_load(g + i), vn_load(u + i)));
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

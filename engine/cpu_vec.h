@@ -205,37 +205,25 @@ static inline vi widen_bytes(const void *p, const bool is_signed) {
 
 /* x clamped to [lo, hi] lane-wise: a max and a min per native vector (a compare and a
  * blend each cost three) */
-#if defined(__AVX512F__)
-static inline __m512 clamp512(__m512 x, float lo, float hi) {
-    return _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
-}
-#endif
-static inline __m256 clamp256(__m256 x, float lo, float hi) {
-    return _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
-}
-static inline vf clamp(vf x, float lo, float hi) {
-#if defined(__AVX512F__)
-    __m512 m;
-    memcpy(&m, &x, sizeof m);
-    m = clamp512(m, lo, hi);
-#else
-    __m256 m[2];
-    memcpy(m, &x, sizeof m);
-    for (int i = 0; i < 2; i++) m[i] = clamp256(m[i], lo, hi);
-#endif
-    memcpy(&x, &m, sizeof x);
-    return x;
-}
 static inline vn vn_clamp(vn x, float lo, float hi) {
 #if VL == 16
-    return clamp(x, lo, hi);
+    __m512 m;
+    memcpy(&m, &x, sizeof m);
+    m = _mm512_min_ps(_mm512_max_ps(m, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
 #else
     __m256 m;
     memcpy(&m, &x, sizeof m);
-    m = clamp256(m, lo, hi);
+    m = _mm256_min_ps(_mm256_max_ps(m, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+#endif
     memcpy(&x, &m, sizeof x);
     return x;
-#endif
+}
+static inline vf clamp(vf x, float lo, float hi) {
+    vn part[16 / VL];
+    memcpy(part, &x, sizeof part);
+    for (int i = 0; i < 16 / VL; i++) part[i] = vn_clamp(part[i], lo, hi);
+    memcpy(&x, part, sizeof x);
+    return x;
 }
 
 /* the lane-wise larger of a and b (b where either is NaN) */
@@ -260,7 +248,7 @@ static inline vn vn_max(vn a, vn b) {
  *     integer, a degree-6 polynomial in r, times 2^n); within 2 ulp of expf;
  *   TANH(x): 1 - 2 / (e^2x + 1): saturates to +-1 where EXP clamps, within about 1e-7
  *     of tanhf absolutely. */
-#define VEC_MATH(V, VI, BLEND, CLAMP, EXP, TANH)                                                  \
+#define VEC_MATH(V, VI, BLEND, CLAMP, EXP, TANH)                                           \
     static inline V BLEND(VI mask, V a, V b) { return (V)(((VI)a & mask) | ((VI)b & ~mask)); } \
     static inline V EXP(V x) {                                                             \
         const V zero = {0};                                                                \
