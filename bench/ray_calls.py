@@ -1,7 +1,7 @@
 """What carrying one batch of updates from an instance to the router costs in CPU, each
 side: a Ray actor call (the long poll's way: ``poll`` answering a ``Polled``), the same
 with nothing in or out, one item of a streaming generator, and one frame of the update
-feed (instance/feed.py, read by router/feed_reader.py: the router's way).
+feed (instance/feed.py, read by router/instances.py: the router's way).
 
     .venv/bin/python -m pdserve.bench.ray_calls [--items 3000] [--updates 8]
 
@@ -90,7 +90,7 @@ class Router:
     async def _feed(self, n: int) -> None:
         import asyncio
 
-        from pdserve.router.feed_reader import FeedReader
+        from pdserve.router.instances import FeedReader
 
         ticket = await self.instance.open_feed.remote(n)
         got, done = 0, asyncio.get_running_loop().create_future()

@@ -47,7 +47,7 @@ from pathlib import Path
 from pdserve.bench.grpc_floor import GrpcFloor
 from pdserve.bench.router import DirectClient, _tiny_model, add_load_args, measure, prompts
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.instance.step_log import StepLog
+from pdserve.instance.logs import StepLog
 from pdserve.loadgen.endpoint import DONE, completion_body, parse_event
 from pdserve.loadgen.workloads import Request
 

@@ -212,7 +212,7 @@ def cut(buf: bytearray) -> list[bytes]:
 def frames(conn: socket.socket) -> Iterator[Polled]:
     """Each frame a connected blocking socket receives, decoded, until the connection
     ends: a consumer without an event loop (benchmarks, tests); the router's is
-    router/feed_reader.py."""
+    router/instances.py."""
     buf = bytearray()
     while chunk := conn.recv(1 << 16):
         buf += chunk

@@ -4,7 +4,7 @@
 router): a request's new tokens (with their ``Logprobs`` when the request asked), its
 end, or a failure, batched per engine step (``EngineWorker.poll``). ``CacheCursor``
 (consumer -> instance) and ``CacheDelta`` (instance -> consumer): what the instance's
-prefix cache holds, as changes since the consumer's last poll (instance/cache_log.py).
+prefix cache holds, as changes since the consumer's last poll (instance/logs.py).
 ``Polled`` is one poll's answer. No positional tuples cross the process boundary.
 """
 

@@ -12,7 +12,7 @@ its consumer one call per step at most, never one per token. The router calls ne
 sends ``add``s and ``abort``s (and a component's ``prefill``s and ``reserve``s) up it
 (``open_feed``, instance/feed.py), which costs the step's threads far less. A consumer
 that passes a ``CacheCursor`` also gets the prefix cache's changes since its last poll
-(instance/cache_log.py): the block hashes the router routes by.
+(instance/logs.py): the block hashes the router routes by.
 
 Every step is the engine's mixed step, prompt chunks piggybacked on the running decodes
 (engine/scheduler.py). One class serves every role: a role is the components the worker
@@ -43,12 +43,11 @@ from pdserve.engine.llm_engine import StepFailed
 from pdserve.engine.parallel import SINGLE, TensorParallel, serve_store
 from pdserve.engine.prefilled import LastChunkHook, Prefilled
 from pdserve.engine.scheduler import StepShape
-from pdserve.instance.cache_log import CacheLog
 from pdserve.instance.component import Component
 from pdserve.instance.feed import ATTEMPT_COMMANDS, FeedServer, FeedTicket
 from pdserve.instance.inbox import Abort, Add, Call, ConsumerExpired, ConsumerLeft
+from pdserve.instance.logs import CacheLog, StepLog
 from pdserve.instance.messages import Attempt, CacheCursor, LiveAttempt, Polled, Reserved, Update
-from pdserve.instance.step_log import StepLog
 
 log = logging.getLogger(__name__)
 K = TypeVar("K")
@@ -328,7 +327,7 @@ class EngineWorker:
 
     def step_log(self) -> list[list[float]]:
         """The steps served since the last call: ``[prefill_tokens, sum_sq, decodes,
-        context, seconds]`` each (``instance.step_log``)."""
+        context, seconds]`` each (``instance.logs.StepLog``)."""
         return self._steps.take()
 
     def check_integrity(self) -> dict:

@@ -1,5 +1,5 @@
 """The router's copy of one instance's prefix cache: the block hashes it holds, kept up
-to date from the ``CacheDelta`` each poll brings (instance/cache_log.py publishes them;
+to date from the ``CacheDelta`` each poll brings (instance/logs.py publishes them;
 docs/serving.md, "Cache-aware routing").
 
 The view lags the instance by at most one poll (one engine step): a hit it predicts may

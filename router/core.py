@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.admission import AdmissionQueue, CallLimit, FirstTokens
-from pdserve.router.clock import Clock
 from pdserve.router.disagg import Disaggregated
 from pdserve.router.hybrid import Hybrid
 from pdserve.router.instances import Instance
@@ -35,7 +34,7 @@ from pdserve.router.replicas import Peers, Replica, merge_stats
 from pdserve.router.request import GenerateRequest, Refusal, Refused
 from pdserve.router.request_log import log_request
 from pdserve.router.stall import StallWatch
-from pdserve.router.stream import Delta, RequestStream
+from pdserve.router.stream import Clock, Delta, RequestStream
 from pdserve.router.validation import ModelLimits, RequestValidator
 
 STATS_TIMEOUT_S = 2.0  # an instance that does not answer (stopped, hung) is shown as such

@@ -4,7 +4,7 @@ what the instances report.
 Samples:
 - each instance's latest served step, in the stats every poll brings
   (``last_step``: ``[prefill_tokens, sum_sq, decodes, context, seconds]``, the row of
-  ``instance/step_log.py``; taken once per step, by ``steps_total``). A step's seconds
+  ``instance/logs.py``; taken once per step, by ``steps_total``). A step's seconds
   are fitted per pool as a line: ``seconds = fixed + token_s x prefill_tokens (+
   decode_s x decodes on the decode pool)``; the fixed part is what any step costs
   (a small prompt's step is mostly that, so a cost per token alone would overrate it);

@@ -38,10 +38,9 @@ import msgpack
 
 from pdserve.instance.messages import Attempt, LiveAttempt
 from pdserve.router.attempt_record import AttemptRecord
-from pdserve.router.clock import Clock
 from pdserve.router.instances import Instance
 from pdserve.router.request import Refusal, Refused
-from pdserve.router.stream import Delta, RequestStream
+from pdserve.router.stream import Clock, Delta, RequestStream
 
 log = logging.getLogger(__name__)
 

@@ -87,8 +87,7 @@ def test_a_cache_aware_choice_reads_copies_of_the_loads():
 
 
 def test_the_clock_is_written_by_the_stream_placing_it_and_delivering_to_it():
-    from pdserve.router.clock import Clock
-    from pdserve.router.stream import Delta
+    from pdserve.router.stream import Clock, Delta
 
     firsts: list[int] = []
     stream = RequestStream("r", [1, 2, 3], SamplingParams(max_tokens=4), clock=Clock(0.0, 1.0))

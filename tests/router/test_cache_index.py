@@ -1,4 +1,4 @@
-"""What an instance publishes of its prefix cache (instance/cache_log.py) and the router's
+"""What an instance publishes of its prefix cache (instance/logs.py) and the router's
 copy of it (router/cache_index.py), on their own: a real ``BlockManager``'s events, the
 snapshot a new, late or restarted-instance consumer gets, and the bound."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.block_manager import BlockManager, CacheEvents
-from pdserve.instance.cache_log import CacheLog
+from pdserve.instance.logs import CacheLog
 from pdserve.instance.messages import CacheCursor, CacheDelta
 from pdserve.router.cache_index import CacheIndex
 
