@@ -268,6 +268,9 @@ class RouterConfig:
     )
     max_stop_strings: int = spec(16, at_least(0), "stop strings in one request")
     max_stop_string_chars: int = spec(256, at_least(1), "characters in one stop string")
+    max_grammar_bytes: int = spec(
+        65536, at_least(1), "UTF-8 bytes of one request's structured-output schema or grammar"
+    )
     prefill_ms_per_token: float = spec(
         1.0,
         above(0),

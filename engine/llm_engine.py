@@ -15,6 +15,7 @@ through these methods.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -38,6 +39,7 @@ from pdserve.engine.sampler import Sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, StepShape
 from pdserve.engine.step_plan import StepPlan
+from pdserve.engine.structured import Grammars, llg_tokenizer
 
 
 def load_model(model: str, config: EngineConfig, tp: TensorParallel = SINGLE):
@@ -92,6 +94,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.last_shape: StepShape | None = None  # of the latest step's batch
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     @property
     def max_context(self) -> int:
@@ -202,6 +206,9 @@ class LLMEngine:
         check_delivered(delivered, params, m.eos_token_ids)
         if request_id in self.requests or request_id in self.scheduler.remote:
             raise ValueError(f"request_id={request_id!r}: already in use")
+        matcher = None
+        if params.guide is not None:  # a resumed request's grammar has read its delivered
+            matcher = self.grammars().matcher(params.guide, delivered)
         detok = None
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, params.stop, delivered, delivered_chars)
@@ -210,7 +217,30 @@ class LLMEngine:
                 f"delivered_chars={delivered_chars}: this model has no tokenizer, so no "
                 "text was delivered; must be 0"
             )
-        return Request(request_id, ids, params, delivered=delivered), detok
+        request = Request(request_id, ids, params, delivered=delivered)
+        request.matcher = matcher
+        return request, detok
+
+    def grammars(self) -> Grammars:
+        """The compiled guides of this engine's tokenizer (built at the first guided
+        request, or ``prepare_guide``); thread-safe. ValueError without a tokenizer."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("guide: this model has no tokenizer to match a grammar with")
+                vocab = self.model_config.vocab_size
+                tokenizer = llg_tokenizer(
+                    self.tokenizer.backend, vocab, self.model_config.eos_token_ids
+                )
+                self._grammars = Grammars(tokenizer)
+            return self._grammars
+
+    def prepare_guide(self, params: SamplingParams) -> None:
+        """Compile ``params.guide`` now, from any thread, so that the step loop that
+        admits the request finds it compiled; ValueError (GuideError) when it does not
+        compile."""
+        if params.guide is not None:
+            self.grammars().compile(params.guide)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request of the batch (waiting or running; one waiting for KV is
@@ -371,6 +401,15 @@ class LLMEngine:
         request.token_ids.append(sample.token)
         if request.logprobs is not None:
             request.logprobs.append(sample.logprobs)
+        if request.matcher is not None:
+            request.matcher.consume(sample.token)
+            if (why := request.matcher.error) is not None:  # a dead end: not emitted
+                kind, n = request.params.guide.kind, request.num_output_tokens - 1
+                error = (
+                    f"the {kind} guide: after {n} output tokens no token of the model's "
+                    f"vocabulary can follow it ({why})"
+                )
+                return self._finish(request, "abort", [], error)
         reason = self._check_stop(request, sample.token)
         if reason is not None:
             return self._finish(request, reason, [sample.token])
@@ -383,16 +422,21 @@ class LLMEngine:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
+        if request.matcher is not None and request.matcher.done:
+            return "stop"  # the grammar is complete: only an end of sequence may follow
         if not p.ignore_eos and token in self.model_config.eos_token_ids:
             return "stop"
         if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_context:
             return "length"
         return None
 
-    def _finish(self, request: Request, reason: str, new_ids: list[int]) -> RequestOutput:
+    def _finish(
+        self, request: Request, reason: str, new_ids: list[int], error: str | None = None
+    ) -> RequestOutput:
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         self.scheduler.remove(request)
         out = self._output(request, new_ids, final=True)
+        out.error = error
         del self.requests[request.request_id]
         self.detokenizers.pop(request.request_id, None)
         return out

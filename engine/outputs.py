@@ -28,7 +28,8 @@ class RequestOutput:
     """``logprobs`` (set when the request asked, ``SamplingParams.logprobs``) is of every
     output token this engine sampled, in order; ``new_logprobs`` of ``new_token_ids``.
     ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache (not
-    computed for this request)."""
+    computed for this request). ``error``: set (with ``finish_reason`` "abort") when
+    the request ended for a fault of its own, its output left its grammar."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -40,6 +41,7 @@ class RequestOutput:
     logprobs: list[Logprobs] | None = None
     new_logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import InitVar, dataclass, field
 from pdserve.engine.outputs import Logprobs
 from pdserve.engine.reservation import Reservation
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import Matcher
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +51,9 @@ class Request:
     started_s: float | None = None  # a hand-off's: wall clock of its first scheduled chunk
     # the blocks held for its KV arriving from elsewhere (set by ``admit_remote``)
     reservation: Reservation | None = None
+    # where its output stands in its grammar (``params.guide``; engine/structured.py):
+    # it has consumed every output token, delivered ones included
+    matcher: Matcher | None = None
     delivered: InitVar[tuple[int, ...]] = ()
 
     def __post_init__(self, delivered: tuple[int, ...]):

@@ -2,11 +2,13 @@
 the request's penalties; and the log-probabilities of what was chosen, for requests that
 ask (docs/serving.md, "Log-probabilities and penalties").
 
-Per request and step, in this order: the raw logits row -> penalties (only when the
-request sets one: repetition, then frequency and presence) -> greedy argmax, or
-temperature, top-k, top-p and a draw. Logprobs are the log-softmax of the raw row,
-whatever changed it for the choice. A request that sets neither penalties nor logprobs
-costs what it did before: a greedy one is one row of the batch's argmax.
+Per request and step, in this order: the raw logits row -> its grammar's mask (only
+for a request with a ``guide``: the tokens the grammar forbids get -inf,
+engine/structured.py) -> penalties (only when the request sets one: repetition, then
+frequency and presence) -> greedy argmax, or temperature, top-k, top-p and a draw.
+Logprobs are the log-softmax of the raw row, whatever changed it for the choice. A
+request that sets no guide, penalties or logprobs costs what it did before, whatever
+else shares its batch: a greedy one is one row of the batch's argmax.
 
 A seeded request's draw for output position ``p`` (the number of output tokens before
 the one drawn) comes from a generator seeded with ``position_seed(seed, p)`` and from
@@ -27,6 +29,7 @@ from pdserve.engine.outputs import Logprobs
 from pdserve.engine.request import Request
 
 _MASK64 = (1 << 64) - 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -66,13 +69,17 @@ class Sampler:
         at each request's current output position (``num_output_tokens``)."""
         native = cpu_ops() if CpuOps.supports(logits) and logits.dim() == 2 else None
         greedy = (logits.argmax(dim=-1) if native is None else native.argmax(logits)).tolist()
+        guided, masked = _masked(logits, requests)
+        where = {i: j for j, i in enumerate(guided)}  # request row -> its masked row
+        greedy_masked = masked.argmax(dim=-1).tolist() if guided else []
         out = []
         for i, request in enumerate(requests):
-            p = request.params
+            p, j = request.params, where.get(i)
             if p.greedy and not p.penalized:
-                out.append(greedy[i])
+                out.append(greedy[i] if j is None else greedy_masked[j])
                 continue
-            row = penalize(logits[i], request) if p.penalized else logits[i]
+            row = logits[i] if j is None else masked[j]
+            row = penalize(row, request) if p.penalized else row
             if p.greedy:
                 out.append(int(row.argmax()))
                 continue
@@ -86,8 +93,24 @@ class Sampler:
         return out
 
 
+def _masked(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
+    """The rows of the guided requests, and a copy of their logits [len(rows), V] with
+    -inf where each one's grammar forbids the token (no guided request: no copy)."""
+    guided = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if not guided:
+        return guided, logits[:0]
+    vocab = logits.shape[-1]
+    allowed = torch.stack([requests[i].matcher.allowed(vocab) for i in guided])
+    # a grammar that allows no token of the vocabulary (it needs a byte no token spells)
+    # masks nothing: whatever is drawn leaves the grammar, which ends that request alone
+    allowed[~allowed.any(dim=1)] = True
+    return guided, logits[guided].masked_fill_(~allowed, float("-inf"))
+
+
 def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float):
-    row = row / temperature
+    # a temperature past float32's range would be inf in the division, and a masked
+    # token's -inf / inf is NaN: float32's largest finite number divides to the same ~0
+    row = row / min(temperature, _FLOAT32_MAX)
     if 0 < top_k < row.numel():
         kth = torch.topk(row, top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

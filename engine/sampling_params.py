@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdserve.engine.structured import Guide, GuideError
+
 # the smallest temperature that divides float32 logits without overflowing them to inf;
 # below it (0 excepted: greedy) a request is refused rather than sampled as greedy
 MIN_TEMPERATURE = 1e-5
@@ -25,6 +27,8 @@ class SamplingParams:
     "Log-probabilities and penalties"). Penalties (off at their defaults):
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, over the output tokens so
     far) and ``repetition_penalty`` (vLLM's / HF's, over prompt + output tokens).
+    ``guide``: None, or the grammar the output must match (engine/structured.py; a dict
+    of its fields is taken too, as the instances' feed carries it).
     """
 
     max_tokens: int = 16
@@ -39,8 +43,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    guide: Guide | None = None
 
     def __post_init__(self):
+        if isinstance(self.guide, dict):
+            try:
+                self.guide = Guide(**self.guide)
+            except TypeError as e:
+                raise GuideError(f"guide={self.guide!r}: {e}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -75,6 +85,15 @@ class SamplingParams:
         for key in ("presence_penalty", "frequency_penalty"):
             _check_range(key, getattr(self, key), PENALTY_RANGE, "0 is off")
         _check_range("repetition_penalty", self.repetition_penalty, REPETITION_RANGE, "1 is off")
+        if self.guide is not None and not isinstance(self.guide, Guide):
+            raise ValueError(f"guide={self.guide!r}: must be None or a Guide")
+
+    def as_dict(self) -> dict:
+        """Plain data (lists, numbers, strings, a dict for the guide): what a wire
+        carries; ``SamplingParams(**d)`` reads it back."""
+        d = dict(self.__dict__)
+        d["guide"] = None if self.guide is None else self.guide.as_dict()
+        return d
 
     @property
     def greedy(self) -> bool:

@@ -62,7 +62,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import msgpack
@@ -110,15 +110,11 @@ class FeedTicket:
 COMMANDS = ("add", "prefill", "reserve", "abort")
 ATTEMPT_COMMANDS = ("add", "prefill", "reserve")  # their value: an ``Attempt``
 
+# every field of an update but its id, at its default (a field the frame leaves out)
 _UPDATE_DEFAULTS: dict[str, Any] = {
-    "token_ids": [],
-    "text": "",
-    "finish_reason": None,
-    "error": None,
-    "retryable": False,
-    "handed_off": False,
-    "info": {},
-    "logprobs": None,
+    f.name: f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
+    for f in fields(Update)
+    if f.name != "request_id"
 }
 
 
@@ -174,7 +170,7 @@ def decode_command(body: bytes) -> tuple[str, Attempt | list[str]]:
 
 
 def _pack_attempt(a: Attempt) -> dict:
-    return {**a.__dict__, "params": a.params.__dict__}
+    return {**a.__dict__, "params": a.params.as_dict()}
 
 
 def _unpack_attempt(d: dict) -> Attempt:

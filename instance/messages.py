@@ -92,6 +92,9 @@ class Update:
     # The error is a failed KV handoff (transfer cut, lease expired, peer gone): the
     # request may be redone on another prefill/decode pair.
     retryable: bool = False
+    # The error is the request's own (its output cannot follow its guide): the router
+    # refuses it as invalid instead of reporting an instance's failure.
+    invalid: bool = False
     handed_off: bool = False  # prefill: every decode rank acknowledged the request's KV
     # phase times (wall clock, seconds), KV bytes moved, transfer seconds
     info: dict = field(default_factory=dict)
@@ -106,7 +109,9 @@ class Update:
             request_id,
             out.new_token_ids,
             out.new_text,
-            out.finish_reason,
+            None if out.error else out.finish_reason,
+            error=out.error,
+            invalid=out.error is not None,
             info=info,
             logprobs=out.new_logprobs,
         )

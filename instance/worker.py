@@ -25,6 +25,7 @@ pools never import each other. No Ray import: the cluster wraps it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -265,17 +266,22 @@ class EngineWorker:
             ]
 
     def _command(self, kind: str, apply: Callable[[Any], None]) -> Callable[[Any], None]:
-        """The feed's handler of ``kind``: ``apply``, which for an attempt first records it
-        for rejoining (when there is a grace)."""
-        if kind not in ATTEMPT_COMMANDS or self._rejoin_grace_s <= 0:
+        """The feed's handler of ``kind``: ``apply``, which for an attempt first compiles
+        its guide, on the feed's thread rather than the step loop's (an error is the step
+        loop's to report when it admits the attempt), and records it for rejoining (when
+        there is a grace)."""
+        if kind not in ATTEMPT_COMMANDS:
             return apply
 
-        def tracked(attempt: Attempt) -> None:
-            with self._lock:
-                self._live[attempt.id] = LiveAttempt(attempt)
+        def received(attempt: Attempt) -> None:
+            with contextlib.suppress(ValueError):
+                self.engine.prepare_guide(attempt.params)
+            if self._rejoin_grace_s > 0:
+                with self._lock:
+                    self._live[attempt.id] = LiveAttempt(attempt)
             apply(attempt)
 
-        return tracked
+        return received
 
     def _forget_ended(self) -> None:
         """Drop the records of attempts that ended more than the grace ago (under _lock)."""

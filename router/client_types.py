@@ -6,8 +6,10 @@ its tokens' ``TokenLogprobs`` when the request asked, ``logprobs=N``), which
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.router import pdserve_pb2 as pb
 
@@ -133,11 +135,15 @@ def make_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
+    structured_outputs: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest``: exactly one of prompt, messages, prompt_token_ids.
     ``logprobs=N`` (0-20) has every chunk carry its tokens' ``TokenLogprobs`` with N
     alternatives; the penalties are OpenAI's (presence, frequency) and vLLM's
-    (repetition); None leaves a field unset (the engine's default)."""
+    (repetition); ``structured_outputs``: what the output must match, as vLLM's field
+    says it: one of ``{"json": schema}`` (a dict or its JSON text), ``{"regex": r}``,
+    ``{"choice": [strings]}``, ``{"grammar": lark_text}``; None leaves a field unset (the
+    engine's default)."""
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
@@ -167,4 +173,10 @@ def make_request(
     s.stop.extend([stop] if isinstance(stop, str) else stop)
     s.stop_token_ids.extend(stop_token_ids)
     s.ignore_eos = ignore_eos
+    if structured_outputs is not None:
+        if len(structured_outputs) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar")
+        [(kind, spec)] = structured_outputs.items()
+        s.guide.kind = kind
+        s.guide.spec = spec if isinstance(spec, str) else json.dumps(spec)
     return req

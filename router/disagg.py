@@ -137,7 +137,9 @@ class Disaggregated(Placement):
                 continue  # an abandoned attempt, or aborted meanwhile
             stream.attempt.report(u.info)
             if u.error is not None:
-                self._end_attempt(stream, u.request_id, u.error, u.retryable, reported_by=inst)
+                self._end_attempt(
+                    stream, u.request_id, u.error, u.retryable, reported_by=inst, invalid=u.invalid
+                )
                 if stream.finished:
                     ended.append(stream)
                 continue
@@ -175,10 +177,12 @@ class Disaggregated(Placement):
         error: str,
         retryable: bool,
         reported_by: Instance | None = None,
+        invalid: bool = False,
     ) -> None:
         """Attempt ``attempt_id`` failed (``reported_by``, when given, forgets it): if it
         is still current (``retire``), drop it everywhere, then migrate the request or
-        fail it; a report of an attempt no longer current does nothing more. Once the
+        fail it (``invalid``: the request's own fault, ``Delta.failed``); a report of an
+        attempt no longer current does nothing more. Once the
         decode instance streams tokens, its KV has landed: a failure reported by the
         prefill instance (a lost acknowledgement, its death) no longer concerns it, and
         only that instance's hold goes."""
@@ -194,7 +198,7 @@ class Disaggregated(Placement):
         if retryable:
             self.hooks.migrate(stream, error)
         else:
-            stream.deliver(Delta([], "", "error", error))
+            stream.deliver(Delta.failed(error, invalid))
 
     def _drop(self, stream: RequestStream, attempt_id: str, abort: bool) -> None:
         """Every instance forgets the (retired) attempt; with ``abort`` it frees its blocks."""

@@ -34,6 +34,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.engine.structured import Guide, GuideError
 from pdserve.router import pdserve_pb2 as pb
 from pdserve.router import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import tls as router_tls
@@ -285,12 +286,20 @@ def generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
             "(it is sent back as the metadata request-id)",
         )
     s = msg.sampling
+    guide, guide_field = None, SamplingOptions.guide_field
+    if s.HasField("guide"):
+        try:
+            guide, guide_field = Guide(s.guide.kind, s.guide.spec), "sampling.guide"
+        except GuideError as e:
+            raise Refused(Refusal.INVALID, f"sampling.{e}") from None
     req = GenerateRequest(
         sampling=SamplingOptions(
             **{name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)},
             stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            guide=guide,
+            guide_field=guide_field,
         ),
         request_id=msg.request_id,
     )

@@ -7,18 +7,19 @@ and chat-template rendering on a thread pool, handed back in arrival order
 Invariants:
 - The event loop never tokenizes or renders a template: ``RequestValidator.prompt_ids``
   and ``sampling`` run on ``router.tokenizer_threads`` threads, several requests at once.
-  A request given as token ids, at most ``INLINE_IDS`` of them, has nothing to
-  tokenize: it is checked on the loop (a range check, microseconds), which spares it
-  two thread hops.
+  A request given as token ids, at most ``INLINE_IDS`` of them and without a guide
+  (a grammar compiles on a thread), has nothing to tokenize: it is checked on the loop
+  (a range check, microseconds), which spares it two thread hops.
 - Requests reach admission in the order they called ``prepare``: each waits, once
   its own work is done, for the one that called before it (that one admitted, refused,
   or gone), and its caller admits with no ``await`` in between, so a short prompt never
   overtakes a long one that arrived first. A caller cancelled while it waits passes its
   turn on only when the one before it has passed its own.
 - The limits are refused with INVALID naming the key, the value and the bound:
-  ``router.max_request_id_chars``, ``router.max_stop_strings`` and
-  ``router.max_stop_string_chars`` first, on the loop (cheap), a text too long for any
-  tokenization to fit before it is tokenized (router/validation.py),
+  ``router.max_request_id_chars``, ``router.max_stop_strings``,
+  ``router.max_stop_string_chars`` and ``router.max_grammar_bytes`` first, on the loop
+  (cheap), a text too long for any tokenization to fit before it is tokenized
+  (router/validation.py), a guide that does not compile on the thread,
   ``router.max_prompt_tokens`` once the prompt is tokenized.
 """
 
@@ -40,6 +41,7 @@ class Intake:
         self.max_stop_strings: int = router_config["max_stop_strings"]
         self.max_stop_string_chars: int = router_config["max_stop_string_chars"]
         self.max_request_id_chars: int = router_config["max_request_id_chars"]
+        self.max_grammar_bytes: int = router_config["max_grammar_bytes"]
         self._pool = ThreadPoolExecutor(
             router_config["tokenizer_threads"], thread_name_prefix="router-tokenize"
         )
@@ -56,7 +58,7 @@ class Intake:
         self._last = mine
         try:
             given = request.prompt_token_ids
-            if given is not None and len(given) <= INLINE_IDS:
+            if given is not None and len(given) <= INLINE_IDS and request.sampling.guide is None:
                 ids, params = _validate(validator, request)
             else:
                 ids, params = await loop.run_in_executor(self._pool, _validate, validator, request)
@@ -94,6 +96,14 @@ class Intake:
                     f"stop[{i}]: {len(s)} characters, past router.max_stop_string_chars="
                     f"{self.max_stop_string_chars}",
                 )
+
+        guide, field = request.sampling.guide, request.sampling.guide_field
+        if guide is not None and (size := len(guide.spec.encode())) > self.max_grammar_bytes:
+            raise Refused(
+                Refusal.INVALID,
+                f"{field}: {size} bytes of {guide.kind} spec, past router.max_grammar_bytes="
+                f"{self.max_grammar_bytes}",
+            )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

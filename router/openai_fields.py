@@ -48,6 +48,10 @@ _COMMON_READ = (
     "frequency_penalty",
     # pdserve's own: seconds from arrival until the request ends with 408
     "timeout",
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs
+    # (router/openai_guide.py)
+    "response_format",
+    "structured_outputs",
 )
 COMPLETIONS_READ = frozenset((*_COMMON_READ, "prompt", "echo"))
 CHAT_READ = frozenset((*_COMMON_READ, "messages", "max_completion_tokens", "top_logprobs"))
@@ -67,7 +71,6 @@ COMPLETIONS_FIXED = {
 }
 CHAT_FIXED = {
     **_COMMON_FIXED,
-    "response_format": Fixed(({"type": "text"},), "structured output is not implemented"),
     "tools": Fixed(([],), "tool calling is not implemented"),
     "tool_choice": Fixed(("none",), "tool calling is not implemented"),
     "parallel_tool_calls": Fixed((), "tool calling is not implemented"),

@@ -18,6 +18,7 @@ from typing import Literal, overload
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS
 from pdserve.router.openai_fields import MESSAGE_FIXED, MESSAGE_READ, fields, same
+from pdserve.router.openai_guide import BadGuide, read_guide
 from pdserve.router.request import ChatMessage, GenerateRequest, SamplingOptions
 
 CHAT_MAX_TOKENS = 512  # when a chat request sets no limit
@@ -110,6 +111,10 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
         ignore_eos=_flag(body, "ignore_eos"),
         **logprobs_and_penalties(body, chat),
     )
+    try:
+        req.sampling.guide, req.sampling.guide_field = read_guide(body)
+    except BadGuide as e:
+        raise BadRequest(str(e), e.param) from None
     echo = False if chat else _flag(body, "echo")
     if echo and req.sampling.logprobs is not None:
         raise BadRequest("echo with logprobs: the prompt's logprobs are not computed", "echo")

@@ -160,9 +160,12 @@ class Colocated(Placement):
             if stream is None:
                 continue  # aborted meanwhile
             stream.attempt.report(u.info)
-            stream.deliver(
-                Delta(u.token_ids, u.text, u.finish_reason, u.error, logprobs=u.logprobs)
-            )
+            if u.invalid:
+                stream.deliver(Delta.failed(u.error or "", invalid=True))
+            else:
+                stream.deliver(
+                    Delta(u.token_ids, u.text, u.finish_reason, u.error, logprobs=u.logprobs)
+                )
             if u.final:
                 inst.release(u.request_id)
                 stream.attempt.retire(u.request_id)

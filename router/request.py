@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.structured import Guide
+
 
 @dataclass
 class ChatMessage:
@@ -35,6 +37,10 @@ class SamplingOptions:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # what the output must match (structured outputs), and the request's field that
+    # asked for it (named when it is refused)
+    guide: Guide | None = None
+    guide_field: str = "guide"
 
 
 # the fields of SamplingOptions that may be unset (None), as the front ends read them

@@ -83,6 +83,15 @@ class Delta:
     refused: Refused | None = None  # set when the router gave up on it (``read`` raises it)
     logprobs: list[Logprobs] | None = None
 
+    @classmethod
+    def failed(cls, error: str, invalid: bool) -> Delta:
+        """The end of a request whose attempt failed: an instance's failure (``error``),
+        or with ``invalid`` the request's own fault, refused as INVALID (its output cannot
+        follow its guide: a retry elsewhere would end the same)."""
+        if invalid:
+            return cls([], "", refused=Refused(Refusal.INVALID, error))
+        return cls([], "", "error", error)
+
     @property
     def last(self) -> bool:
         """Nothing follows it: the request finished, failed or was given up on."""

@@ -10,9 +10,11 @@ length, before the tokenizer reads it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import Grammars, GuideError, llg_tokenizer
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.request import OPTIONAL_SAMPLING, ChatMessage, GenerateRequest
 
@@ -44,6 +46,8 @@ class RequestValidator:
         # the most prompt tokens a request may have: one generated token must fit after
         self.max_prompt_tokens = min(limits.max_context, limits.kv_tokens) - 1
         self.max_token_chars = 0 if tokenizer is None else tokenizer.max_token_chars
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()  # the intake's threads validate at once
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         given = request.inputs_given()
@@ -96,10 +100,28 @@ class RequestValidator:
         )
         if s.seed is not None and not _SEEDS[0] <= s.seed < _SEEDS[1]:
             raise InvalidRequest(f"sampling.seed={s.seed!r}: must be in [-2**63, 2**63)")
+        if s.guide is not None:
+            try:
+                self.grammars(s.guide_field).compile(s.guide)
+            except GuideError as e:
+                raise InvalidRequest(f"{s.guide_field}: {e}") from e
+            kwargs["guide"] = s.guide
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
             raise InvalidRequest(f"sampling.{e}") from e
+
+    def grammars(self, field: str) -> Grammars:
+        """The guides compiled with the model's tokenizer, as the instances compile them
+        (built at the first guided request)."""
+        if self.tokenizer is None:
+            raise InvalidRequest(f"{field}: this model has no tokenizer to match a grammar with")
+        with self._grammars_lock:
+            if self._grammars is None:
+                t = self.tokenizer
+                vocab = self.limits.vocab_size
+                self._grammars = Grammars(llg_tokenizer(t.backend, vocab, t.eos_token_ids))
+            return self._grammars
 
     def _encode(self, text: str, field: str) -> list[int]:
         """``text``'s token ids; a text so long that no tokenization of it fits the

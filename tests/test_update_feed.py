@@ -48,7 +48,12 @@ def test_frames_round_trip_every_field():
         Update("b#0.1", finish_reason="stop", logprobs=[Logprobs(7, -0.5, (7, 2), (-0.5, -1.25))]),
         Update("c#1.2", error="transfer cut", retryable=True),
         Update("d#0.3", handed_off=True),
+        Update("h#0.7", error="the json guide: a dead end", invalid=True),
     ]
+    # every field of an update is set by one of them
+    blank = Update("x")
+    set_ = {f for u in updates for f, v in u.__dict__.items() if v != getattr(blank, f)}
+    assert set_ == set(blank.__dict__)
     reserved = [Reserved("e#0.4", b"\x00\x01"), Reserved("f#0.5"), Reserved("g#1.6", error="no")]
     polled = Polled(updates, {"running": 2, "last_step": [1.0, 2.0]},
                     CacheDelta("e1", 9, True, [2**64 - 1, 5], []), reserved)  # fmt: skip

@@ -21,6 +21,7 @@ CONFIG = dict(
     max_stop_strings=2,
     max_stop_string_chars=4,
     max_request_id_chars=16,
+    max_grammar_bytes=64,
     tokenizer_threads=2,
 )
 

@@ -20,7 +20,6 @@ from pdserve.router.openai_fields import CHAT_FIXED, COMPLETIONS_FIXED
 IDS = [5, 9, 33, 81]
 # one value per unimplemented field that asks for what pdserve does not do
 REFUSED = {"n": 2, "best_of": 3, "logit_bias": {"5": 10}, "suffix": "end",
-           "response_format": {"type": "json_object"},
            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
            "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
            "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
