@@ -66,7 +66,11 @@ class Tokenizer:
             return bytes(_BYTE_OF_CHAR[c] for c in token)
         return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
+        """The template rendered over ``messages`` (and ``tools``, OpenAI's function
+        objects, for a template that reads them: ``takes_tools``)."""
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; send a plain prompt")
         if self._template is None:
@@ -80,7 +84,13 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=bos,
             eos_token=eos,
+            **({"tools": tools} if tools else {}),
         )
+
+    @property
+    def takes_tools(self) -> bool:
+        """The chat template reads ``tools`` (HF's convention for tool calling)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
 
     def _token(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id)

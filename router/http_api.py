@@ -241,7 +241,11 @@ class HttpApi:
         shape = None
         if stream.params.logprobs is not None:
             shape = LogprobsShape(chat, self.core.tokenizer)
-        reply = Reply(stream.request_id, self.model, chat, shape)
+        tools = None
+        if read.request.tools and read.request.tool_choice != "none":
+            assert self.core.validator is not None  # the core took the request: it is ready
+            tools = self.core.validator.tool_parser
+        reply = Reply(stream.request_id, self.model, chat, shape, tools)
         try:
             prefix = self._echo(read)
             delta = await stream.read()

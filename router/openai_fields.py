@@ -8,7 +8,7 @@ it is refused as unknown (naming the key), as vLLM's strict mode does:
 - ``READ``: parsed by router/openai_request.py into the core's request or the reply;
 - ``METADATA``: type-checked and ignored (it changes nothing about the answer);
 - ``FIXED``: OpenAI features pdserve does not implement. Each accepts ``null`` and the
-  values that ask for what pdserve does anyway (``n: 1``, ``tools: []``); any other value
+  values that ask for what pdserve does anyway (``n: 1``, ``logit_bias: {}``); any other value
   is refused with a 400 naming the field, never silently ignored.
 
 The same holds for the keys of one chat message (``MESSAGE_*``).
@@ -54,7 +54,17 @@ _COMMON_READ = (
     "structured_outputs",
 )
 COMPLETIONS_READ = frozenset((*_COMMON_READ, "prompt", "echo"))
-CHAT_READ = frozenset((*_COMMON_READ, "messages", "max_completion_tokens", "top_logprobs"))
+CHAT_READ = frozenset(
+    (
+        *_COMMON_READ,
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    )
+)
 
 # end-user ids and tags: accepted (a string; an object of strings) and ignored
 COMPLETIONS_METADATA = {"user": str}
@@ -71,9 +81,6 @@ COMPLETIONS_FIXED = {
 }
 CHAT_FIXED = {
     **_COMMON_FIXED,
-    "tools": Fixed(([],), "tool calling is not implemented"),
-    "tool_choice": Fixed(("none",), "tool calling is not implemented"),
-    "parallel_tool_calls": Fixed((), "tool calling is not implemented"),
     "functions": Fixed(([],), "function calling is not implemented"),
     "function_call": Fixed(("none",), "function calling is not implemented"),
     "audio": Fixed((), "audio output is not implemented"),
@@ -82,12 +89,11 @@ CHAT_FIXED = {
     "store": Fixed((False,), "completions are not stored"),
 }
 
-# one chat message: role and content are read; the rest only as null or empty
-MESSAGE_READ = frozenset(("role", "content"))
+# one chat message: role, content and its tool calls or call id are read; the rest only as
+# null or empty
+MESSAGE_READ = frozenset(("role", "content", "tool_calls", "tool_call_id"))
 MESSAGE_FIXED = {
     "name": Fixed((), "participant names are not passed to the chat template"),
-    "tool_calls": Fixed(([],), "tool calling is not implemented"),
-    "tool_call_id": Fixed((), "tool calling is not implemented"),
     "function_call": Fixed((), "function calling is not implemented"),
     "audio": Fixed((), "audio is not implemented"),
     "refusal": Fixed((), "refusals are not read"),

@@ -19,6 +19,7 @@ from typing import Literal, overload
 from pdserve.engine.sampling_params import MAX_LOGPROBS
 from pdserve.router.openai_fields import MESSAGE_FIXED, MESSAGE_READ, fields, same
 from pdserve.router.openai_guide import BadGuide, read_guide
+from pdserve.router.openai_tools import BadTools, message_calls, read_tools
 from pdserve.router.request import ChatMessage, GenerateRequest, SamplingOptions
 
 CHAT_MAX_TOKENS = 512  # when a chat request sets no limit
@@ -81,6 +82,10 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
     req = GenerateRequest()
     if chat:
         req.messages = _messages(body.get("messages"))
+        try:
+            req.tools, req.tool_choice, req.parallel_tool_calls = read_tools(body)
+        except BadTools as e:
+            raise BadRequest(str(e), e.param) from None
     else:
         req.prompt, req.prompt_token_ids = _prompt(body.get("prompt"))
     limit = max_tokens = _number(body, "max_tokens", integer=True)
@@ -237,7 +242,15 @@ def _message(i: int, m) -> ChatMessage:
             f"{where}.content={show(content)}: must be a string or a list of text parts",
             f"{where}.content",
         )
-    return ChatMessage(_text(role, f"{where}.role"), _text(content, f"{where}.content"))
+    call_id = m.get("tool_call_id") or ""
+    if not isinstance(call_id, str):
+        raise BadRequest(f"{where}.tool_call_id: must be a string", f"{where}.tool_call_id")
+    try:
+        calls = message_calls(where, m.get("tool_calls"))
+    except BadTools as e:
+        raise BadRequest(str(e), e.param) from None
+    text = _text(content, f"{where}.content")
+    return ChatMessage(_text(role, f"{where}.role"), text, calls, _text(call_id, where))
 
 
 def _text(value: str, key: str) -> str:

@@ -19,8 +19,10 @@ from aiohttp import web
 from pdserve.engine.outputs import Logprobs
 from pdserve.router.incidents import internal_error
 from pdserve.router.openai_logprobs import LogprobsShape
+from pdserve.router.openai_tools import ToolStream, calls_json
 from pdserve.router.request import Refusal, Refused
 from pdserve.router.stream import Usage
+from pdserve.router.tool_parsers import ToolParser
 
 HTTP_STATUS = {
     Refusal.INVALID: 400,
@@ -75,14 +77,24 @@ async def internal_errors(request: web.Request, handler) -> web.StreamResponse:
 
 class Reply:
     """OpenAI's response objects for one request. ``logprobs``: the shape of its logprobs
-    when it asked for them (every choice then has a logprobs object, else null)."""
+    when it asked for them (every choice then has a logprobs object, else null);
+    ``tools``: the model's tool-call format when the request may call tools (its calls
+    are parsed out of the text: a whole reply's at once, a stream's content sent as it
+    comes and its calls with the last chunk, router/openai_tools.py)."""
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, logprobs: LogprobsShape | None = None
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        logprobs: LogprobsShape | None = None,
+        tools: ToolParser | None = None,
     ):
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model, self.chat, self.created = model, chat, int(time.time())
         self.logprobs = logprobs
+        self.tools = tools
+        self._stream = None if tools is None else ToolStream(tools)
 
     def _base(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -90,7 +102,13 @@ class Reply:
     def whole(
         self, text: str, finish_reason: str, usage: dict, logprobs: list[Logprobs] | None = None
     ) -> dict:
-        message = {"role": "assistant", "content": text}
+        message: dict = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = self.tools.parse(text)
+            if calls:
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": calls_json(calls)}  # fmt: skip
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         out = self._with_choice(
             "chat.completion", "message", message, text, finish_reason, logprobs
         )
@@ -106,7 +124,15 @@ class Reply:
     def chunk(
         self, text: str, finish_reason: str | None, logprobs: list[Logprobs] | None = None
     ) -> dict:
-        delta = {"content": text}
+        delta: dict = {"content": text}
+        if self._stream is not None:
+            delta["content"] = self._stream.feed(text)
+            if finish_reason is not None:
+                rest, calls = self._stream.finish()
+                delta["content"] += rest
+                if calls:
+                    delta["tool_calls"] = calls_json(calls, indexed=True)
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return self._with_choice(
             "chat.completion.chunk", "delta", delta, text, finish_reason, logprobs
         )

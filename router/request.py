@@ -13,10 +13,40 @@ from dataclasses import dataclass, field
 from pdserve.engine.structured import Guide
 
 
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, and the JSON schema of its
+    arguments (an object schema)."""
+
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=lambda: {"type": "object"})
+
+    def as_openai(self) -> dict:
+        """OpenAI's ``{"type": "function", "function": {...}}``, as chat templates take it."""
+        spec = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": spec}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: its id (``call_...``), the function, its arguments (JSON
+    text, an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class ChatMessage:
+    """``tool_calls``: an assistant's earlier calls; ``tool_call_id``: a ``tool``
+    message's answer to one of them."""
+
     role: str
     content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str = ""
 
 
 @dataclass
@@ -73,6 +103,12 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     request_id: str = ""
+    # tool calling (chat): the functions the model may call; ``tool_choice``: "none",
+    # "auto", "required" or a function's name (the model must call that one);
+    # ``parallel_tool_calls``: more than one call in a turn
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
 
     def inputs_given(self) -> list[str]:
         """The names of the inputs that are set (not ``None``)."""

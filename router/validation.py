@@ -14,9 +14,10 @@ import threading
 from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import Grammars, GuideError, llg_tokenizer
+from pdserve.engine.structured import Grammars, Guide, GuideError, llg_tokenizer
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.request import OPTIONAL_SAMPLING, ChatMessage, GenerateRequest
+from pdserve.router.request import OPTIONAL_SAMPLING, ChatMessage, GenerateRequest, Tool
+from pdserve.router.tool_parsers import for_template
 
 
 class InvalidRequest(ValueError):
@@ -30,8 +31,8 @@ class ModelLimits:
     kv_tokens: int  # tokens the smallest instance's KV cache holds (blocks x block size)
 
 
-# the roles a chat message may have (tool and function results need tool calling)
-ROLES = ("system", "developer", "user", "assistant")
+# the roles a chat message may have (a tool's result: "tool", docs/serving.md "Tool calling")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 _SEEDS = (-(2**63), 2**63)  # torch's generators take 64-bit seeds
 _INT32_MAX = 2**31 - 1
 
@@ -46,6 +47,7 @@ class RequestValidator:
         # the most prompt tokens a request may have: one generated token must fit after
         self.max_prompt_tokens = min(limits.max_context, limits.kv_tokens) - 1
         self.max_token_chars = 0 if tokenizer is None else tokenizer.max_token_chars
+        self.tool_parser = for_template(None if tokenizer is None else tokenizer.chat_template)
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # the intake's threads validate at once
 
@@ -63,7 +65,7 @@ class RequestValidator:
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise InvalidRequest(f"prompt_token_ids: token ids must be in [0, {vocab})")
         elif request.messages is not None:
-            ids = self._encode(self._render(request.messages), "messages")
+            ids = self._encode(self._render(request.messages, request.tools), "messages")
         else:
             ids = self._encode(request.prompt, "prompt") if request.prompt else []
         if not ids:
@@ -100,16 +102,45 @@ class RequestValidator:
         )
         if s.seed is not None and not _SEEDS[0] <= s.seed < _SEEDS[1]:
             raise InvalidRequest(f"sampling.seed={s.seed!r}: must be in [-2**63, 2**63)")
-        if s.guide is not None:
+        guide, field = s.guide, s.guide_field
+        if request.tools:
+            forced = self._tool_guide(request)
+            if forced is not None and guide is not None:
+                raise InvalidRequest(
+                    f"tool_choice={request.tool_choice!r} and {field}: both ask for the "
+                    "output's form; give one"
+                )
+            guide, field = (forced, "tool_choice") if forced is not None else (guide, field)
+        if guide is not None:
             try:
-                self.grammars(s.guide_field).compile(s.guide)
+                self.grammars(field).compile(guide)
             except GuideError as e:
-                raise InvalidRequest(f"{s.guide_field}: {e}") from e
-            kwargs["guide"] = s.guide
+                raise InvalidRequest(f"{field}: {e}") from e
+            kwargs["guide"] = guide
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
             raise InvalidRequest(f"sampling.{e}") from e
+
+    def _tool_guide(self, request: GenerateRequest) -> Guide | None:
+        """The guide ``tool_choice`` asks for: calls of the tools ("required") or of the
+        one named, in the model's format (router/tool_parsers.py); None for "auto" and
+        "none". Every tool's schema is compiled, whatever the choice."""
+        tools, choice = request.tools, request.tool_choice
+        names = [t.name for t in tools]
+        if choice not in ("none", "auto", "required") and choice not in names:
+            raise InvalidRequest(f"tool_choice: function {choice!r} is not in tools {names}")
+        parallel = request.parallel_tool_calls
+        calls = Guide("grammar", self.tool_parser.grammar(tools, None, parallel))
+        try:
+            self.grammars("tools").compile(calls)
+        except GuideError as e:
+            raise InvalidRequest(f"tools: a function's parameters do not compile: {e}") from e
+        if choice == "required":
+            return calls
+        if choice in names:
+            return Guide("grammar", self.tool_parser.grammar(tools, choice, parallel))
+        return None
 
     def grammars(self, field: str) -> Grammars:
         """The guides compiled with the model's tokenizer, as the instances compile them
@@ -138,7 +169,7 @@ class RequestValidator:
             )
         return self.tokenizer.encode(text)
 
-    def _render(self, messages: list[ChatMessage]) -> str:
+    def _render(self, messages: list[ChatMessage], tools: list[Tool]) -> str:
         if not messages:
             raise InvalidRequest("messages: empty; give at least one message")
         for i, m in enumerate(messages):
@@ -148,10 +179,10 @@ class RequestValidator:
                 )
         if self.tokenizer is None:
             raise InvalidRequest("messages: this model has no tokenizer; send prompt_token_ids")
+        takes = self.tokenizer.takes_tools
+        chat, functions = self.tool_parser.template_inputs(messages, tools, takes)
         try:
-            return self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages]
-            )
+            return self.tokenizer.apply_chat_template(chat, tools=functions)
         except Exception as e:  # any: the template is code run on the request's messages
             raise InvalidRequest(_template_error(e)) from e
 

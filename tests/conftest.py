@@ -54,7 +54,7 @@ HEAVY = {
     "tests/router": ["test_admission", "test_cancellation", "test_front_ends", "test_fuzz",
                      "test_http_api", "test_imports", "test_logprobs", "test_openai_api",
                      "test_router_limits", "test_router_security", "test_slow_clients",
-                     "test_streaming", "test_structured_api"],
+                     "test_streaming", "test_structured_api", "test_tools_api"],
     "tests": ["test_cli", "test_hf_parity", "test_packaging", "test_resume", "test_resume_workers",
               "test_tensor_parallel"],
 }  # fmt: skip

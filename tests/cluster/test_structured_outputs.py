@@ -1,9 +1,10 @@
 """Structured outputs through real clusters with the official ``openai`` client:
 
 - on the embedded model, co-located and disaggregated: ``chat.completions.parse``
-  returns the Pydantic object for 50 of 50 varied schemas, and every ``json_object``
-  output that ends (40 of 50 at least) is one JSON object, all sent at once (batched
-  with each other);
+  returns the Pydantic object for 50 of 50 varied schemas; every ``json_object`` output
+  that ends (40 of 50 at least) is one JSON object; ``tool_choice`` required and named
+  each give one call whose arguments validate against its tool's schema, 50 of 50
+  (half of them streamed); all sent 50 at once (batched with each other);
 - greedy guided output is the offline engine's, token for token, co-located and
   disaggregated over gloo (TP 1) and gRPC (decode TP 2): the decode instance's matcher,
   rebuilt from the first token the prefill instance sampled under the grammar, goes on
@@ -88,7 +89,7 @@ def openai_client(cluster) -> openai.OpenAI:
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_parse_and_json_object_hold_50_of_50_on_the_embedded_model(mode, on_shared_ray):
+def test_parse_json_object_and_tool_calls_hold_on_the_embedded_model(mode, on_shared_ray):
     from pdserve.cluster import launch
 
     schemas = models(50)
@@ -117,9 +118,39 @@ def test_parse_and_json_object_hold_50_of_50_on_the_embedded_model(mode, on_shar
             )
             return done.choices[0].finish_reason, done.choices[0].message.content
 
+        def tool_calls(case: tuple[int, bool, bool]) -> list[tuple[str, str]]:
+            i, named, stream = case
+            tools = [openai.pydantic_function_tool(schemas[i], name=f"record_{i}"),
+                     openai.pydantic_function_tool(schemas[i - 1], name=f"other_{i}")]  # fmt: skip
+            choice = (
+                {"type": "function", "function": {"name": f"record_{i}"}} if named else "required"
+            )
+            messages = [{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} Record it."}]
+            kw = dict(model=EMBEDDED, messages=messages, tools=tools, tool_choice=choice,
+                      parallel_tool_calls=False, temperature=0, max_tokens=300)  # fmt: skip
+            if not stream:
+                done = api.chat.completions.create(**kw).choices[0]
+                assert done.finish_reason == "tool_calls", done
+                return [(c.function.name, c.function.arguments) for c in done.message.tool_calls]
+            calls, finish = [], None
+            for chunk in api.chat.completions.create(stream=True, **kw):
+                if chunk.choices:
+                    calls += chunk.choices[0].delta.tool_calls or []
+                    finish = chunk.choices[0].finish_reason or finish
+            assert finish == "tool_calls", calls
+            return [(c.function.name, c.function.arguments) for c in calls]
+
+        # 50 required and 50 named, half of each streamed
+        cases = [(i, named, i % 2 == 1) for named in (False, True) for i in range(50)]
         with ThreadPoolExecutor(50) as pool:
             parsed = list(pool.map(parse, range(50)))
             objects = list(pool.map(json_object, range(50)))
+            called = list(pool.map(tool_calls, cases))
+    for (i, named, _), calls in zip(cases, called, strict=True):
+        assert len(calls) == 1, calls
+        [(name, arguments)] = calls
+        assert name == f"record_{i}" or (not named and name == f"other_{i}"), calls
+        schemas[i if name == f"record_{i}" else i - 1].model_validate_json(arguments)
     assert all(isinstance(p, schemas[i]) for i, p in enumerate(parsed)), parsed
     # every output that ended is one JSON object; the others ran into max_tokens (the
     # 135M model repeats itself inside a string now and then: its part, not the grammar's)

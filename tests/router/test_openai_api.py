@@ -20,8 +20,7 @@ from pdserve.router.openai_fields import CHAT_FIXED, COMPLETIONS_FIXED
 IDS = [5, 9, 33, 81]
 # one value per unimplemented field that asks for what pdserve does not do
 REFUSED = {"n": 2, "best_of": 3, "logit_bias": {"5": 10}, "suffix": "end",
-           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-           "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+           "functions": [{"name": "f"}], "function_call": "auto",
            "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
            "prediction": {"type": "content", "content": "x"}, "store": True}  # fmt: skip
 ACCEPTED_CHAT = {"n": 1, "tools": [], "tool_choice": "none", "store": False, "logit_bias": {},
@@ -131,7 +130,7 @@ HOSTILE = [
 HOSTILE_CHAT = [
     ({"role": "wizard", "content": "hi"}, "messages[0].role='wizard': must be one of system"),
     ({"content": "hi"}, "messages[0].role=None: must be a string"),
-    ({"role": "tool", "content": "4", "tool_call_id": "c1"}, "messages[0].tool_call_id="),
+    ({"role": "tool", "content": "4", "tool_call_id": 7}, "messages[0].tool_call_id: must be"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
      "messages[0].content[0]={'image_url': {'url': 'x'}, 'type': 'image_url'}: only text"),
     ({"role": "user", "content": 5}, "messages[0].content=5: must be a string"),
@@ -158,8 +157,8 @@ def test_hostile_bodies_are_400s_naming_the_problem(http, chat_model):
 
 
 def test_grpc_chat_roles_the_template_cannot_take_are_invalid_argument(client):
-    for role in ("wizard", "", "tool"):
+    for role in ("wizard", ""):
         with pytest.raises(grpc.RpcError) as err:
             client.complete(messages=[{"role": role, "content": "hi"}], max_tokens=2)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "must be one of system, developer, user, assistant" in err.value.details()
+        assert "must be one of system, developer, user, assistant, tool" in err.value.details()

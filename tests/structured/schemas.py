@@ -1,5 +1,5 @@
 """Fifty varied Pydantic models for structured-output tests: nested objects, enums,
-arrays, strings (bounded, as a schema for a small model should be: unbounded, a 135M
+arrays, strings, numbers (bounded, as a schema for a small model should be: unbounded, a 135M
 model's greedy output may repeat until max_tokens), optional fields, numbers,
 booleans, literals. Built from a seed, the same every run."""
 
@@ -9,7 +9,7 @@ import enum
 import random
 from typing import Literal
 
-from pydantic import BaseModel, Field, conlist, constr, create_model
+from pydantic import BaseModel, Field, conint, conlist, constr, create_model
 
 
 class Color(enum.StrEnum):
@@ -20,7 +20,7 @@ class Color(enum.StrEnum):
 
 class Address(BaseModel):
     city: str = Field(max_length=24)
-    zip_code: int
+    zip_code: int = Field(ge=0, le=99999)
 
 
 class Pet(BaseModel):
@@ -30,13 +30,13 @@ class Pet(BaseModel):
 
 _FIELDS = [
     ("name", (str, Field(max_length=24))),
-    ("age", (int, ...)),
-    ("height_m", (float, ...)),
+    ("age", (int, Field(ge=0, le=150))),
+    ("height_m", (float, Field(ge=0, le=3))),
     ("active", (bool, ...)),
     ("color", (Color, ...)),
     ("address", (Address, ...)),
     ("tags", (conlist(constr(max_length=16), max_length=3), ...)),
-    ("scores", (conlist(int, min_length=1, max_length=4), ...)),
+    ("scores", (conlist(conint(ge=0, le=100), min_length=1, max_length=4), ...)),
     ("pet", (Pet | None, None)),
     ("nickname", (str | None, Field(default=None, max_length=16))),
     ("pets", (conlist(Pet, max_length=2), ...)),
