@@ -28,3 +28,23 @@ def client(cluster):
 
     with RouterClient(cluster.address) as c:
         yield c
+
+
+@pytest.fixture(scope="package")
+def api(cluster):
+    """The official ``openai`` client on the cluster's HTTP API."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="package")
+def http(cluster):
+    """A plain HTTP client on the cluster's HTTP API (bodies the ``openai`` client would
+    not send)."""
+    import httpx
+
+    with httpx.Client(base_url=f"http://{cluster.http_address}", timeout=60) as c:
+        yield c

@@ -22,13 +22,6 @@ def offline(chat_model):
     return LLM(chat_model)
 
 
-@pytest.fixture(scope="module")
-def api(cluster):
-    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
-    yield client
-    client.close()
-
-
 def test_models_lists_the_served_model(api, chat_model):
     assert [m.id for m in api.models.list().data] == [chat_model]
 

@@ -29,13 +29,6 @@ def offline(chat_model):
     return llm, llm.generate(IDS, params(3))[0], llm.chat(MESSAGES, params(2))[0]
 
 
-@pytest.fixture(scope="module")
-def api(cluster):
-    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
-    yield client
-    client.close()
-
-
 def text_of(tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 

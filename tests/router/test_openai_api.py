@@ -29,12 +29,6 @@ ACCEPTED_CHAT = {"n": 1, "tools": [], "tool_choice": "none", "store": False, "lo
                  "parallel_tool_calls": None}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=f"http://{cluster.http_address}", timeout=60) as c:
-        yield c
-
-
 def post(http, path: str, body) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return http.post(path, content=content, headers={"Content-Type": "application/json"})

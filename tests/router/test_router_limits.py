@@ -13,12 +13,6 @@ from pdserve.cluster.config import RouterConfig
 DEFAULTS = RouterConfig()
 
 
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=f"http://{cluster.http_address}", timeout=60) as h:
-        yield h
-
-
 def _refused(r: httpx.Response, status: int, *words: str) -> None:
     assert r.status_code == status, r.text
     message = r.json()["error"]["message"]

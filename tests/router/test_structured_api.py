@@ -12,8 +12,6 @@ import json
 import re
 from typing import Literal
 
-import httpx
-import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, conlist
 
@@ -28,19 +26,6 @@ class Item(BaseModel):
     count: int = Field(ge=0, le=999)
     kind: Literal["a", "b", "c"]
     flags: conlist(bool, max_length=3)
-
-
-@pytest.fixture(scope="module")
-def api(cluster):
-    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=f"http://{cluster.http_address}", timeout=60) as c:
-        yield c
 
 
 def ask(**kw) -> dict:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
-import openai
 import pytest
 
 WEATHER = {
@@ -46,19 +44,6 @@ TIME = {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
-
-
-@pytest.fixture(scope="module")
-def api(cluster):
-    client = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=f"http://{cluster.http_address}", timeout=60) as c:
-        yield c
 
 
 def streamed(api, **kw) -> tuple[str, list, str]:
