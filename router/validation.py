@@ -179,8 +179,11 @@ class RequestValidator:
                 )
         if self.tokenizer is None:
             raise InvalidRequest("messages: this model has no tokenizer; send prompt_token_ids")
-        takes = self.tokenizer.takes_tools
-        chat, functions = self.tool_parser.template_inputs(messages, tools, takes)
+        chat: list[dict] = [{"role": m.role, "content": m.content} for m in messages]
+        functions = None
+        if tools or any(m.tool_calls or m.role == "tool" for m in messages):
+            takes = self.tokenizer.takes_tools
+            chat, functions = self.tool_parser.template_inputs(messages, tools, takes)
         try:
             return self.tokenizer.apply_chat_template(chat, tools=functions)
         except Exception as e:  # any: the template is code run on the request's messages
