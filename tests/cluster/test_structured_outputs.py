@@ -1,10 +1,10 @@
 """Structured outputs through real clusters with the official ``openai`` client:
 
-- on the embedded model, co-located and disaggregated: ``chat.completions.parse``
-  returns the Pydantic object for 50 of 50 varied schemas; every ``json_object`` output
-  that ends (40 of 50 at least) is one JSON object; ``tool_choice`` required and named
-  each give one call whose arguments validate against its tool's schema, 50 of 50
-  (half of them streamed); all sent 50 at once (batched with each other);
+- on the embedded model, co-located and disaggregated (bench/structured_api.py, with
+  fewer requests than its 50): ``chat.completions.parse`` returns the Pydantic object
+  for every schema; every ``json_object`` output that ends is one JSON object;
+  ``tool_choice`` required and named each give one call whose arguments validate
+  against its tool's schema (half of them streamed); each kind's requests sent at once;
 - greedy guided output is the offline engine's, token for token, co-located and
   disaggregated over gloo (TP 1) and gRPC (decode TP 2): the decode instance's matcher,
   rebuilt from the first token the prefill instance sampled under the grammar, goes on
@@ -20,20 +20,18 @@ import json
 import os
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
 import pytest
 
+from pdserve.bench import structured_api
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.structured import Guide
 from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config, wait_until
 from tests.cluster.test_disagg import disagg_config
 from tests.cluster.test_supervision import SUPERVISOR, back_in_service, busiest
-from tests.structured.schemas import PROMPTS, models
 
-EMBEDDED = "smollm2-135m"
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -54,110 +52,27 @@ SPECS = [  # (vLLM structured_outputs, the same as a Guide)
     ),
 ]
 PROMPT = [7, 19, 33, 60, 2, 91]
-JSON_ASKS = [
-    f"Write a JSON object about {thing} with only the keys {keys}; each value one word."
-    for keys in ("'name', 'color'", "'city', 'country'", "'size', 'weight'", "'title'", "'answer'")
-    for thing in (
-        "a cat",
-        "Paris",
-        "the number 7",
-        "a red car",
-        "water",
-        "the moon",
-        "a book",
-        "an apple",
-        "a river",
-        "a teacher",
-    )
-]
-
-
-def embedded_config(mode: str) -> dict:
-    if mode == "colocated":
-        config = small_cluster_config(EMBEDDED, max_queue=128)
-        config["colocated"].update(instances=1, max_batch_size=32, resources={"num_cpus": 2})
-        return config
-    config = disagg_config(EMBEDDED, "gloo", True, 1)
-    config["router"]["max_queue"] = 128
-    config["decode"].update(kv_blocks=1024, resources={"num_cpus": 1})
-    return config
 
 
 def openai_client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
 
 
-@pytest.mark.timeout(420)
+N = 12  # of each kind and mode; bench.structured_api counts 50 (docs/performance.md)
+
+
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_parse_json_object_and_tool_calls_hold_on_the_embedded_model(mode, on_shared_ray):
     from pdserve.cluster import launch
 
-    schemas = models(50)
-    with launch(embedded_config(mode)) as cluster, openai_client(cluster) as api:
-
-        def parse(i: int):
-            messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-            done = api.chat.completions.parse(
-                model=EMBEDDED,
-                messages=messages,
-                temperature=0,
-                max_tokens=300,
-                response_format=schemas[i],
-            )
-            return done.choices[0].message.parsed
-
-        def json_object(i: int):
-            messages = [{"role": "user", "content": JSON_ASKS[i]}]
-            done = api.chat.completions.create(
-                model=EMBEDDED,
-                messages=messages,
-                max_tokens=300,
-                temperature=0.7,
-                seed=i,
-                response_format={"type": "json_object"},
-            )
-            return done.choices[0].finish_reason, done.choices[0].message.content
-
-        def tool_calls(case: tuple[int, bool, bool]) -> list[tuple[str, str]]:
-            i, named, stream = case
-            tools = [openai.pydantic_function_tool(schemas[i], name=f"record_{i}"),
-                     openai.pydantic_function_tool(schemas[i - 1], name=f"other_{i}")]  # fmt: skip
-            choice = (
-                {"type": "function", "function": {"name": f"record_{i}"}} if named else "required"
-            )
-            messages = [{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} Record it."}]
-            kw = dict(model=EMBEDDED, messages=messages, tools=tools, tool_choice=choice,
-                      parallel_tool_calls=False, temperature=0, max_tokens=300)  # fmt: skip
-            if not stream:
-                done = api.chat.completions.create(**kw).choices[0]
-                assert done.finish_reason == "tool_calls", done
-                return [(c.function.name, c.function.arguments) for c in done.message.tool_calls]
-            calls, finish = [], None
-            for chunk in api.chat.completions.create(stream=True, **kw):
-                if chunk.choices:
-                    calls += chunk.choices[0].delta.tool_calls or []
-                    finish = chunk.choices[0].finish_reason or finish
-            assert finish == "tool_calls", calls
-            return [(c.function.name, c.function.arguments) for c in calls]
-
-        # 50 required and 50 named, half of each streamed
-        cases = [(i, named, i % 2 == 1) for named in (False, True) for i in range(50)]
-        with ThreadPoolExecutor(50) as pool:
-            parsed = list(pool.map(parse, range(50)))
-            objects = list(pool.map(json_object, range(50)))
-            called = list(pool.map(tool_calls, cases))
-    for (i, named, _), calls in zip(cases, called, strict=True):
-        assert len(calls) == 1, calls
-        [(name, arguments)] = calls
-        assert name == f"record_{i}" or (not named and name == f"other_{i}"), calls
-        schemas[i if name == f"record_{i}" else i - 1].model_validate_json(arguments)
-    assert all(isinstance(p, schemas[i]) for i, p in enumerate(parsed)), parsed
-    # every output that ended is one JSON object; the others ran into max_tokens (the
-    # 135M model repeats itself inside a string now and then: its part, not the grammar's)
-    ended = [json.loads(text) for end, text in objects if end == "stop"]
-    assert all(isinstance(o, dict) for o in ended), objects
-    assert all(end in ("stop", "length") for end, _ in objects), objects
-    assert len(ended) >= 40, objects
+    with launch(structured_api.config(mode)) as cluster, openai_client(cluster) as api:
+        results = structured_api.run(api, N)
+    for kind in ("parse", "required", "named"):
+        assert results[kind] == [None] * N, (kind, results[kind])
+    # every json_object output that ended is one JSON object; the others ran into
+    # max_tokens (the 135M model repeats itself inside a string now and then)
+    assert all(r in (None, "length") for r in results["json_object"]), results["json_object"]
+    assert results["json_object"].count(None) >= N - 2, results["json_object"]
 
 
 @pytest.fixture(scope="module")
