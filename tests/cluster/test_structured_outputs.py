@@ -58,7 +58,7 @@ def openai_client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
 
 
-N = 12  # of each kind and mode; bench.structured_api counts 50 (docs/performance.md)
+N = 6  # of each kind and mode; bench.structured_api counts 50 (docs/performance.md)
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
