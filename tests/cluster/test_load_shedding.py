@@ -56,13 +56,15 @@ def test_requests_that_would_wait_too_long_are_refused_at_once(chat_model):
                 await one(0)
                 calibration = await asyncio.gather(*(one(0) for _ in range(4)))
                 assert all(e is None for e, _ in calibration), calibration
-                per_second = 5 * 4 / max(s for _, s in calibration)
+                full_s = max(s for _, s in calibration)
+                per_second = 5 * 4 / full_s
                 count = min(int(2.0 * per_second), 1000)
-                return await asyncio.gather(*(one(i / per_second) for i in range(count)))
+                burst = await asyncio.gather(*(one(i / per_second) for i in range(count)))
+                return burst, full_s
             finally:
                 await client.aclose()
 
-        results = asyncio.run(run())
+        results, full_s = asyncio.run(run())
         refused = [(e, s) for e, s in results if e is not None]
         print(f"{len(refused)} of {len(results)} refused, slowest refusal "
               f"{max((s for _, s in refused), default=0):.3f} s")  # fmt: skip
@@ -72,5 +74,8 @@ def test_requests_that_would_wait_too_long_are_refused_at_once(chat_model):
             assert "router.max_expected_ttft_s=0.5" in e.details()
             retry = dict(e.trailing_metadata())["retry-after"]
             assert int(retry) >= 1
-            assert seconds < 2.0  # refused on arrival, not after waiting
+            # refused on arrival, not after waiting: a request that waited for a slot
+            # would take at least one running request's time (full_s, measured with the
+            # batches full; a loaded host stretches both)
+            assert seconds < max(2.0, full_s), (seconds, full_s)
         seconds_until_blocks_free(cluster)
