@@ -100,8 +100,7 @@ def mask_us(llm: LLM, steps: int) -> float:
 
 def compile_ms(llm: LLM) -> dict[str, tuple[float, float]]:
     """Per guide: ms of a fresh compile, µs of a cached fetch and copy."""
-    t = llm.engine.tokenizer
-    tokenizer = llg_tokenizer(t.backend, llm.engine.model_config.vocab_size, t.eos_token_ids)
+    tokenizer = llg_tokenizer(llm.engine.tokenizer, llm.engine.model_config.vocab_size)
     out = {}
     for name, guide in GUIDES.items():
         grammars = Grammars(tokenizer)
@@ -125,10 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(MODEL, enable_prefix_caching=False)
-    t = llm.engine.tokenizer
-    checker = Grammars(
-        llg_tokenizer(t.backend, llm.engine.model_config.vocab_size, t.eos_token_ids)
-    )
+    checker = Grammars(llg_tokenizer(llm.engine.tokenizer, llm.engine.model_config.vocab_size))
     print(f"{MODEL}, {args.threads} threads, {args.steps} decode steps, best of {args.rounds}")
     step_ms(llm, 1, 1, 4)  # warm-up, the guide compiled
     for batch in (1, 32):

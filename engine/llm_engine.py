@@ -229,10 +229,7 @@ class LLMEngine:
                 if self.tokenizer is None:
                     raise ValueError("guide: this model has no tokenizer to match a grammar with")
                 vocab = self.model_config.vocab_size
-                tokenizer = llg_tokenizer(
-                    self.tokenizer.backend, vocab, self.model_config.eos_token_ids
-                )
-                self._grammars = Grammars(tokenizer)
+                self._grammars = Grammars(llg_tokenizer(self.tokenizer, vocab))
             return self._grammars
 
     def prepare_guide(self, params: SamplingParams) -> None:

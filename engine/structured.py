@@ -3,8 +3,9 @@ generated tokens to it, as a token mask in the sampler (docs/serving.md, "Struct
 outputs").
 
 The grammar library is llguidance (docs/serving.md says why): its matcher computes the
-mask of the tokens the grammar allows next from the state its consumed tokens left, in
-tens of microseconds per step, with no per-schema precomputation over the vocabulary.
+mask of the tokens the grammar allows next from the state its consumed tokens left
+(its cost: docs/performance.md, ``bench.structured``), with no per-schema
+precomputation over the vocabulary.
 
 Invariants:
 - A ``Guide`` is plain data (what a request carries over every wire); its ``grammar()``
@@ -97,12 +98,13 @@ class Guide:
         return {"kind": self.kind, "spec": self.spec}
 
 
-def llg_tokenizer(backend, vocab_size: int, eos_token_ids: tuple[int, ...]):
-    """An llguidance tokenizer over a ``tokenizers.Tokenizer`` (engine/tokenizer.py's
-    backend), ``vocab_size`` wide (the model's logits, which may be wider than the
-    vocabulary)."""
+def llg_tokenizer(tokenizer, vocab_size: int):
+    """An llguidance tokenizer over an engine ``Tokenizer`` (engine/tokenizer.py: its
+    backend and end-of-sequence ids), ``vocab_size`` wide (the model's logits, which may
+    be wider than the vocabulary): what the engine, the router and the benchmarks all
+    build their ``Grammars`` on."""
     return llguidance.LLTokenizer(
-        backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids)
     )
 
 

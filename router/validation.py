@@ -149,9 +149,8 @@ class RequestValidator:
             raise InvalidRequest(f"{field}: this model has no tokenizer to match a grammar with")
         with self._grammars_lock:
             if self._grammars is None:
-                t = self.tokenizer
                 vocab = self.limits.vocab_size
-                self._grammars = Grammars(llg_tokenizer(t.backend, vocab, t.eos_token_ids))
+                self._grammars = Grammars(llg_tokenizer(self.tokenizer, vocab))
             return self._grammars
 
     def _encode(self, text: str, field: str) -> list[int]:
