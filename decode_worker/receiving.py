@@ -54,7 +54,14 @@ from pdserve.engine.reservation import NoRoom
 from pdserve.instance.component import Component
 from pdserve.instance.inbox import Expected, Landed, Released, Reserve
 from pdserve.instance.messages import Attempt, Reserved, Update
-from pdserve.kv_transfer import KVDestination, Outcome, State, backend_options, get_transport
+from pdserve.kv_transfer import (
+    Handoff,
+    KVDestination,
+    Outcome,
+    State,
+    backend_options,
+    get_transport,
+)
 from pdserve.kv_transfer.layout import cache_layout
 
 if TYPE_CHECKING:
@@ -295,7 +302,7 @@ class Receiving(Component):
         if h.first_logprob is not None:
             first = Logprobs(h.first_token, h.first_logprob, h.top_ids, h.top_logprobs)
         try:
-            out = self.engine.land(attempt.id, h.first_token, first)
+            out = self.engine.land(attempt.id, h.first_token, first, prompt_rows(attempt, h))
         except ValueError as e:  # the engine released it
             return [Update(attempt.id, error=str(e))]
         times["decode_start"] = time.time()
@@ -348,3 +355,16 @@ class Receiving(Component):
 
     def stats(self) -> dict:
         return {"reserved": len(self.reservations)}
+
+
+def prompt_rows(attempt: Attempt, h: Handoff) -> list[Logprobs | None] | None:
+    """The prompt logprobs ``h`` carries, one per prompt token of ``attempt`` (None for
+    the first), or None when the request did not ask."""
+    if h.prompt_top is None:
+        return None
+    k, prompt = h.prompt_top, attempt.prompt_ids
+    rows: list[Logprobs | None] = [None]
+    for i, (value, rank) in enumerate(zip(h.prompt_logprobs, h.prompt_ranks, strict=True)):
+        ids, values = h.prompt_top_ids[i * k : i * k + k], h.prompt_top_logprobs[i * k : i * k + k]
+        rows.append(Logprobs(prompt[i + 1], value, ids, values, rank))
+    return rows

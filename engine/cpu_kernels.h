@@ -72,6 +72,10 @@ void silu_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t
 void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t cols, int64_t *out,
                      int num_threads);
 
+void masked_argmax_f32(const float *x, int64_t ld, const int64_t *rows, int64_t n,
+                       const int32_t *bits, int64_t words, int64_t cols, int64_t *out,
+                       int num_threads);
+
 void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
                 const int64_t *positions, const float *cos, const float *sin, int num_threads);
 

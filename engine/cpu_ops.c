@@ -118,3 +118,50 @@ void argmax_rows_f32(const float *x, int64_t ld, int64_t rows, int64_t cols, int
         out[t] = best;
     }
 }
+
+/* out[t] = the index of the largest of the cols floats of row rows[t] of x (rows ld floats
+ * apart) among the tokens its grammar allows: token c is allowed when bit c % 32 of word
+ * c / 32 of bits[t] (words int32 per row) is set. The first of equals; NaN is never the
+ * largest; a row whose allowed tokens are all -inf (or NaN) answers its first allowed
+ * token, and a row that allows none answers -1. One pass over the allowed logits: a
+ * 16-token block whose 16 bits are all clear is not read. */
+void masked_argmax_f32(const float *x, int64_t ld, const int64_t *rows, int64_t n,
+                       const int32_t *bits, int64_t words, int64_t cols, int64_t *out,
+                       int num_threads) {
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (n * cols >= 8 * PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < n; t++) {
+        const float *row = x + rows[t] * ld;
+        const uint32_t *b = (const uint32_t *)bits + t * words;
+        const vf none = splat(-INFINITY);
+        vf top = none;
+        vi at = lane, here = lane - LANES;
+        int64_t c = 0;
+        for (; c + LANES <= cols; c += LANES) {
+            here += LANES;
+            const int32_t w = (int32_t)((b[c >> 5] >> (c & 31)) & 0xFFFF);
+            if (w == 0) continue;
+            const vi allowed = (((vi){0} + w) >> lane) & 1;
+            const vf v = blend(allowed != 0, load(row + c), none);
+            const vi greater = v > top;
+            top = blend(greater, v, top);
+            at = (vi)blend(greater, (vf)here, (vf)at);
+        }
+        int64_t best = -1;
+        float best_value = -INFINITY;
+        for (int l = 0; l < LANES; l++)
+            if (top[l] > best_value || (top[l] == best_value && best >= 0 && at[l] < best)) {
+                if (top[l] > -INFINITY) best = at[l], best_value = top[l];
+            }
+        for (; c < cols; c++)
+            if ((b[c >> 5] >> (c & 31)) & 1 && row[c] > best_value) best = c, best_value = row[c];
+        if (best < 0)
+            for (c = 0; c < cols; c++)
+                if ((b[c >> 5] >> (c & 31)) & 1) {
+                    best = c;
+                    break;
+                }
+        out[t] = best;
+    }
+}

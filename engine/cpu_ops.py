@@ -1,8 +1,9 @@
 """``TorchOps``' float32 CPU ops in C (``cpu_ops.c``), built on first use by
 ``engine/native.py``: one pass and one call each where plain torch takes four to six
 ops (an RMS norm), four ops and a copy (rotary, per tensor) or a chunk and two ops
-(SiLU and multiply); and the sampler's greedy argmax, which torch takes 1.7 ms for at
-32 x 49152 logits here (single-threaded), this one pass ~0.2 ms."""
+(SiLU and multiply); and the sampler's greedy argmax, plain or among the tokens a
+grammar allows (one pass over the logits and a packed bitmask, where torch would unpack
+the bits, copy the rows, fill and then search; bench.structured)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class CpuOps:
         self._argmax = lib.argmax_rows_f32
         self._argmax.argtypes = [_P] + [_I] * 3 + [_P, ctypes.c_int]
         self._argmax.restype = None
+        self._masked_argmax = lib.masked_argmax_f32
+        self._masked_argmax.argtypes = [_P, _I, _P, _I, _P, _I, _I, _P, ctypes.c_int]
+        self._masked_argmax.restype = None
         self._silu_mul = lib.silu_mul_f32
         self._silu_mul.argtypes = [_P, _I, _P, _I, _I, ctypes.c_int]
         self._silu_mul.restype = None
@@ -79,6 +83,27 @@ class CpuOps:
             torch.get_num_threads(),
         )
         return out
+
+    def masked_argmax(self, x: torch.Tensor, rows: list[int], bits: torch.Tensor) -> list[int]:
+        """x [R, C] with contiguous rows, ``bits`` int32 [len(rows), ceil(C / 32)] (token c
+        of row j allowed by bit c % 32 of bits[j, c // 32]) -> per j, the index of the
+        largest allowed logit of row ``rows[j]`` (the first of equals; -1 if none allowed)."""
+        assert x.dim() == 2 and x.stride(1) == 1 and bits.is_contiguous()
+        assert bits.shape == (len(rows), (x.shape[1] + 31) // 32) and bits.dtype == torch.int32
+        index = torch.tensor(rows, dtype=torch.int64)
+        out = torch.empty(len(rows), dtype=torch.int64)
+        self._masked_argmax(
+            x.data_ptr(),
+            x.stride(0),
+            index.data_ptr(),
+            len(rows),
+            bits.data_ptr(),
+            bits.shape[1],
+            x.shape[1],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out.tolist()
 
     def rotary_(self, x: torch.Tensor, positions, cos, sin) -> bool:
         """Rotate x [T, H, D] in place; False (nothing done) unless its heads are packed."""

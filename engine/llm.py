@@ -98,7 +98,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. A prompt is a string or a list of token ids."""
+        """One output per prompt, in order (its final one, with the ``prompt_logprobs`` its
+        first carried). A prompt is a string or a list of token ids."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -118,9 +119,13 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         done: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, list] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
+                    out.prompt_logprobs = prompt_logprobs.get(out.request_id)
                     done[out.request_id] = out
         return [done[i] for i in ids]
 

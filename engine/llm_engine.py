@@ -153,14 +153,19 @@ class LLMEngine:
         return got
 
     def land(
-        self, request_id: str, first_token: int, first_logprobs: Logprobs | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: Logprobs | None = None,
+        prompt_logprobs: list[Logprobs | None] | None = None,
     ) -> RequestOutput:
         """The reserved KV of ``request_id`` is in its blocks, and ``first_token`` was
         sampled where it was computed, at output position ``len(delivered)`` (with
-        ``first_logprobs``, required exactly when the request asked for logprobs): the
-        request runs from the next step. Returns that token's output (it may end the
-        request). Raises ValueError for an id that waits for no KV here, or logprobs
-        that do not match the request's (then it is released)."""
+        ``first_logprobs``, required exactly when the request asked for logprobs, and the
+        whole ``prompt_logprobs``, exactly when it asked for those and had no delivered
+        output): the request runs from the next step. Returns that token's output (it
+        may end the request). Raises ValueError for an id that waits for no KV here, or
+        logprobs that do not match the request's (then it is released)."""
         request = self.scheduler.remote.get(request_id)
         if request is None:
             raise ValueError(f"request_id={request_id!r}: no reservation waits for KV here")
@@ -170,6 +175,15 @@ class LLMEngine:
                 f"request {request_id!r}: logprobs={request.params.logprobs!r} but the first "
                 f"token came {'without' if first_logprobs is None else 'with'} logprobs"
             )
+        wanted = None if request.prompt_logprobs is None else request.num_prompt_tokens
+        got = None if prompt_logprobs is None else len(prompt_logprobs)
+        if got != wanted:
+            self.release(request_id)
+            raise ValueError(
+                f"request {request_id!r}: prompt_logprobs={request.params.prompt_logprobs!r} "
+                f"wants {wanted} prompt entries, the handoff carried {got}"
+            )
+        request.prompt_logprobs = prompt_logprobs
         self.scheduler.land(request)
         self.requests[request_id] = request
         return self._append(Sample(request, first_token, first_logprobs))
@@ -390,6 +404,7 @@ class LLMEngine:
             {"prefill_start": request.started_s or end, "prefill_end": end},
             logprobs=sample.logprobs,
             cached_tokens=max(0, request.num_cached_tokens),
+            prompt_logprobs=self._take_prompt_logprobs(request),
         )
 
     def _append(self, sample: Sample) -> RequestOutput:
@@ -438,6 +453,16 @@ class LLMEngine:
         self.detokenizers.pop(request.request_id, None)
         return out
 
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> list[Logprobs | None] | None:
+        """The request's prompt logprobs once all are computed, taken from it (its first
+        output carries them, and no later one); else None."""
+        lps = request.prompt_logprobs
+        if lps is None or len(lps) < request.num_prompt_tokens:
+            return None
+        request.prompt_logprobs = None
+        return lps
+
     def _output(self, request: Request, new_ids: list[int], final: bool) -> RequestOutput:
         detok, lps = self.detokenizers.get(request.request_id), request.logprobs
         return RequestOutput(
@@ -451,4 +476,5 @@ class LLMEngine:
             logprobs=None if lps is None else list(lps),
             new_logprobs=None if lps is None else lps[len(lps) - len(new_ids) :],
             num_cached_tokens=max(0, request.num_cached_tokens),
+            prompt_logprobs=self._take_prompt_logprobs(request),
         )

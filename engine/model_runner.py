@@ -12,9 +12,11 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sample, Sampler
+from pdserve.engine.sampler import Sample, Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.step_plan import StepPlan
+
+LOGITS_ROWS = 512  # rows of logits computed at once: 512 x 49152 float32 is 96 MiB
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -105,21 +107,45 @@ class ModelRunner:
         With tensor parallelism, this is rank 0: the plan goes to the other ranks first.
         ``on_layer``: see ``LlamaModel.forward``; ``extra``: see ``StepPlan``."""
         items, input_ids, positions, meta = self.prepare(batch.items)
-        rows, sampled = [], []
+        rows, sampled, prompt_rows, scored = [], [], [], []
         end = 0
         for request, n in items:
+            begin = request.num_computed_tokens
+            if request.wants_prompt_logprobs:
+                # position p's logits score prompt token p + 1; the ones scored so far skip
+                first = len(request.prompt_logprobs) - 1
+                assert first >= begin, "a prompt's logprobs are computed in order"
+                for p in range(first, min(begin + n, request.num_prompt_tokens - 1)):
+                    prompt_rows.append(end + p - begin)
+                    scored.append((request, request.prompt_token_ids[p + 1]))
             end += n
-            if request.num_computed_tokens + n == request.num_tokens:
+            if begin + n == request.num_tokens:
                 rows.append(end - 1)
                 sampled.append(request)
-        plan = StepPlan(input_ids, positions, meta, rows, extra)
+        plan = StepPlan(input_ids, positions, meta, rows + prompt_rows, extra)
         if self.model.tp.size > 1:
             plan.broadcast(self.model.tp)
-        logits = self.execute(plan, on_layer)
+        sample_logits: list[torch.Tensor] = []
+
+        def take(first: int, logits: torch.Tensor) -> None:
+            k = max(0, min(len(rows) - first, len(logits)))
+            if k:
+                sample_logits.append(logits[:k])
+            if k < len(logits):  # prompt rows: their logprobs join their requests'
+                lo = first + k - len(rows)
+                part = scored[lo : lo + len(logits) - k]
+                targets = [target for _, target in part]
+                ks = [r.params.prompt_logprobs for r, _ in part]
+                found = prompt_logprobs(logits[k:], targets, ks)
+                for (r, _), lp in zip(part, found, strict=True):
+                    r.prompt_logprobs.append(lp)
+
+        self.execute(plan, on_layer, take)
         for request, n in items:
             request.num_computed_tokens += n
         if not sampled:
             return []
+        logits = sample_logits[0] if len(sample_logits) == 1 else torch.cat(sample_logits)
         return self.sampler.sample(logits, sampled)
 
     def copy_blocks(self, block_ids: list[int]) -> None:
@@ -128,11 +154,18 @@ class ModelRunner:
         StepPlan.copy_blocks(self.model.tp, self.kv_cache, self.block_axis, block_ids)
 
     def execute(
-        self, plan: StepPlan, on_layer: Callable[[int], None] | None = None
-    ) -> torch.Tensor | None:
+        self,
+        plan: StepPlan,
+        on_layer: Callable[[int], None] | None = None,
+        on_logits: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> None:
         """The plan's forward pass on this rank's shard (KV written into this rank's
-        cache); the float32 logits [R, vocab] of its sample rows, None without rows."""
+        cache), then the float32 logits of its rows, ``LOGITS_ROWS`` at a time (a long
+        prompt's logprobs would otherwise hold prompt x vocabulary floats):
+        ``on_logits(i, logits)`` with logits [r, vocab] of ``plan.rows[i : i + r]``.
+        Every rank computes them (the LM head's gather is a collective)."""
         hidden = self.model(plan.input_ids, plan.positions, self.kv_caches, plan.meta, on_layer)
-        if not plan.rows:
-            return None
-        return self.model.logits(hidden[plan.rows])
+        for i in range(0, len(plan.rows), LOGITS_ROWS):
+            logits = self.model.logits(hidden[plan.rows[i : i + LOGITS_ROWS]])
+            if on_logits is not None:
+                on_logits(i, logits)

@@ -12,15 +12,21 @@ class Logprobs:
     temperature, top-k and top-p (vLLM's default; docs/serving.md, "Log-probabilities
     and penalties").
 
+    A prompt token's (``SamplingParams.prompt_logprobs``) is its log-probability given
+    the tokens before it, with its ``rank`` (1 + the tokens more likely than it); a
+    generated token's has no rank (None).
+
     Invariants: ``top_ids`` and ``top_logprobs`` have the same length (the request's
-    ``SamplingParams.logprobs``, at most the vocabulary), most likely first; a
-    ``token_id`` among the top has the same logprob there. Values are float32 numbers.
+    ``SamplingParams.logprobs`` or ``prompt_logprobs``, at most the vocabulary), most
+    likely first; a ``token_id`` among the top has the same logprob there. Values are
+    float32 numbers.
     """
 
     token_id: int
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int | None = None
 
 
 @dataclass
@@ -28,7 +34,9 @@ class RequestOutput:
     """``logprobs`` (set when the request asked, ``SamplingParams.logprobs``) is of every
     output token this engine sampled, in order; ``new_logprobs`` of ``new_token_ids``.
     ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache (not
-    computed for this request). ``error``: set (with ``finish_reason`` "abort") when
+    computed for this request). ``prompt_logprobs`` (when the request asked,
+    ``SamplingParams.prompt_logprobs``): on the request's first output only, one entry per
+    prompt token, None for the first. ``error``: set (with ``finish_reason`` "abort") when
     the request ended for a fault of its own, its output left its grammar."""
 
     request_id: str
@@ -42,6 +50,7 @@ class RequestOutput:
     new_logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -40,3 +40,5 @@ class Prefilled:
     error: str | None = None  # set instead when the prompt cannot be prefilled here
     logprobs: Logprobs | None = None  # the first token's, when the request asked
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    # the prompt's, when the request asked (RequestOutput.prompt_logprobs)
+    prompt_logprobs: list[Logprobs | None] | None = None

@@ -29,7 +29,10 @@ class Request:
     (a resumed request); they start the output, as if this engine had generated them.
     ``logprobs``: None unless the request asked (``params.logprobs``); then one entry per
     output token this engine sampled, in order (none for ``delivered``: their client
-    already has them)."""
+    already has them). ``prompt_logprobs``: None unless the request asked
+    (``params.prompt_logprobs``) and has no delivered output; then one entry per prompt
+    token computed so far (None for the first: nothing predicts it), until the request's
+    first output takes them (``LLMEngine``), leaving None."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -45,6 +48,7 @@ class Request:
     # admitted yet); the rest were computed for this request
     num_cached_tokens: int = -1
     logprobs: list[Logprobs] | None = field(init=False)
+    prompt_logprobs: list[Logprobs | None] | None = field(init=False)
     # leaves the engine at its first token, its KV bound for another instance
     # (engine/prefilled.py)
     hand_off: bool = False
@@ -59,6 +63,8 @@ class Request:
     def __post_init__(self, delivered: tuple[int, ...]):
         self.token_ids = [*self.prompt_token_ids, *delivered]
         self.logprobs = None if self.params.logprobs is None else []
+        wanted = self.params.prompt_logprobs is not None and not delivered
+        self.prompt_logprobs = [None] if wanted else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +86,12 @@ class Request:
     def num_pending_tokens(self) -> int:
         """Tokens whose KV is not yet in the cache."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Some prompt token's logprobs are still to be computed."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:

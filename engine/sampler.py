@@ -4,9 +4,12 @@ ask (docs/serving.md, "Log-probabilities and penalties").
 
 Per request and step, in this order: the raw logits row -> its grammar's mask (only
 for a request with a ``guide``: the tokens the grammar forbids get -inf,
-engine/structured.py) -> penalties (only when the request sets one: repetition, then
+engine/structured.py; the masks are packed bits, one int32 per 32 tokens, and a greedy
+guided row is chosen in one native pass over its logits and bits, no row copied) ->
+penalties (only when the request sets one: repetition, then
 frequency and presence) -> greedy argmax, or temperature, top-k, top-p and a draw.
-Logprobs are the log-softmax of the raw row, whatever changed it for the choice. A
+Logprobs are the log-softmax of the raw row, whatever changed it for the choice; a
+prompt's (``prompt_logprobs``) are those of the prompt's own positions. A
 request that sets no guide, penalties or logprobs costs what it did before, whatever
 else shares its batch: a greedy one is one row of the batch's argmax.
 
@@ -69,16 +72,24 @@ class Sampler:
         at each request's current output position (``num_output_tokens``)."""
         native = cpu_ops() if CpuOps.supports(logits) and logits.dim() == 2 else None
         greedy = (logits.argmax(dim=-1) if native is None else native.argmax(logits)).tolist()
-        guided, masked = _masked(logits, requests)
-        where = {i: j for j, i in enumerate(guided)}  # request row -> its masked row
-        greedy_masked = masked.argmax(dim=-1).tolist() if guided else []
+        guided = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if guided:
+            bits = _grammar_bits(logits.shape[-1], [requests[i] for i in guided])
+            if native is not None and logits.stride(-1) == 1:
+                chosen = native.masked_argmax(logits, guided, bits)
+                for i, token in zip(guided, chosen, strict=True):
+                    greedy[i] = token
+            else:
+                for j, i in enumerate(guided):
+                    greedy[i] = int(_masked_row(logits[i], bits[j]).argmax())
+        where = {i: j for j, i in enumerate(guided)}  # request row -> its row of bits
         out = []
         for i, request in enumerate(requests):
             p, j = request.params, where.get(i)
             if p.greedy and not p.penalized:
-                out.append(greedy[i] if j is None else greedy_masked[j])
+                out.append(greedy[i])
                 continue
-            row = logits[i] if j is None else masked[j]
+            row = logits[i] if j is None else _masked_row(logits[i], bits[j])
             row = penalize(row, request) if p.penalized else row
             if p.greedy:
                 out.append(int(row.argmax()))
@@ -93,18 +104,24 @@ class Sampler:
         return out
 
 
-def _masked(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
-    """The rows of the guided requests, and a copy of their logits [len(rows), V] with
-    -inf where each one's grammar forbids the token (no guided request: no copy)."""
-    guided = [i for i, r in enumerate(requests) if r.matcher is not None]
-    if not guided:
-        return guided, logits[:0]
-    vocab = logits.shape[-1]
-    allowed = torch.stack([requests[i].matcher.allowed(vocab) for i in guided])
+def _grammar_bits(vocab: int, requests: list[Request]) -> torch.Tensor:
+    """The tokens each guided request's grammar allows next, packed: int32 [len(requests),
+    ceil(vocab / 32)], token t at bit t % 32 of word t // 32 (llguidance's layout)."""
+    bits = torch.empty(len(requests), (vocab + 31) // 32, dtype=torch.int32)
+    for j, request in enumerate(requests):
+        request.matcher.fill(bits[j])
     # a grammar that allows no token of the vocabulary (it needs a byte no token spells)
     # masks nothing: whatever is drawn leaves the grammar, which ends that request alone
-    allowed[~allowed.any(dim=1)] = True
-    return guided, logits[guided].masked_fill_(~allowed, float("-inf"))
+    bits[~bits.any(dim=1)] = -1
+    return bits
+
+
+def _masked_row(row: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """A copy of one logits row [V] with -inf where ``bits`` (int32 [ceil(V / 32)],
+    ``_grammar_bits``' layout) has the token's bit clear."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits[:, None] >> shifts) & 1).reshape(-1)[: row.shape[0]].bool()
+    return row.masked_fill(~allowed, float("-inf"))
 
 
 def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float):
@@ -167,3 +184,19 @@ def _logprobs(
         n = requests[i].params.logprobs
         out.append(Logprobs(tokens[i], chosen[j], tuple(top_ids[j][:n]), tuple(top_values[j][:n])))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[Logprobs]:
+    """Prompt tokens' ``Logprobs`` (``SamplingParams.prompt_logprobs``): row i of
+    ``logits`` [R, V] is the position before prompt token ``targets[i]``; each gets its
+    log-softmax value, its rank and the ``ks[i]`` most likely tokens."""
+    lp = torch.log_softmax(logits, dim=-1)
+    picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+    ranks = ((lp > picked).sum(dim=1) + 1).tolist()
+    k = min(max(ks), lp.shape[-1])
+    top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_values, top_ids, chosen = top_values.tolist(), top_ids.tolist(), picked[:, 0].tolist()
+    return [
+        Logprobs(t, chosen[i], tuple(top_ids[i][:n]), tuple(top_values[i][:n]), ranks[i])
+        for i, (t, n) in enumerate(zip(targets, ks, strict=True))
+    ]

@@ -27,6 +27,10 @@ class SamplingParams:
     "Log-probabilities and penalties"). Penalties (off at their defaults):
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, over the output tokens so
     far) and ``repetition_penalty`` (vLLM's / HF's, over prompt + output tokens).
+    ``prompt_logprobs``: None computes none; N in [0, MAX_LOGPROBS] reports, for every
+    prompt token after the first, its log-probability given the tokens before it, its
+    rank and the N most likely tokens' (vLLM's ``prompt_logprobs``; computed in the
+    prefill pass, so such a request does not start from the prefix cache).
     ``guide``: None, or the grammar the output must match (engine/structured.py; a dict
     of its fields is taken too, as the instances' feed carries it).
     """
@@ -44,6 +48,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     guide: Guide | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.guide, dict):
@@ -75,13 +80,13 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: stop strings must not be empty")
-        if self.logprobs is not None and (
-            not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs={self.logprobs!r}: must be unset or an integer in "
-                f"[0, {MAX_LOGPROBS}] (the alternatives reported per token)"
-            )
+        for key in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, key)
+            if value is not None and (not _integer(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{key}={value!r}: must be unset or an integer in "
+                    f"[0, {MAX_LOGPROBS}] (the alternatives reported per token)"
+                )
         for key in ("presence_penalty", "frequency_penalty"):
             _check_range(key, getattr(self, key), PENALTY_RANGE, "0 is off")
         _check_range("repetition_penalty", self.repetition_penalty, REPETITION_RANGE, "1 is off")

@@ -247,8 +247,9 @@ class Scheduler:
         return budget
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        """The cached blocks a request without KV starts from (none when it has KV)."""
-        if request.num_computed_tokens:
+        """The cached blocks a request without KV starts from (none when it has KV, or
+        when its prompt's logprobs are to be computed: that takes the prompt's pass)."""
+        if request.num_computed_tokens or request.wants_prompt_logprobs:
             return []
         return self.blocks.match(request.token_ids)
 

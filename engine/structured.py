@@ -25,7 +25,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
-import numpy as np
 import torch
 
 KINDS = ("json", "regex", "choice", "grammar")
@@ -155,15 +154,12 @@ class Matcher:
     def __init__(self, inner: llguidance.LLMatcher):
         self.inner = inner
 
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        """The tokens the grammar allows next, as a bool mask [vocab_size]; once the
-        grammar is complete (or dead), only the end-of-sequence tokens."""
-        # llguidance writes one bit per token, token t at bit t % 32 of 32-bit word t // 32:
-        # little-endian bytes, so the bits unpack in token order, least significant first
-        words = np.empty((vocab_size + 31) // 32, dtype=np.uint32)
-        self.inner.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
-        return torch.from_numpy(bits.view(np.bool_))
+    def fill(self, row: torch.Tensor) -> None:
+        """Write the tokens the grammar allows next into ``row`` (int32 [ceil(V / 32)],
+        contiguous, V the tokenizer's ``n_vocab``): token t at bit t % 32 of word t // 32.
+        Once the grammar is complete (or dead), only the end-of-sequence tokens."""
+        assert row.dtype == torch.int32 and row.is_contiguous()
+        self.inner.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
     def consume(self, token: int) -> None:
         self.inner.consume_token(token)

@@ -219,15 +219,22 @@ def frames(conn: socket.socket) -> Iterator[Polled]:
 def _pack_update(u: Update) -> dict:
     # the fields that differ from their defaults (most updates: an id and a few tokens)
     out = {k: v for k, v in u.__dict__.items() if k == "request_id" or v != _UPDATE_DEFAULTS[k]}
-    if u.logprobs is not None:
-        out["logprobs"] = [[p.token_id, p.logprob, p.top_ids, p.top_logprobs] for p in u.logprobs]
+    for key in ("logprobs", "prompt_logprobs"):
+        if (lps := getattr(u, key)) is not None:
+            out[key] = [
+                None if p is None else [p.token_id, p.logprob, p.top_ids, p.top_logprobs, p.rank]
+                for p in lps
+            ]
     return out
 
 
 def _unpack_update(d: dict) -> Update:
-    logprobs = d.get("logprobs")
-    if logprobs is not None:
-        d["logprobs"] = [Logprobs(t, lp, tuple(ids), tuple(lps)) for t, lp, ids, lps in logprobs]
+    for key in ("logprobs", "prompt_logprobs"):
+        if (lps := d.get(key)) is not None:
+            d[key] = [
+                None if p is None else Logprobs(p[0], p[1], tuple(p[2]), tuple(p[3]), p[4])
+                for p in lps
+            ]
     return Update(**d)
 
 

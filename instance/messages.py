@@ -100,6 +100,9 @@ class Update:
     info: dict = field(default_factory=dict)
     # one per token of ``token_ids`` when the request asked for logprobs, else None
     logprobs: list[Logprobs] | None = None
+    # the prompt's (None for its first token), on the request's first update when it
+    # asked for them (``SamplingParams.prompt_logprobs``), else None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @classmethod
     def of(cls, request_id: str, out: RequestOutput, info: dict) -> Update:
@@ -114,6 +117,7 @@ class Update:
             invalid=out.error is not None,
             info=info,
             logprobs=out.new_logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     @property

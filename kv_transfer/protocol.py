@@ -213,7 +213,12 @@ class Handoff:
 
     ``cached_tokens``: the prompt tokens the prefill instance served from its prefix
     cache (their KV was not computed for this request); the decode instance reports it
-    to the router with the request's first token (``Update.info["cached_tokens"]``)."""
+    to the router with the request's first token (``Update.info["cached_tokens"]``).
+
+    A request that asked for its prompt's logprobs carries them, columns over its prompt
+    tokens after the first: ``prompt_top`` (None: it did not ask) alternatives per token,
+    ``prompt_logprobs`` and ``prompt_ranks`` one per token, ``prompt_top_ids`` and
+    ``prompt_top_logprobs`` ``prompt_top`` per token, concatenated."""
 
     first_token: int
     phase_times: dict[str, float] = field(default_factory=dict, compare=False)
@@ -222,12 +227,26 @@ class Handoff:
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
     cached_tokens: int = 0
+    prompt_top: int | None = None
+    prompt_logprobs: tuple[float, ...] = ()
+    prompt_ranks: tuple[int, ...] = ()
+    prompt_top_ids: tuple[int, ...] = ()
+    prompt_top_logprobs: tuple[float, ...] = ()
 
     def __post_init__(self):
         if len(self.top_ids) != len(self.top_logprobs):
             raise ValueError(
                 f"Handoff: {len(self.top_ids)} top_ids and {len(self.top_logprobs)} "
                 "top_logprobs; they must pair up"
+            )
+        n, k = len(self.prompt_logprobs), self.prompt_top or 0
+        if len(self.prompt_ranks) != n or not (
+            len(self.prompt_top_ids) == len(self.prompt_top_logprobs) == n * k
+        ):
+            raise ValueError(
+                f"Handoff: {n} prompt_logprobs, {len(self.prompt_ranks)} prompt_ranks, "
+                f"{len(self.prompt_top_ids)} prompt_top_ids and {len(self.prompt_top_logprobs)} "
+                f"prompt_top_logprobs with prompt_top={self.prompt_top}; must be n, n, n*k, n*k"
             )
 
     def to_bytes(self) -> bytes:
@@ -239,6 +258,11 @@ class Handoff:
             top_ids=self.top_ids,
             top_logprobs=self.top_logprobs,
             cached_tokens=self.cached_tokens,
+            prompt_top=self.prompt_top,
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_ranks=self.prompt_ranks,
+            prompt_top_ids=self.prompt_top_ids,
+            prompt_top_logprobs=self.prompt_top_logprobs,
         )
         return msg.SerializeToString()
 
@@ -255,4 +279,9 @@ class Handoff:
             tuple(msg.top_ids),
             tuple(msg.top_logprobs),
             msg.cached_tokens,
+            msg.prompt_top if msg.HasField("prompt_top") else None,
+            tuple(msg.prompt_logprobs),
+            tuple(msg.prompt_ranks),
+            tuple(msg.prompt_top_ids),
+            tuple(msg.prompt_top_logprobs),
         )

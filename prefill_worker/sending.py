@@ -230,6 +230,7 @@ class Sending(Component):
             top_ids=() if lp is None else lp.top_ids,
             top_logprobs=() if lp is None else lp.top_logprobs,
             cached_tokens=p.cached_tokens,
+            **prompt_columns(p),
         )
         self._acks.submit(self._finish, job, handoff)
         return []
@@ -274,3 +275,17 @@ class Sending(Component):
     def close(self) -> None:
         self._acks.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
+
+
+def prompt_columns(p: Prefilled) -> dict:
+    """``Handoff``'s prompt logprob fields for ``p`` (none when it did not ask)."""
+    if p.prompt_logprobs is None:
+        return {}
+    scored = [lp for lp in p.prompt_logprobs if lp is not None]  # the first token has none
+    return {
+        "prompt_top": p.request.params.prompt_logprobs,
+        "prompt_logprobs": tuple(lp.logprob for lp in scored),
+        "prompt_ranks": tuple(lp.rank for lp in scored),
+        "prompt_top_ids": tuple(i for lp in scored for i in lp.top_ids),
+        "prompt_top_logprobs": tuple(v for lp in scored for v in lp.top_logprobs),
+    }

@@ -18,12 +18,14 @@ from pdserve.router import pdserve_pb2 as pb
 class TokenLogprobs:
     """One generated token's log-probability under the model's distribution (the
     log-softmax of its raw logits, before penalties and temperature) and the
-    alternatives': ``top_ids`` most likely first, ``top_logprobs`` one per id."""
+    alternatives': ``top_ids`` most likely first, ``top_logprobs`` one per id. A prompt
+    token's also has its ``rank`` (1 + the tokens more likely; None for an output token)."""
 
     token_id: int
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int | None = None
 
 
 @dataclass
@@ -55,6 +57,9 @@ class Chunk:
     cached_tokens: int = 0  # prompt tokens served from a prefix cache (last chunk)
     timings: Timings | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    # first chunk only, when the request asked (prompt_logprobs=N): one per prompt token
+    # after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -72,9 +77,12 @@ class Completion:
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
     timings: Timings | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the first chunk's
 
     def add(self, chunk: Chunk) -> None:
         self.request_id = chunk.request_id
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.token_ids += chunk.token_ids
         self.text += chunk.text
         if chunk.logprobs is not None:
@@ -94,6 +102,11 @@ def read_chunk(msg: pb.GenerateResponse) -> Chunk:
         c.logprobs = [
             TokenLogprobs(t.token_id, t.logprob, tuple(t.top_ids), tuple(t.top_logprobs))
             for t in msg.logprobs
+        ]
+    if msg.prompt_logprobs:
+        c.prompt_logprobs = [
+            TokenLogprobs(t.token_id, t.logprob, tuple(t.top_ids), tuple(t.top_logprobs), t.rank)
+            for t in msg.prompt_logprobs
         ]
     if msg.finish_reason:
         t = msg.timings
@@ -136,14 +149,16 @@ def make_request(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     structured_outputs: Mapping[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest``: exactly one of prompt, messages, prompt_token_ids.
     ``logprobs=N`` (0-20) has every chunk carry its tokens' ``TokenLogprobs`` with N
     alternatives; the penalties are OpenAI's (presence, frequency) and vLLM's
     (repetition); ``structured_outputs``: what the output must match, as vLLM's field
     says it: one of ``{"json": schema}`` (a dict or its JSON text), ``{"regex": r}``,
-    ``{"choice": [strings]}``, ``{"grammar": lark_text}``; None leaves a field unset (the
-    engine's default)."""
+    ``{"choice": [strings]}``, ``{"grammar": lark_text}``; ``prompt_logprobs=N`` (0-20)
+    has the first chunk carry the prompt's ``TokenLogprobs`` (vLLM's prompt_logprobs);
+    None leaves a field unset (the engine's default)."""
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
@@ -167,6 +182,7 @@ def make_request(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
+        prompt_logprobs=prompt_logprobs,
     ).items():
         if value is not None:
             setattr(s, name, value)

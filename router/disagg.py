@@ -149,7 +149,15 @@ class Disaggregated(Placement):
                 continue
             if stream.attempt.land():
                 stream.waits_for(f"tokens from {inst.name}")
-            stream.deliver(Delta(u.token_ids, u.text, u.finish_reason, logprobs=u.logprobs))
+            stream.deliver(
+                Delta(
+                    u.token_ids,
+                    u.text,
+                    u.finish_reason,
+                    logprobs=u.logprobs,
+                    prompt_logprobs=u.prompt_logprobs,
+                )
+            )
             if u.finish_reason is not None:
                 inst.release(u.request_id)
                 ended.append(stream)

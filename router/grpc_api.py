@@ -325,6 +325,16 @@ def generate_response(stream: RequestStream, delta: Delta) -> pb.GenerateRespons
             top_ids=lp.top_ids,
             top_logprobs=lp.top_logprobs,
         )
+    for plp in delta.prompt_logprobs or ():
+        if plp is None:  # the first prompt token's: it has none
+            continue
+        msg.prompt_logprobs.add(
+            token_id=plp.token_id,
+            logprob=plp.logprob,
+            top_ids=plp.top_ids,
+            top_logprobs=plp.top_logprobs,
+            rank=plp.rank,
+        )
     if delta.finish_reason is not None:
         usage = stream.usage()
         msg.finish_reason = delta.finish_reason

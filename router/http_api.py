@@ -65,7 +65,7 @@ from pdserve.router.http_gate import (
 )
 from pdserve.router.incidents import internal_error, one_line
 from pdserve.router.openai_fields import model_names
-from pdserve.router.openai_logprobs import LogprobsShape
+from pdserve.router.openai_logprobs import LogprobsShape, PromptReply
 from pdserve.router.openai_request import (
     BadRequest,
     OpenAIRequest,
@@ -245,15 +245,24 @@ class HttpApi:
         if read.request.tools and read.request.tool_choice != "none":
             assert self.core.validator is not None  # the core took the request: it is ready
             tools = self.core.validator.tool_parser
-        reply = Reply(stream.request_id, self.model, chat, shape, tools)
+        prompt = None
+        if stream.params.prompt_logprobs is not None:
+            echo = stream.params.logprobs if read.echo else None
+            prompt = PromptReply(
+                shape or LogprobsShape(chat, self.core.tokenizer),
+                stream.prompt_ids,
+                echo=echo,
+                vllm=read.prompt_logprobs,
+            )
+        reply = Reply(stream.request_id, self.model, chat, shape, tools, prompt)
         try:
             prefix = self._echo(read)
-            delta = await stream.read()
+            delta = _noted(reply, await stream.read())
             if read.stream:
                 return await self._stream(request, stream, reply, read.include_usage, delta, prefix)
             text, logprobs = prefix + delta.text, list(delta.logprobs or [])
             while delta.finish_reason is None and delta.error is None:
-                delta = await stream.read()
+                delta = _noted(reply, await stream.read())
                 text += delta.text
                 logprobs += delta.logprobs or []
             if delta.error is not None:
@@ -337,7 +346,7 @@ class HttpApi:
                 if await self._event(events, stream, reply, include_usage, delta, tokens):
                     break
                 try:
-                    delta = await stream.read()
+                    delta = _noted(reply, await stream.read())
                 except Refused as e:
                     self.core.metrics.refused(e.reason)
                     await events.send(refusal_event(e))
@@ -366,3 +375,11 @@ class HttpApi:
         if include_usage:
             await events.send(reply.usage_chunk(usage_object(stream.usage())))
         return True
+
+
+def _noted(reply: Reply, delta: Delta) -> Delta:
+    """``delta``, its prompt logprobs (when it brings them) noted for the reply's next
+    object."""
+    if delta.prompt_logprobs is not None and reply.prompt is not None:
+        reply.prompt.pending = delta.prompt_logprobs
+    return delta

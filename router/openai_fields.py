@@ -42,6 +42,7 @@ _COMMON_READ = (
     "ignore_eos",
     "stop_token_ids",
     "repetition_penalty",
+    "prompt_logprobs",
     # OpenAI's, implemented in the sampler (docs/serving.md, "Log-probabilities and penalties")
     "logprobs",
     "presence_penalty",

@@ -22,9 +22,14 @@ with exactly the N most likely tokens in ``top_logprobs``. A token's text is its
 (``Tokenizer.token_bytes``) decoded as UTF-8, a byte-level token holding part of a
 character showing U+FFFD there (``bytes`` is exact); a model without a tokenizer names
 tokens ``token_id:<id>`` (vLLM's form).
+
+A prompt's logprobs (``PromptReply``) are OpenAI's echo form or vLLM's
+``prompt_logprobs``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 from pdserve.engine.outputs import Logprobs
 from pdserve.engine.tokenizer import Tokenizer
@@ -88,3 +93,62 @@ class LogprobsShape:
                 raw = self.tokenizer.token_bytes(token_id)
             self._bytes[token_id] = raw
         return raw
+
+
+@dataclass
+class PromptReply:
+    """How one reply shows its prompt's logprobs (``SamplingParams.prompt_logprobs``),
+    which come with its first tokens (``Delta.prompt_logprobs``, ``pending`` until an
+    object shows them):
+
+    - ``echo`` N (completions' ``echo`` with ``logprobs: N``, OpenAI's legacy form): the
+      choice's logprobs object starts with the prompt's tokens, the first with a null
+      logprob and null alternatives, as OpenAI's;
+    - ``vllm`` N (vLLM's ``prompt_logprobs: N``): a ``prompt_logprobs`` list, the
+      choice's for completions and the response's for chat, as vLLM's: null for the
+      first token, then per token ``{"<id>": {"logprob", "rank", "decoded_token"}}`` for
+      the prompt's token and its N most likely alternatives, the prompt's token first.
+    """
+
+    shape: LogprobsShape  # the reply's (echo: its text offsets run on into the completion)
+    prompt_ids: list[int]
+    echo: int | None = None
+    vllm: int | None = None
+    pending: list[Logprobs | None] | None = None
+
+    def take_echo(self) -> dict | None:
+        """The echoed prompt's logprobs object, once (None: not asked, or not yet here)."""
+        if self.echo is None or self.pending is None:
+            return None
+        n, shape = self.echo, self.shape
+        start = shape.offset
+        first = shape._text(self.prompt_ids[0])
+        shape.offset += len(first)
+        scored = [lp for lp in self.pending if lp is not None]  # the first token has none
+        rest = shape._completions(
+            [replace(lp, top_ids=lp.top_ids[:n], top_logprobs=lp.top_logprobs[:n]) for lp in scored]
+        )
+        return {
+            "tokens": [first, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [start, *rest["text_offset"]],
+        }
+
+    def vllm_list(self) -> list | None:
+        """vLLM's ``prompt_logprobs`` (None: not asked, or not yet here)."""
+        if self.vllm is None or self.pending is None:
+            return None
+        out: list[dict | None] = [None]
+        for lp in self.pending:
+            if lp is None:  # the first prompt token's: listed as null
+                continue
+            entry = {str(lp.token_id): self._entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+                if rank <= self.vllm:
+                    entry.setdefault(str(i), self._entry(i, v, rank))
+            out.append(entry)
+        return out
+
+    def _entry(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.shape._text(token_id)}

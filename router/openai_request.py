@@ -46,6 +46,9 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     echo: bool  # completions: the prompt's text comes before the completion
     timeout_s: float | None  # None: no deadline
+    # vLLM's prompt_logprobs: the reply's prompt_logprobs with this many alternatives
+    # per prompt token (None: not asked; echo with logprobs puts them in ``logprobs``)
+    prompt_logprobs: int | None = None
 
 
 def show(value) -> str:
@@ -121,8 +124,17 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
     except BadGuide as e:
         raise BadRequest(str(e), e.param) from None
     echo = False if chat else _flag(body, "echo")
-    if echo and req.sampling.logprobs is not None:
-        raise BadRequest("echo with logprobs: the prompt's logprobs are not computed", "echo")
+    # the prompt's logprobs: vLLM's field, and echo with logprobs (OpenAI's legacy form);
+    # the engine computes the larger number of alternatives, each reply shows its own
+    prompt_logprobs = _number(body, "prompt_logprobs", integer=True)
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise BadRequest(
+            f"prompt_logprobs={prompt_logprobs!r}: must be an integer in [0, {MAX_LOGPROBS}]",
+            "prompt_logprobs",
+        )
+    asked = (prompt_logprobs, req.sampling.logprobs if echo else None)
+    wanted = [n for n in asked if n is not None]
+    req.sampling.prompt_logprobs = max(wanted) if wanted else None
     return OpenAIRequest(
         request=req,
         model=requested_model(body),
@@ -130,6 +142,7 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
         include_usage=_include_usage(body.get("stream_options")),
         echo=echo,
         timeout_s=_timeout(body.get("timeout")),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

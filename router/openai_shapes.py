@@ -18,7 +18,7 @@ from aiohttp import web
 
 from pdserve.engine.outputs import Logprobs
 from pdserve.router.incidents import internal_error
-from pdserve.router.openai_logprobs import LogprobsShape
+from pdserve.router.openai_logprobs import LogprobsShape, PromptReply
 from pdserve.router.openai_tools import ToolStream, calls_json
 from pdserve.router.request import Refusal, Refused
 from pdserve.router.stream import Usage
@@ -80,7 +80,9 @@ class Reply:
     when it asked for them (every choice then has a logprobs object, else null);
     ``tools``: the model's tool-call format when the request may call tools (its calls
     are parsed out of the text: a whole reply's at once, a stream's content sent as it
-    comes and its calls with the last chunk, router/openai_tools.py)."""
+    comes and its calls with the last chunk, router/openai_tools.py); ``prompt``: how
+    it shows its prompt's logprobs, when it asked (the first object after they arrive
+    shows them)."""
 
     def __init__(
         self,
@@ -89,10 +91,11 @@ class Reply:
         chat: bool,
         logprobs: LogprobsShape | None = None,
         tools: ToolParser | None = None,
+        prompt: PromptReply | None = None,
     ):
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model, self.chat, self.created = model, chat, int(time.time())
-        self.logprobs = logprobs
+        self.logprobs, self.prompt = logprobs, prompt
         self.tools = tools
         self._stream = None if tools is None else ToolStream(tools)
 
@@ -147,10 +150,20 @@ class Reply:
         else:
             kind, choice = "text_completion", {"index": 0, "text": text}
         choice["logprobs"] = None
+        prompt, echo, listed = self.prompt, None, None
+        if prompt is not None:  # the echo's text offsets come before the completion's
+            echo, listed = prompt.take_echo(), prompt.vllm_list()
+            prompt.pending = None
         if self.logprobs is not None:
-            choice["logprobs"] = self.logprobs.render(logprobs or [])
+            rendered = self.logprobs.render(logprobs or [])
+            if echo is not None:
+                rendered = {key: echo[key] + rendered[key] for key in rendered}
+            choice["logprobs"] = rendered
         choice["finish_reason"] = finish_reason
-        return {**self._base(kind), "choices": [choice]}
+        out = {**self._base(kind), "choices": [choice]}
+        if listed is not None:
+            (out if self.chat else choice)["prompt_logprobs"] = listed
+        return out
 
     def usage_chunk(self, usage: dict) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"

@@ -164,7 +164,14 @@ class Colocated(Placement):
                 stream.deliver(Delta.failed(u.error or "", invalid=True))
             else:
                 stream.deliver(
-                    Delta(u.token_ids, u.text, u.finish_reason, u.error, logprobs=u.logprobs)
+                    Delta(
+                        u.token_ids,
+                        u.text,
+                        u.finish_reason,
+                        u.error,
+                        logprobs=u.logprobs,
+                        prompt_logprobs=u.prompt_logprobs,
+                    )
                 )
             if u.final:
                 inst.release(u.request_id)

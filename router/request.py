@@ -71,6 +71,8 @@ class SamplingOptions:
     # asked for it (named when it is refused)
     guide: Guide | None = None
     guide_field: str = "guide"
+    # the prompt's logprobs: alternatives per prompt token (0-20; None: none)
+    prompt_logprobs: int | None = None
 
 
 # the fields of SamplingOptions that may be unset (None), as the front ends read them
@@ -84,6 +86,7 @@ OPTIONAL_SAMPLING = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "prompt_logprobs",
 )
 
 

@@ -74,7 +74,9 @@ _PHASES = ("prefill_start", "prefill_end", "transfer_start", "transfer_end", "de
 @dataclass
 class Delta:
     """New output of a request. ``logprobs``: None unless the request asked for them
-    (``params.logprobs``); then one per token of ``token_ids``, in order."""
+    (``params.logprobs``); then one per token of ``token_ids``, in order.
+    ``prompt_logprobs``: the prompt's (None for its first token), on the request's first
+    delta with tokens when it asked (``params.prompt_logprobs``), else None."""
 
     token_ids: list[int]
     text: str
@@ -82,6 +84,7 @@ class Delta:
     error: str | None = None  # set when the instance failed the request
     refused: Refused | None = None  # set when the router gave up on it (``read`` raises it)
     logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @classmethod
     def failed(cls, error: str, invalid: bool) -> Delta:
@@ -214,6 +217,11 @@ class RequestStream:
         if self.finished:
             return
         now = time.monotonic()
+        if delta.prompt_logprobs is not None and not self.token_ids:
+            # the first tokens' attempt computed them (a resumed one has none: its client
+            # has them); a later copy, from an attempt redone after them, is dropped
+            self.waiting = self.waiting or Delta([], "")
+            self.waiting.prompt_logprobs = delta.prompt_logprobs
         if delta.token_ids:
             first = self.clock.tokens(len(delta.token_ids), now)
             if first and self.on_first_token is not None:

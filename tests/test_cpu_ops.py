@@ -77,3 +77,41 @@ def test_unpacked_heads_fall_back_to_torch():
     got, _ = NATIVE.rotary(x.clone(), x.clone(), rope)
     want, _ = PLAIN.rotary(x.clone(), x.clone(), PLAIN.rope(positions, cos, sin))
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 33, 1000, 49152])
+def test_masked_argmax_is_torchs_over_the_allowed_tokens(cols):
+    """The sampler's guided greedy choice (engine/sampler.py): a packed bitmask row per
+    picked logits row, against torch's argmax of the row with -inf where a bit is clear."""
+    from pdserve.engine.sampler import _masked_row
+
+    native, words = cpu_ops(), (cols + 31) // 32
+    last = 1 << (cols - 1) % 32
+    last = last if last < 2**31 else -(2**31)  # the last token's bit, as an int32
+    x = torch.randn(8, cols)
+    x[2] = 0.0  # all equal: the first allowed
+    x[3, : cols // 2] = float("-inf")
+    x[5, cols // 2] = x[5].max() + 5  # a large logit a sparse mask may forbid
+    rows = [0, 2, 3, 5, 7, 5]
+    bits = torch.randint(-(2**31), 2**31, (len(rows), words), dtype=torch.int32)
+    bits[1, : words // 2] = 0  # the first half forbidden: the first allowed after it
+    bits[2] = -1  # every token allowed, the first half -inf
+    bits[3] = 0
+    bits[3, -1] = last  # only the last token
+    bits[4, words // 2 :] = 0
+    if cols > 16:
+        bits[5] &= 0x0000FFFF  # only the first 16 tokens of each word: whole blocks skipped
+    got = native.masked_argmax(x, rows, bits)
+    # torch's answer where something is allowed (the sampler never asks about a row
+    # that allows nothing: it allows every token instead)
+    masked = [_masked_row(x[r], bits[j]) for j, r in enumerate(rows)]
+    none_allowed = [bool(torch.isneginf(m).all() and not torch.isneginf(x[r]).all())
+                    for m, r in zip(masked, rows, strict=True)]  # fmt: skip
+    want = [-1 if n else int(m.argmax()) for m, n in zip(masked, none_allowed, strict=True)]
+    assert got == want
+    # a row allowing nothing answers -1; one allowing only -inf logits, its first allowed
+    x[0] = float("-inf")
+    none, only = torch.zeros(1, words, dtype=torch.int32), torch.zeros(1, words, dtype=torch.int32)
+    only[0, -1] = last
+    assert native.masked_argmax(x, [1], none) == [-1]
+    assert native.masked_argmax(x, [0], only) == [cols - 1]

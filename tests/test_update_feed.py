@@ -49,6 +49,7 @@ def test_frames_round_trip_every_field():
         Update("c#1.2", error="transfer cut", retryable=True),
         Update("d#0.3", handed_off=True),
         Update("h#0.7", error="the json guide: a dead end", invalid=True),
+        Update("i#0.8", [5], prompt_logprobs=[None, Logprobs(9, -2.5, (4,), (-0.75,), 3)]),
     ]
     # every field of an update is set by one of them
     blank = Update("x")

@@ -133,7 +133,8 @@ def test_top_k_minus_one_is_off(api, chat_model, client):
         (True, {"frequency_penalty": "x"}, "frequency_penalty='x': must be a number"),
         (False, {"repetition_penalty": 0}, "repetition_penalty=0.0: must be a number in"),
         (False, {"top_k": -2}, "top_k=-2: must be an integer >= -1"),
-        (False, {"logprobs": 1, "echo": True}, "echo with logprobs: the prompt's logprobs"),
+        (False, {"prompt_logprobs": 21}, "prompt_logprobs=21: must be an integer in [0, 20]"),
+        (True, {"prompt_logprobs": -1}, "prompt_logprobs=-1: must be an integer in [0, 20]"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(api, chat_model, chat, body, needle):
@@ -150,6 +151,7 @@ def test_bad_grpc_values_are_invalid_argument(client):
         ({"logprobs": -1}, "sampling.logprobs=-1"),
         ({"repetition_penalty": 200.0}, "sampling.repetition_penalty=200.0"),
         ({"frequency_penalty": float("nan")}, "sampling.frequency_penalty=nan"),
+        ({"prompt_logprobs": 21}, "sampling.prompt_logprobs=21"),
     ]:
         with pytest.raises(grpc.RpcError) as err:
             client.complete(prompt_token_ids=IDS, max_tokens=2, **kwargs)
