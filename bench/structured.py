@@ -11,9 +11,10 @@ the baseline's rounds (slowest less fastest), and each mix's extra time is said 
 within it or past it. A guided request's guide is
 a JSON schema of 40 objects of two fields (a long, branching grammar: every step of it
 computes a real mask). The cost is the step's extra time over the baseline; the mask
-itself (``Matcher.fill``) is timed alone too. Checks: every guided output is a prefix
-of a document the schema accepts (greedy, at most ``--steps`` tokens: the grammar holds
-mid-document), and a cached compile is faster than a fresh one.
+itself (``Matcher.fill``) is timed alone too, along the guided outputs, and so is the
+sampler. Checks: every guided output is a prefix of a document the schema accepts
+(greedy, at most ``--steps`` tokens: the grammar holds mid-document), and a cached
+compile is faster than a fresh one.
 
 Compile: each guide of ``GUIDES`` compiled fresh (a new ``Grammars``, the tokenizer
 built once), then fetched from the cache (a copy per request).
@@ -29,6 +30,8 @@ import time
 import torch
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
 from pdserve.engine.structured import Grammars, Guide, llg_tokenizer
 
 MODEL = "smollm2-135m"
@@ -86,19 +89,42 @@ def held(out, grammars: Grammars) -> bool:
     return out.text.startswith('[{"id": ') and ok and matcher.error is None
 
 
-def mask_us(llm: LLM, steps: int) -> float:
-    """Median microseconds of one mask of ``LONG``'s matcher along a greedy document."""
+def mask_us(llm: LLM, outputs: list) -> tuple[float, float]:
+    """Microseconds of one mask of ``LONG``'s matcher (median, mean) at each position of
+    the engine's own guided ``outputs``: the masks their steps computed."""
     grammars = llm.engine.grammars()
-    matcher = grammars.matcher(LONG)
     bits = torch.empty((llm.engine.model_config.vocab_size + 31) // 32, dtype=torch.int32)
-    shifts = torch.arange(32, dtype=torch.int32)
     times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        matcher.fill(bits)
-        times.append(time.perf_counter() - t)
-        matcher.consume(int(((bits[:, None] >> shifts) & 1).reshape(-1).nonzero()[0]))
-    return statistics.median(times) * 1e6
+    for out in outputs:
+        matcher = grammars.matcher(LONG)
+        for token in out.token_ids:
+            t = time.perf_counter()
+            matcher.fill(bits)
+            times.append(time.perf_counter() - t)
+            matcher.consume(token)
+    return statistics.median(times) * 1e6, statistics.fmean(times) * 1e6
+
+
+def sampler_us(llm: LLM, batch: int = 32, guided: int = 16, loops: int = 50) -> dict:
+    """Microseconds of the sampler alone (median of ``loops``) on random logits for
+    ``batch`` greedy requests, none guided and ``guided`` of them guided (each matcher at
+    ``LONG``'s start: its mask is cheap, so this is the sampler's own part)."""
+    vocab, grammars = llm.engine.model_config.vocab_size, llm.engine.grammars()
+    logits, sampler = torch.randn(batch, vocab), Sampler()
+    out = {}
+    for n in (0, guided):
+        requests = [
+            Request(f"s{i}", [1, 2, 3], SamplingParams(temperature=0)) for i in range(batch)
+        ]
+        for r in requests[:n]:
+            r.matcher = grammars.matcher(LONG)
+        times = []
+        for _ in range(loops):
+            t = time.perf_counter()
+            sampler(logits, requests)
+            times.append(time.perf_counter() - t)
+        out[n] = statistics.median(times) * 1e6
+    return out
 
 
 def compile_ms(llm: LLM) -> dict[str, tuple[float, float]]:
@@ -139,6 +165,7 @@ def main() -> None:
             for mix, guided in mixes.items():
                 ms, outs = step_ms(llm, batch, guided, args.steps)
                 rounds[mix].append(ms)
+                guided_outputs = outs
                 bad = [o.text for o in outs if not held(o, checker)]
                 if bad:
                     raise SystemExit(f"a guided output left its grammar: {bad[0][:80]!r}")
@@ -153,7 +180,12 @@ def main() -> None:
                 f"batch {batch:>2}, {guided:>2} guided: {best[mix]:7.2f} ms/step ({extra:+.2f} "
                 f"ms, {best[mix] / base:.3f}x the unguided batch, {within})"
             )
-    print(f"one mask of the 40-item schema: {mask_us(llm, args.steps):.0f} µs (median)")
+    median, mean = mask_us(llm, guided_outputs)
+    print(f"one mask of the 40-item schema along the outputs: {median:.0f} µs median, "
+          f"{mean:.0f} µs mean")  # fmt: skip
+    alone = sampler_us(llm)
+    print(f"the sampler alone, 32 greedy rows: {alone[0]:.0f} µs none guided, "
+          f"{alone[16]:.0f} µs with 16 guided")  # fmt: skip
     print("compile per guide (fresh ms / cached copy µs):")
     for name, (fresh, cached) in compile_ms(llm).items():
         print(f"  {name:>24}: {fresh:8.2f} ms / {cached:6.0f} µs")
