@@ -9,16 +9,23 @@ same prompt on the same weights (the tiny chat Llama, float32):
   prefill chunk (computed in the chunked prefill, carried in the KV handoff to the
   decode instance, sent with the first token);
 - a prompt sent twice gets the same numbers twice: the second is computed, not served
-  from the prefix cache (a cache hit has no logits)."""
+  from the prefix cache (a cache hit has no logits);
+- a stream whose decode instance is SIGKILLed mid-way got them once, first, and ends as
+  the uninterrupted run (the resumed attempt computes none)."""
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
 
 import openai
 import pytest
 import torch
 
-from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config
+from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config, wait_until
 from tests.cluster.test_disagg import disagg_config
+from tests.cluster.test_supervision import SUPERVISOR, back_in_service, busiest
 
 TOP = 3
 PROMPTS = [  # longer than a chunk (64 co-located, 128 disaggregated), and short ones
@@ -110,4 +117,58 @@ def test_prompt_logprobs_are_hfs_everywhere(chat_model, hf_logprobs, shape, on_s
                 )
                 plp = done.prompt_logprobs or []
                 check(ids, want, [(p.token_id, p.logprob, list(p.top_ids), p.rank) for p in plp])
+        seconds_until_blocks_free(cluster)
+
+
+def test_a_stream_migrated_mid_way_got_its_prompt_logprobs_once(
+    chat_model, hf_logprobs, on_shared_ray
+):
+    """Streams asking for prompt logprobs, the decode instance holding most of them
+    SIGKILLed once each has 8 tokens: each got the prompt's logprobs once, in its first
+    chunk (the resumed attempt, whose client has them, computes none), and ends as the
+    uninterrupted run."""
+    from pdserve.cluster import launch
+    from pdserve.engine import LLM, SamplingParams
+
+    ids, want, streams = PROMPTS[0], hf_logprobs[0], 3
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    tokens_want = LLM(chat_model).generate([ids], params)[0].token_ids
+    config = disagg_config(chat_model, "gloo", True, 1)
+    config["decode"].update(instances=2, resources={"num_cpus": 0.5})
+    config["supervisor"] = SUPERVISOR
+    with launch(config) as cluster, cluster.client() as client:
+        chunks: list[list] = [[] for _ in range(streams)]
+        errors: list = []
+
+        def read(i: int) -> None:
+            try:
+                for chunk in client.generate(
+                    prompt_token_ids=ids, max_tokens=300, temperature=0, ignore_eos=True,
+                    prompt_logprobs=TOP,
+                ):  # fmt: skip
+                    chunks[i].append(chunk)
+            except Exception as e:  # reported by the test
+                errors.append(e)
+
+        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(streams)]
+        for t in threads:
+            t.start()
+        count = lambda: min(sum(len(c.token_ids) for c in got) for got in chunks)  # noqa: E731
+        assert wait_until(lambda: count() >= 1, 60)
+        victim, pid = busiest(cluster, "decode")
+        assert wait_until(lambda: count() >= 8, 60)
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        migrated = 0
+        for got in chunks:
+            assert [t for c in got for t in c.token_ids] == tokens_want
+            with_prompt = [c for c in got if c.prompt_logprobs is not None]
+            assert with_prompt == [got[0]]
+            plp = got[0].prompt_logprobs
+            check(ids, want, [(p.token_id, p.logprob, list(p.top_ids), p.rank) for p in plp])
+            migrated += got[-1].timings.attempts > 1
+        assert migrated, "no stream was on the killed decode instance"
+        back_in_service(cluster, victim)
         seconds_until_blocks_free(cluster)
