@@ -191,6 +191,38 @@ class BlockManager:
         table.extend(new)
         return new
 
+    def fork(self, owner: str, child: str, num_tokens: int) -> tuple[int, int] | None:
+        """A new table for ``child`` holding ``owner``'s first ``num_tokens`` tokens: it
+        shares their full blocks (one more reference each, their registrations too; a
+        released placeholder stays one) and takes a block of its own for a partial last
+        one, whose KV the caller copies: returns (``owner``'s block, ``child``'s), or None
+        when the tokens end on a block boundary. So no block either of them writes next is
+        shared. RuntimeError when a partial block is needed and none is free."""
+        if child in self.tables:
+            raise ValueError(f"fork({owner!r}, {child!r}): {child!r} has a table")
+        table, bs = self.tables[owner], self.block_size
+        full, partial = divmod(num_tokens, bs)
+        if partial and not self.num_free_blocks:
+            raise RuntimeError(f"fork({owner!r}, {child!r}): no free block for the last one")
+        released = self.released.get(owner, 0)
+        shared = table[released:full]
+        for b in shared:
+            self.ref_counts[b] += 1
+        new = table[:released] + shared
+        if released:
+            self.released[child] = released
+        if owner in self.hashes:
+            self.hashes[child] = self.hashes[owner][:full]
+        pair = None
+        if partial:
+            [block] = self._take(1, None)
+            self.ref_counts[block] = 1
+            self.num_free_blocks -= 1
+            new.append(block)
+            pair = (table[full], block)
+        self.tables[child] = new
+        return pair
+
     def commit(self, owner: str, token_ids: list[int], num_tokens: int, partial=0) -> None:
         """``owner``'s first ``num_tokens`` tokens (``token_ids[:num_tokens]``) have their
         KV in its blocks: register its full blocks among them in the prefix cache. Stay

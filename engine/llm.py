@@ -98,8 +98,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order (its final one, with the ``prompt_logprobs`` its
-        first carried). A prompt is a string or a list of token ids."""
+        """One output per prompt and choice, in order (its final one, choice 0's with the
+        ``prompt_logprobs`` its first carried): a prompt whose params ask for ``n``
+        choices gives n outputs, ``index`` 0 .. n - 1. A prompt is a string or a list of
+        token ids."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -118,16 +120,18 @@ class LLM:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
-        done: dict[str, RequestOutput] = {}
+        done: dict[tuple[str, int], RequestOutput] = {}
         prompt_logprobs: dict[str, list] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
-                    out.prompt_logprobs = prompt_logprobs.get(out.request_id)
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+                    if out.index == 0:
+                        out.prompt_logprobs = prompt_logprobs.get(out.request_id)
+                    done[out.request_id, out.index] = out
+        pairs = zip(ids, params_list, strict=True)
+        return [done[i, c] for i, p in pairs for c in range(p.n)]
 
     def chat(
         self,

@@ -23,6 +23,7 @@ import torch
 from pdserve.engine.attention import default_backend_name, get_backend
 from pdserve.engine.block_manager import BlockManager, CacheEvents
 from pdserve.engine.checkpoint import load_checkpoint
+from pdserve.engine.choices import fork
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.engine_stats import EngineStats
@@ -126,6 +127,9 @@ class LLMEngine:
         uninterrupted run would have produced after them (seeded draws are keyed by
         output position, ``engine.sampler``)."""
         ids = self.tokenize(prompt)
+        if params.n > 1 and (hand_off or delivered):
+            what = "handed off" if hand_off else "resumed (delivered tokens)"
+            raise ValueError(f"n={params.n}: a request of several choices is not {what} yet")
         request = self._admit(request_id, ids, params, delivered, delivered_chars)
         request.hand_off = hand_off
         self.scheduler.add(request)
@@ -144,6 +148,8 @@ class LLMEngine:
         reservation's ``block_ids``; then ``land``, or ``release``. ``NoRoom`` when the
         batch or the cache has none now (``Scheduler.admit_remote``). Raises ValueError
         (nothing held) for a request ``add_request`` would refuse or an id in use."""
+        if params.n > 1:
+            raise ValueError(f"n={params.n}: a request of several choices is not reserved yet")
         request, detok = self._new_request(
             request_id, prompt_ids, params, delivered, delivered_chars
         )
@@ -217,6 +223,11 @@ class LLMEngine:
         delivered, b, m = tuple(delivered), self.blocks, self.model_config
         check_prompt(ids, delivered, self.max_context, b.num_blocks, b.block_size, m.vocab_size)
         params.validate()
+        if params.n > self.config.max_batch_size:
+            raise ValueError(
+                f"n={params.n}: more choices than this engine runs at once "
+                f"(max_batch_size={self.config.max_batch_size})"
+            )
         check_delivered(delivered, params, m.eos_token_ids)
         if request_id in self.requests or request_id in self.scheduler.remote:
             raise ValueError(f"request_id={request_id!r}: already in use")
@@ -256,12 +267,14 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Drop a request of the batch (waiting or running; one waiting for KV is
         ``release``d instead, once its transfer writes no more): its blocks are freed."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        self.scheduler.remove(request)
-        self.detokenizers.pop(request_id, None)
-        request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
+        choices = [rid for rid, r in self.requests.items() if r.parent_id == request_id]
+        for rid in (request_id, *choices):  # its other choices too, once forked
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            self.scheduler.remove(request)
+            self.detokenizers.pop(rid, None)
+            request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (they leave their step loop)."""
@@ -384,7 +397,13 @@ class LLMEngine:
                 outputs.append(Prefilled(request, 0, [], error=why))
             else:
                 outputs.append(self._finish(request, "length", []))
-        outputs += [self._leave(s) if s.request.hand_off else self._append(s) for s in sampled]
+        for s in sampled:
+            if s.request.hand_off:
+                outputs.append(self._leave(s))
+                continue
+            if s.choices:  # forked first: its own token may end it, and free what they share
+                outputs += [self._append(choice) for choice in fork(self, s)]
+            outputs.append(self._append(s))
         return outputs
 
     def _leave(self, sample: Sample) -> Prefilled:
@@ -466,7 +485,7 @@ class LLMEngine:
     def _output(self, request: Request, new_ids: list[int], final: bool) -> RequestOutput:
         detok, lps = self.detokenizers.get(request.request_id), request.logprobs
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request.parent_id or request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
             text=detok.text if detok else "",
@@ -477,4 +496,5 @@ class LLMEngine:
             new_logprobs=None if lps is None else lps[len(lps) - len(new_ids) :],
             num_cached_tokens=max(0, request.num_cached_tokens),
             prompt_logprobs=self._take_prompt_logprobs(request),
+            index=request.index,
         )

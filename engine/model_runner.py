@@ -153,6 +153,11 @@ class ModelRunner:
         rank, between steps (``StepPlan.copy_blocks``; a no-op without other ranks)."""
         StepPlan.copy_blocks(self.model.tp, self.kv_cache, self.block_axis, block_ids)
 
+    def fork_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Rank 0, between steps: copy block ``src`` of the cache into block ``dst`` for
+        each pair, on every rank (``StepPlan.fork_blocks``)."""
+        StepPlan.fork_blocks(self.model.tp, self.kv_cache, self.block_axis, pairs)
+
     def execute(
         self,
         plan: StepPlan,

@@ -34,10 +34,12 @@ class RequestOutput:
     """``logprobs`` (set when the request asked, ``SamplingParams.logprobs``) is of every
     output token this engine sampled, in order; ``new_logprobs`` of ``new_token_ids``.
     ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache (not
-    computed for this request). ``prompt_logprobs`` (when the request asked,
-    ``SamplingParams.prompt_logprobs``): on the request's first output only, one entry per
-    prompt token, None for the first. ``error``: set (with ``finish_reason`` "abort") when
-    the request ended for a fault of its own, its output left its grammar."""
+    computed for this request). ``index``: which of the request's choices this is
+    (``SamplingParams.n``; 0 for the first or only one). ``prompt_logprobs`` (when the
+    request asked, ``SamplingParams.prompt_logprobs``): on the request's first output
+    only (choice 0's), one entry per prompt token, None for the first. ``error``: set
+    (with ``finish_reason`` "abort") when the request ended for a fault of its own, its
+    output left its grammar."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -51,6 +53,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
+    index: int = 0
 
     @property
     def finished(self) -> bool:

@@ -58,6 +58,10 @@ class Request:
     # where its output stands in its grammar (``params.guide``; engine/structured.py):
     # it has consumed every output token, delivered ones included
     matcher: Matcher | None = None
+    # a choice forked from request ``parent_id`` once its prompt was computed
+    # (engine/choices.py): choice ``index`` of it (0: the request itself)
+    parent_id: str | None = None
+    index: int = 0
     delivered: InitVar[tuple[int, ...]] = ()
 
     def __post_init__(self, delivered: tuple[int, ...]):
@@ -86,6 +90,12 @@ class Request:
     def num_pending_tokens(self) -> int:
         """Tokens whose KV is not yet in the cache."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def forks_now(self) -> bool:
+        """Its next draw is its first and it asked for several choices: that draw forks
+        them (engine/choices.py)."""
+        return self.params.n > 1 and self.parent_id is None and self.num_output_tokens == 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:

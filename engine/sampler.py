@@ -23,7 +23,7 @@ engine's generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,11 +48,14 @@ def position_seed(seed: int, position: int) -> int:
 @dataclass
 class Sample:
     """One request's draw in a step: the token, and its ``Logprobs`` when the request
-    asked for them (``SamplingParams.logprobs`` not None), else None."""
+    asked for them (``SamplingParams.logprobs`` not None), else None. ``choices``: at
+    the draw that forks a request's other choices (``Request.forks_now``), the first
+    token (and logprobs) of choice 1, 2, .. drawn from the same logits."""
 
     request: Request
     token: int
     logprobs: Logprobs | None = None
+    choices: list[tuple[int, Logprobs | None]] = field(default_factory=list)
 
 
 class Sampler:
@@ -60,12 +63,48 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
-        """``self(logits, requests)`` with the logprobs of the requests that ask."""
+        """``self(logits, requests)`` with the logprobs of the requests that ask, and the
+        other choices' first tokens of those that fork now."""
         tokens = self(logits, requests)
         asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         found = dict(zip(asking, _logprobs(logits, asking, requests, tokens), strict=True))
         pairs = enumerate(zip(requests, tokens, strict=True))
-        return [Sample(r, t, found.get(i)) for i, (r, t) in pairs]
+        samples = [Sample(r, t, found.get(i)) for i, (r, t) in pairs]
+        for i, s in enumerate(samples):
+            if s.request.forks_now:
+                s.choices = self._choices(logits[i], s.request)
+        return samples
+
+    def _choices(self, row: torch.Tensor, request: Request) -> list[tuple[int, Logprobs | None]]:
+        """Choices 1 .. n - 1's first tokens from ``request``'s logits ``row`` [V]: each
+        drawn as the request would alone with seed + i (unseeded: the engine's
+        generator, in order), under the same mask and penalties."""
+        p = request.params
+        choices = range(1, p.n)
+        masked = row
+        if request.matcher is not None:
+            masked = _masked_row(row, _grammar_bits(row.shape[-1], [request])[0])
+        tokens = [
+            self._draw(masked, request, None if p.seed is None else p.seed + c) for c in choices
+        ]
+        if p.logprobs is None:
+            return [(t, None) for t in tokens]
+        rows = list(range(len(tokens)))
+        lps = _logprobs(row.expand(len(tokens), -1), rows, [request] * len(tokens), tokens)
+        return list(zip(tokens, lps, strict=True))
+
+    def _draw(self, row: torch.Tensor, request: Request, seed: int | None) -> int:
+        """One token from a (masked) logits row [V] under ``request``'s penalties and
+        sampling, a seeded draw keyed by (``seed``, output position)."""
+        p = request.params
+        row = penalize(row, request) if p.penalized else row
+        if p.greedy:
+            return int(row.argmax())
+        probs = _filtered_probs(row, p.temperature, p.top_k, p.top_p)
+        gen = self.generator
+        if seed is not None:
+            gen = torch.Generator().manual_seed(position_seed(seed, request.num_output_tokens))
+        return int(torch.multinomial(probs, 1, generator=gen))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits [S, V] float32, one row per request -> one token id per request, drawn
@@ -90,17 +129,7 @@ class Sampler:
                 out.append(greedy[i])
                 continue
             row = logits[i] if j is None else _masked_row(logits[i], bits[j])
-            row = penalize(row, request) if p.penalized else row
-            if p.greedy:
-                out.append(int(row.argmax()))
-                continue
-            probs = _filtered_probs(row, p.temperature, p.top_k, p.top_p)
-            gen = self.generator
-            if p.seed is not None:
-                gen = torch.Generator().manual_seed(
-                    position_seed(p.seed, request.num_output_tokens)
-                )
-            out.append(int(torch.multinomial(probs, 1, generator=gen)))
+            out.append(self._draw(row, request, p.seed))
         return out
 
 

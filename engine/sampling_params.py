@@ -13,6 +13,7 @@ from pdserve.engine.structured import Guide, GuideError
 # below it (0 excepted: greedy) a request is refused rather than sampled as greedy
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows (top_logprobs)
+MAX_CHOICES = 16  # n: sequences per request
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty: OpenAI's range
 # repetition_penalty: a positive factor; the bounds keep penalized float32 logits finite
 REPETITION_RANGE = (0.01, 100.0)
@@ -31,6 +32,9 @@ class SamplingParams:
     prompt token after the first, its log-probability given the tokens before it, its
     rank and the N most likely tokens' (vLLM's ``prompt_logprobs``; computed in the
     prefill pass, so such a request does not start from the prefix cache).
+    ``n``: the sequences (choices) to generate from the prompt, 1 to MAX_CHOICES: its
+    KV is computed once and shared (engine/choices.py); with a ``seed``, choice i draws as
+    the request would alone with seed + i.
     ``guide``: None, or the grammar the output must match (engine/structured.py; a dict
     of its fields is taken too, as the instances' feed carries it).
     """
@@ -49,6 +53,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     guide: Guide | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.guide, dict):
@@ -63,6 +68,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        if not _integer(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n={self.n!r}: must be an integer in [1, {MAX_CHOICES}]")
         if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r}: must be an integer >= 1")
         t = self.temperature

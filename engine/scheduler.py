@@ -214,6 +214,8 @@ class Scheduler:
             if batch.preempted:
                 break  # the cache is full: admitting now would only preempt again
             request = self.waiting[0]
+            if request.forks_now and len(self.running) + request.params.n > self.max_batch_size:
+                break  # its choices join the batch at its first token: room for them all
             prefix = self._cached_prefix(request)
             done = request.num_computed_tokens + len(prefix) * self.blocks.block_size
             n = min(request.num_tokens - done, budget)

@@ -22,6 +22,12 @@ docs/kv_transfer.md "Latent caches"), on the same channel, so ordered with the s
     ids     int64[N] (block ids are the same on every rank: rank 0's block manager's)
     rows    the cache's blocks ``ids`` (along its block axis), in the cache's dtype
 
+And each rank may copy blocks of its own cache into others (``fork_blocks``: the last,
+partial block of a prompt for each choice forked from it, engine/choices.py):
+
+    header  [FORK, N pairs, 0, ...]
+    ids     int64[2N]: the source blocks, then the destination blocks
+
 A rank writes the rows before it receives the next header: they are in place before any
 step that reads them. A collective that fails leaves the ranks out of step (the serving
 worker ends the instance, instance/worker.py).
@@ -44,6 +50,7 @@ class Command(enum.IntEnum):
     STEP = 1
     STOP = 2
     COPY = 3
+    FORK = 4
 
 
 @dataclass
@@ -93,6 +100,26 @@ class StepPlan:
         tp.broadcast(cache.index_select(axis, index.to(cache.device)).to(tp.device))
 
     @staticmethod
+    def fork_blocks(
+        tp: TensorParallel, cache: torch.Tensor, axis: int, pairs: list[tuple[int, int]]
+    ) -> None:
+        """Rank 0: copy, in every rank's own cache (this one's included), block ``src``
+        into block ``dst`` for each pair (blocks along dim ``axis``)."""
+        if not pairs:
+            return
+        if tp.size > 1:
+            header = [Command.FORK, len(pairs)] + [0] * (HEADER - 2)
+            tp.broadcast(torch.tensor(header, dtype=torch.int64, device=tp.device))
+            ids = [s for s, _ in pairs] + [d for _, d in pairs]
+            tp.broadcast(torch.tensor(ids, dtype=torch.int64, device=tp.device))
+        _copy_within(cache, axis, pairs)
+
+    @staticmethod
+    def _receive_fork(tp: TensorParallel, cache: torch.Tensor, axis: int, n: int) -> None:
+        ids = tp.broadcast(torch.empty(2 * n, dtype=torch.int64, device=tp.device)).tolist()
+        _copy_within(cache, axis, list(zip(ids[:n], ids[n:], strict=True)))
+
+    @staticmethod
     def _receive_copy(tp: TensorParallel, cache: torch.Tensor, axis: int, n: int) -> None:
         index = tp.broadcast(torch.empty(n, dtype=torch.int64, device=tp.device))
         shape = list(cache.shape)
@@ -109,9 +136,12 @@ class StepPlan:
         while True:
             header = tp.broadcast(torch.empty(HEADER, dtype=torch.int64, device=tp.device))
             command, t, b, w, r, num_decodes, max_query_len, max_seq_len, e = header.tolist()
-            if command != Command.COPY:
+            if command == Command.COPY:
+                cls._receive_copy(tp, cache, axis, t)
+            elif command == Command.FORK:
+                cls._receive_fork(tp, cache, axis, t)
+            else:
                 break
-            cls._receive_copy(tp, cache, axis, t)
         if command == Command.STOP:
             return None
         n = 3 * t + 2 * b + 1 + b * w + r
@@ -139,3 +169,9 @@ class StepPlan:
             seq_lens_host=lens_host,
         )
         return cls(dev(ids, torch.int64), dev(pos, torch.int64), meta, rows.tolist(), extra)
+
+
+def _copy_within(cache: torch.Tensor, axis: int, pairs: list[tuple[int, int]]) -> None:
+    src = torch.tensor([s for s, _ in pairs], device=cache.device)
+    dst = torch.tensor([d for _, d in pairs], device=cache.device)
+    cache.index_copy_(axis, dst, cache.index_select(axis, src))

@@ -140,3 +140,51 @@ def test_caching_off_matches_nothing():
     bm.free("a")
     assert bm.match(list(range(9))) == [] and bm.num_cached_blocks == 0
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_fork_shares_full_blocks_and_copies_the_partial_one(caching):
+    """``fork`` (engine/choices.py): the child holds the parent's full blocks (and their
+    registrations) and a block of its own for a partial last one; either frees first."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=caching)
+    tokens = list(range(10))
+    bm.allocate("a", 10)
+    bm.commit("a", tokens, 10)
+    table = bm.block_table("a")
+    src, dst = bm.fork("a", "b", 10)
+    assert src == table[2] and bm.block_table("b") == [*table[:2], dst] and dst not in table
+    assert bm.fork("a", "c", 8) is None and bm.block_table("c") == table[:2]
+    assert bm.ref_counts[table[0]] == 3 and bm.num_free_blocks == 4
+    bm.check_integrity()
+    with pytest.raises(ValueError, match="'b' has a table"):
+        bm.fork("a", "b", 10)
+    bm.free("a")
+    bm.check_integrity()
+    assert bm.ref_counts[table[0]] == 2
+    for owner in ("b", "c"):
+        bm.free(owner)
+        bm.check_integrity()
+    assert bm.num_free_blocks == 8
+
+
+def test_a_fork_without_a_free_block_for_the_partial_one_raises():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    bm.allocate("a", 10)
+    with pytest.raises(RuntimeError, match="no free block for the last one"):
+        bm.fork("a", "b", 10)
+    assert "b" not in bm.tables and bm.fork("a", "b", 8) is None
+    bm.check_integrity()
+
+
+def test_a_fork_of_a_windowed_table_keeps_its_placeholders():
+    bm = BlockManager(num_blocks=8, block_size=4, window=6)
+    bm.allocate("a", 14)
+    assert bm.release_outside("a", 14) == 2
+    src, dst = bm.fork("a", "b", 14)
+    assert bm.block_table("b")[:3] == bm.block_table("a")[:3] and bm.released["b"] == 2
+    assert src == bm.block_table("a")[3]
+    bm.check_integrity()
+    bm.free("a")
+    bm.free("b")
+    bm.check_integrity()
+    assert bm.num_free_blocks == 8

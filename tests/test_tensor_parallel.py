@@ -33,6 +33,27 @@ def test_tiny_kv4_equals_one_rank(tiny_model, degree):
     assert got == want
 
 
+def test_several_choices_and_prompt_logprobs_equal_one_rank(tiny_model):
+    """``n`` choices fork from the prompt's blocks, the partial one copied on every rank
+    (``StepPlan.fork_blocks``); the prompt's logprobs are scored from the rows every
+    rank computes."""
+    path, prompts = tiny_model("kv4"), _prompts(4, seed=2)
+    params = SamplingParams(temperature=0.9, seed=4, n=3, max_tokens=12, ignore_eos=True,
+                            prompt_logprobs=2)  # fmt: skip
+    want = LLM(path, max_batch_tokens=16).generate(prompts, params)
+    with LLM(path, max_batch_tokens=16, tensor_parallel=2) as llm:
+        got = llm.generate(prompts, params)
+        llm.engine.check_integrity()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        if w.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+            continue
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+            assert a.top_ids == b.top_ids and a.rank == b.rank
+            assert abs(a.logprob - b.logprob) < 1e-4
+
+
 def test_tiny_gqa3_with_tied_head_equals_one_rank(tiny_model):
     path, prompts = tiny_model("gqa3"), _prompts(6, seed=1)  # 6 heads, 2 KV heads, tied
     want = [o.token_ids for o in LLM(path, max_batch_tokens=16).generate(prompts, PARAMS)]
