@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams, native
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.structured import Grammars, Guide, llg_tokenizer
@@ -44,18 +44,37 @@ ITEM = {
 LONG = Guide("json", json.dumps({"type": "array", "items": ITEM, "minItems": 40, "maxItems": 40}))
 GUIDES = {
     "json_object": Guide("json", '{"type": "object"}'),
-    "flat schema, 4 fields": Guide("json", json.dumps({
-        "type": "object", "required": ["a", "b", "c", "d"], "additionalProperties": False,
-        "properties": {"a": {"type": "string"}, "b": {"type": "integer"},
-                       "c": {"enum": ["x", "y", "z"]}, "d": {"type": "boolean"}}})),
+    "flat schema, 4 fields": Guide(
+        "json",
+        json.dumps(
+            {
+                "type": "object",
+                "required": ["a", "b", "c", "d"],
+                "additionalProperties": False,
+                "properties": {
+                    "a": {"type": "string"},
+                    "b": {"type": "integer"},
+                    "c": {"enum": ["x", "y", "z"]},
+                    "d": {"type": "boolean"},
+                },
+            }
+        ),
+    ),
     "nested, 40-item array": LONG,
-    "wide schema, 50 fields": Guide("json", json.dumps({
-        "type": "object", "additionalProperties": False,
-        "required": [f"f{i}" for i in range(50)],
-        "properties": {f"f{i}": {"type": ["string", "integer", "null"]} for i in range(50)}})),
+    "wide schema, 50 fields": Guide(
+        "json",
+        json.dumps(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": [f"f{i}" for i in range(50)],
+                "properties": {f"f{i}": {"type": ["string", "integer", "null"]} for i in range(50)},
+            }
+        ),
+    ),
     "regex": Guide("regex", r"[A-Z][a-z]{2,12}( [A-Z][a-z]{2,12}){0,3}, [0-9]{5}"),
     "choice of 20": Guide("choice", json.dumps([f"option-{i}" for i in range(20)])),
-}  # fmt: skip
+}
 
 
 def step_ms(llm: LLM, batch: int, guided: int, steps: int) -> tuple[float, list]:
@@ -63,8 +82,9 @@ def step_ms(llm: LLM, batch: int, guided: int, steps: int) -> tuple[float, list]
     guided by ``LONG``; their final outputs."""
     engine = llm.engine
     for i in range(batch):
-        params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True,
-                                guide=LONG if i < guided else None)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=steps + 1, temperature=0, ignore_eos=True, guide=LONG if i < guided else None
+        )
         engine.add_request(f"r{i}", [100 + (i + j) % 50 for j in range(64)], params)
     ends: dict = {}
     times = []
@@ -154,7 +174,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM(MODEL, enable_prefix_caching=False)
     checker = Grammars(llg_tokenizer(llm.engine.tokenizer, llm.engine.model_config.vocab_size))
-    print(f"{MODEL}, {args.threads} threads, {args.steps} decode steps, best of {args.rounds}")
+    print(
+        f"{MODEL}, {args.threads} threads, {native.isa() or 'plain torch'} kernels, "
+        f"{args.steps} decode steps, best of {args.rounds}"
+    )
     step_ms(llm, 1, 1, 4)  # warm-up, the guide compiled
     for batch in (1, 32):
         mixes = (
@@ -181,11 +204,15 @@ def main() -> None:
                 f"ms, {best[mix] / base:.3f}x the unguided batch, {within})"
             )
     median, mean = mask_us(llm, guided_outputs)
-    print(f"one mask of the 40-item schema along the outputs: {median:.0f} µs median, "
-          f"{mean:.0f} µs mean")  # fmt: skip
+    print(
+        f"one mask of the 40-item schema along the outputs: {median:.0f} µs median, "
+        f"{mean:.0f} µs mean"
+    )
     alone = sampler_us(llm)
-    print(f"the sampler alone, 32 greedy rows: {alone[0]:.0f} µs none guided, "
-          f"{alone[16]:.0f} µs with 16 guided")  # fmt: skip
+    print(
+        f"the sampler alone, 32 greedy rows: {alone[0]:.0f} µs none guided, "
+        f"{alone[16]:.0f} µs with 16 guided"
+    )
     print("compile per guide (fresh ms / cached copy µs):")
     for name, (fresh, cached) in compile_ms(llm).items():
         print(f"  {name:>24}: {fresh:8.2f} ms / {cached:6.0f} µs")

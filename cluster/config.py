@@ -79,6 +79,16 @@ class Resources:
 
 
 @dataclass
+class Speculative:
+    method: str | None = spec(
+        None,
+        one_of(None, "ngram"),
+        "speculative decoding: null (off) or ngram (prompt-lookup drafts of greedy decodes)",
+    )
+    num_tokens: int = spec(2, at_least(1), "guessed tokens one decode step verifies")
+
+
+@dataclass
 class PoolConfig:
     """One pool of identical engine instances: ``prefill``, ``decode`` or ``colocated``."""
 
@@ -98,6 +108,7 @@ class PoolConfig:
         True, None, "reuse the KV of cached full blocks of shared prompt prefixes"
     )
     resources: Resources = spec(factory=Resources)
+    speculative: Speculative = spec(factory=Speculative)
     node_labels: dict[str, str] = spec(
         None,
         ray_labels,
@@ -130,6 +141,7 @@ class PoolConfig:
             max_batch_size=self.max_batch_size,
             mixed_prefill_tokens=self.mixed_prefill_tokens,
             enable_prefix_caching=self.prefix_caching,
+            speculative_tokens=self.speculative.num_tokens if self.speculative.method else 0,
             attention_backend=attention_backend,
             device=device,
         )

@@ -113,6 +113,9 @@ class ModelConfig:
         )
 
 
+MAX_SPECULATIVE = 16  # speculative_tokens at most
+
+
 @dataclass
 class EngineConfig:
     """Limits of one engine instance."""
@@ -131,6 +134,8 @@ class EngineConfig:
     # reuse the KV of full blocks whose token prefix an earlier request computed
     # (engine/block_manager.py); the output is the same with it off
     enable_prefix_caching: bool = True
+    # guessed tokens a decode step verifies per request (engine/speculative.py); 0: off
+    speculative_tokens: int = 0
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -142,6 +147,11 @@ class EngineConfig:
         cap = self.mixed_prefill_tokens
         if cap is not None and (not isinstance(cap, int) or cap < 1):
             raise ValueError(f"mixed_prefill_tokens={cap!r}: must be None or a positive integer")
+        k = self.speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE:
+            raise ValueError(
+                f"speculative_tokens={k!r}: must be an integer in [0, {MAX_SPECULATIVE}] (0: off)"
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching={self.enable_prefix_caching!r}: must be true or false"

@@ -33,11 +33,13 @@ class LLM:
         seed: int = 0,
         tensor_parallel: int = 1,
         enable_prefix_caching: bool = True,
+        speculative_tokens: int = 0,
     ):
         """``tensor_parallel=N`` runs ranks 1..N-1 as local processes (gloo on CPU): each
         process, this one included, holds 1/N of the heads, the MLP and the KV cache and
         uses cpu_count/N torch threads (restored in this process at ``close()``).
-        ``close()`` (or ``with LLM(...)``) stops them."""
+        ``close()`` (or ``with LLM(...)``) stops them. ``speculative_tokens=k`` verifies
+        up to k prompt-lookup guesses per greedy decode step (engine/speculative.py)."""
         config = EngineConfig(
             dtype=dtype,
             block_size=block_size,
@@ -49,6 +51,7 @@ class LLM:
             device=device,
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
+            speculative_tokens=speculative_tokens,
         )
         self._ranks = None
         tp = SINGLE

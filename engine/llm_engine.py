@@ -39,6 +39,7 @@ from pdserve.engine.reservation import NoRoom, Reservation
 from pdserve.engine.sampler import Sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, StepShape
+from pdserve.engine.speculative import drafts_for, guesses_per_request, propose
 from pdserve.engine.step_plan import StepPlan
 from pdserve.engine.structured import Grammars, llg_tokenizer
 
@@ -348,6 +349,8 @@ class LLMEngine:
         hand-off request that left. ``on_last_chunk`` (engine/prefilled.py): the hook of
         hand-off requests' last chunks, given while there are any (their prefill is
         timed then too)."""
+        if self.config.speculative_tokens:
+            self._draft()
         batch = self.scheduler.schedule()
         self.last_shape = batch.shape() if batch else None
         on_layer, extra = None, b""
@@ -404,6 +407,10 @@ class LLMEngine:
             if s.choices:  # forked first: its own token may end it, and free what they share
                 outputs += [self._append(choice) for choice in fork(self, s)]
             outputs.append(self._append(s))
+            for token in s.more:  # a speculative step's confirmed tokens, while it runs
+                if s.request.finished:
+                    break
+                outputs.append(self._append(Sample(s.request, token)))
         return outputs
 
     def _leave(self, sample: Sample) -> Prefilled:
@@ -471,6 +478,16 @@ class LLMEngine:
         del self.requests[request.request_id]
         self.detokenizers.pop(request.request_id, None)
         return out
+
+    def _draft(self) -> None:
+        """Each running request's guesses for this step (engine/speculative.py), within
+        what its ``max_tokens`` and the context leave after its pending token."""
+        context, running = self.max_context, self.scheduler.running
+        k = guesses_per_request(self.config.speculative_tokens, len(running))
+        for r in running:
+            room = min(k, r.params.max_tokens - r.num_output_tokens - 1, context - r.num_tokens - 1)
+            ok = room > 0 and drafts_for(r, k, context)
+            r.draft = propose(r.token_ids, room) if ok else []
 
     @staticmethod
     def _take_prompt_logprobs(request: Request) -> list[Logprobs | None] | None:

@@ -14,6 +14,7 @@ from pdserve.engine.model import LlamaModel
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sample, Sampler, prompt_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.speculative import accepted, verified
 from pdserve.engine.step_plan import StepPlan
 
 LOGITS_ROWS = 512  # rows of logits computed at once: 512 x 49152 float32 is 96 MiB
@@ -59,15 +60,27 @@ class ModelRunner:
 
     def prepare(self, items: list[tuple[Request, int]]):
         """input_ids, positions [T] and the attention metadata, prefills ordered first.
+        A verified request's pending token and draft (engine/speculative.py) are n
+        sequences of one query token each, over its table, up to their own positions.
 
         Returns the reordered items too: row order of the batch follows them.
         """
-        items = sorted(items, key=lambda item: item[1] == 1)
+        items = sorted(items, key=lambda item: item[1] == 1 or verified(*item))
         bs = self.blocks.block_size
         ids, positions, slots, starts, lens, qlens, tables = [], [], [], [0], [], [], []
         for request, n in items:
             begin = request.num_computed_tokens
             table = self.blocks.block_table(request.request_id)
+            if verified(request, n):
+                ids.extend([request.token_ids[begin], *request.draft])
+                for p in range(begin, begin + n):
+                    positions.append(p)
+                    slots.append(table[p // bs] * bs + p % bs)
+                    starts.append(starts[-1] + 1)
+                    lens.append(p + 1)
+                    qlens.append(1)
+                    tables.append(table)
+                continue
             ids.extend(request.token_ids[begin : begin + n])
             pos = range(begin, begin + n)
             positions.extend(pos)
@@ -108,9 +121,16 @@ class ModelRunner:
         ``on_layer``: see ``LlamaModel.forward``; ``extra``: see ``StepPlan``."""
         items, input_ids, positions, meta = self.prepare(batch.items)
         rows, sampled, prompt_rows, scored = [], [], [], []
+        spec_rows, spec = [], []  # verified requests' rows; (request, its first position)
         end = 0
         for request, n in items:
             begin = request.num_computed_tokens
+            if verified(request, n):
+                spec_rows.extend(range(end, end + n))
+                spec.append((request, begin))
+                end += n
+                continue
+            request.draft = []
             if request.wants_prompt_logprobs:
                 # position p's logits score prompt token p + 1; the ones scored so far skip
                 first = len(request.prompt_logprobs) - 1
@@ -122,17 +142,22 @@ class ModelRunner:
             if begin + n == request.num_tokens:
                 rows.append(end - 1)
                 sampled.append(request)
-        plan = StepPlan(input_ids, positions, meta, rows + prompt_rows, extra)
+        plan = StepPlan(input_ids, positions, meta, rows + spec_rows + prompt_rows, extra)
         if self.model.tp.size > 1:
             plan.broadcast(self.model.tp)
         sample_logits: list[torch.Tensor] = []
+        spec_logits: list[torch.Tensor] = []
+        verified_end = len(rows) + len(spec_rows)
 
         def take(first: int, logits: torch.Tensor) -> None:
-            k = max(0, min(len(rows) - first, len(logits)))
-            if k:
-                sample_logits.append(logits[:k])
+            last = first + len(logits)
+            groups = ((0, len(rows), sample_logits), (len(rows), verified_end, spec_logits))
+            for lo, hi, parts in groups:
+                if max(first, lo) < min(last, hi):
+                    parts.append(logits[max(first, lo) - first : min(last, hi) - first])
+            k = max(0, min(verified_end - first, len(logits)))
             if k < len(logits):  # prompt rows: their logprobs join their requests'
-                lo = first + k - len(rows)
+                lo = first + k - verified_end
                 part = scored[lo : lo + len(logits) - k]
                 targets = [target for _, target in part]
                 ks = [r.params.prompt_logprobs for r, _ in part]
@@ -143,10 +168,26 @@ class ModelRunner:
         self.execute(plan, on_layer, take)
         for request, n in items:
             request.num_computed_tokens += n
+        out = self._verify(torch.cat(spec_logits), spec) if spec else []
         if not sampled:
-            return []
+            return out
         logits = sample_logits[0] if len(sample_logits) == 1 else torch.cat(sample_logits)
-        return self.sampler.sample(logits, sampled)
+        return self.sampler.sample(logits, sampled) + out
+
+    def _verify(self, logits: torch.Tensor, spec: list[tuple[Request, int]]) -> list[Sample]:
+        """The verified requests' samples (engine/speculative.py): each one's greedy
+        tokens over its rows of ``logits``, its draft's accepted prefix and the token
+        after it; its computed tokens rolled back to the accepted positions."""
+        targets, out, at = logits.argmax(dim=-1).tolist(), [], 0
+        for request, begin in spec:
+            n = 1 + len(request.draft)
+            mine = targets[at : at + n]
+            at += n
+            a = accepted(request.draft, mine)
+            request.num_computed_tokens = begin + 1 + a
+            request.draft = []
+            out.append(Sample(request, mine[0], more=mine[1 : a + 1]))
+        return out
 
     def copy_blocks(self, block_ids: list[int]) -> None:
         """Rank 0: the cache's blocks ``block_ids`` into the same blocks of every other

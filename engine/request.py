@@ -62,6 +62,8 @@ class Request:
     # (engine/choices.py): choice ``index`` of it (0: the request itself)
     parent_id: str | None = None
     index: int = 0
+    # this step's guessed next tokens, verified with its pending one (engine/speculative.py)
+    draft: list[int] = field(default_factory=list)
     delivered: InitVar[tuple[int, ...]] = ()
 
     def __post_init__(self, delivered: tuple[int, ...]):

@@ -56,6 +56,8 @@ class Sample:
     token: int
     logprobs: Logprobs | None = None
     choices: list[tuple[int, Logprobs | None]] = field(default_factory=list)
+    # the tokens after ``token`` that a speculative step confirmed (engine/speculative.py)
+    more: list[int] = field(default_factory=list)
 
 
 class Sampler:

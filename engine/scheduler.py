@@ -61,14 +61,15 @@ class ScheduledBatch:
 
     def shape(self) -> StepShape:
         """What the step costs depend on (the planner's cost models fit step times to it).
-        A decode is one new token of a request past its prompt; the rest are prompt
-        chunks (a recomputation after preemption counts as prompt)."""
+        A decode is one new token of a request past its prompt (a speculative step's
+        verified rows are one each); the rest are prompt chunks (a recomputation after
+        preemption counts as prompt)."""
         tokens = sum_sq = decodes = context = 0
         for r, n in self.items:
             done = r.num_computed_tokens
-            if n == 1 and done >= r.num_prompt_tokens:
-                decodes += 1
-                context += done + 1
+            if n == 1 + len(r.draft) and done >= r.num_prompt_tokens:
+                decodes += n
+                context += n * (done + 1) + n * (n - 1) // 2
             else:
                 tokens += n
                 sum_sq += (done + n) ** 2 - done**2
@@ -242,7 +243,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(request.num_pending_tokens, budget)
+            request.draft = request.draft[: budget - 1]  # a decode's guesses, room allowing
+            n = min(request.num_pending_tokens + len(request.draft), budget)
             if self._reserve(request, n, batch):
                 batch.items.append((request, n))
                 budget -= n
@@ -305,6 +307,7 @@ class Scheduler:
         return any(self.blocks.num_held(o) for o in self.blocks.tables if o != rid)
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        request.draft = []
         self.running.remove(request)
         self.blocks.free(request.request_id)
         request.status = RequestStatus.WAITING

@@ -54,6 +54,16 @@ def test_several_choices_and_prompt_logprobs_equal_one_rank(tiny_model):
             assert abs(a.logprob - b.logprob) < 1e-4
 
 
+def test_speculative_decoding_equals_one_rank_without_it(tiny_model):
+    """Prompt-lookup drafts verified as rows of the decode step on every rank
+    (engine/speculative.py): the plain one-rank engine's greedy output."""
+    path, prompts = tiny_model("kv4"), [p * 3 for p in _prompts(6, seed=3)]
+    want = [o.token_ids for o in LLM(path, max_batch_tokens=16).generate(prompts, PARAMS)]
+    with LLM(path, max_batch_tokens=16, tensor_parallel=2, speculative_tokens=3) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
+        llm.engine.check_integrity()
+
+
 def test_tiny_gqa3_with_tied_head_equals_one_rank(tiny_model):
     path, prompts = tiny_model("gqa3"), _prompts(6, seed=1)  # 6 heads, 2 KV heads, tied
     want = [o.token_ids for o in LLM(path, max_batch_tokens=16).generate(prompts, PARAMS)]

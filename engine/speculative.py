@@ -1,0 +1,83 @@
+"""Speculative decoding with prompt-lookup drafts (``EngineConfig.speculative_tokens``
+k > 0; off at 0): a decode step verifies up to k guessed tokens of a request at once.
+
+Drafting (``propose``, each step, for each running greedy request past its prompt that
+asks for no logprobs, guide or penalty): the latest earlier place where the request's
+last g tokens (g = ``MAX_NGRAM`` down to 1) occur in its prompt and output, within the
+last ``WINDOW`` tokens; the draft is the up to k tokens that followed there, capped so
+the request cannot pass ``max_tokens`` or the context. Code edits, quotes and
+summaries repeat their input, and there the guesses hold.
+
+Verification (``ModelRunner.run``): the request's pending token and its draft d1..dk
+go through the decode path as k + 1 rows of one request, positions p .. p + k, each row
+attending to the cache up to its own position (each is a sequence of one query token
+over the same block table, its KV written before any row attends: the decode kernels'
+order), so the weights are read once for all k + 1. Row j's greedy token t_j is the
+output at p + j + 1; the draft holds while d_{j+1} == t_j. With a accepted, the tokens
+t_0 .. t_a are the output (the same a plain greedy run gives, token for token), the KV of
+positions p .. p + a stands and ``num_computed_tokens`` is p + a + 1; the rejected
+positions' KV is overwritten later (the blocks stay in the table for the tokens to come).
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.request import Request
+
+MAX_NGRAM = 3
+WINDOW = 2048  # tokens searched back for the n-gram
+# rows a step verifies at most: past a few rows the CPU decode step's cost grows with
+# each one (it is no longer bound by reading the weights: docs/performance.md,
+# bench.speculative), so a larger batch drafts fewer guesses per request, or none
+ROW_BUDGET = 4
+
+
+def guesses_per_request(k: int, running: int) -> int:
+    """The guesses each of ``running`` requests may verify this step: ``k``, cut so
+    that the step's rows (each request's pending token and guesses) stay within
+    ``ROW_BUDGET``; 0 (no drafting) once one row each fills it."""
+    return max(0, min(k, ROW_BUDGET // max(running, 1) - 1))
+
+
+def drafts_for(request: Request, k: int, max_context: int) -> bool:
+    """Whether ``request`` may be drafted for this step: running past its prompt,
+    greedy, with nothing that reads every row's distribution."""
+    p = request.params
+    return (
+        k > 0
+        and request.num_pending_tokens == 1
+        and request.num_output_tokens > 0
+        and p.greedy
+        and not p.penalized
+        and p.logprobs is None
+        and p.guide is None
+        and request.num_tokens < max_context
+    )
+
+
+def propose(token_ids: list[int], k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last g
+    tokens of ``token_ids`` (longest g first); [] when none occurs."""
+    n = len(token_ids)
+    lo = max(0, n - WINDOW)
+    for g in range(min(MAX_NGRAM, n - 1), 0, -1):
+        tail = token_ids[n - g :]
+        first = tail[0]
+        for start in range(n - g - 1, lo - 1, -1):
+            if token_ids[start] == first and token_ids[start : start + g] == tail:
+                return token_ids[start + g : start + g + k]
+    return []
+
+
+def verified(request: Request, n: int) -> bool:
+    """Whether a scheduled item (``request``, ``n`` tokens) verifies a draft: its pending
+    token and every guess (the scheduler may have cut the draft, never split it)."""
+    return bool(request.draft) and n == 1 + len(request.draft)
+
+
+def accepted(draft: list[int], targets: list[int]) -> int:
+    """How many of ``draft`` the greedy ``targets`` (one per verified row, len(draft) +
+    1) confirm: the longest prefix with draft[j] == targets[j]."""
+    a = 0
+    while a < len(draft) and draft[a] == targets[a]:
+        a += 1
+    return a

@@ -1,0 +1,38 @@
+"""Speculative decoding (``<pool>.speculative``, engine/speculative.py) through real
+clusters: greedy streams equal the offline engine without speculation, token for token,
+co-located and disaggregated over gloo with the decode pool verifying drafts; every
+block is free after."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from tests.cluster.helpers import seconds_until_blocks_free, small_cluster_config
+from tests.cluster.test_disagg import disagg_config
+
+PROMPTS = [[7, 8, 9, 10] * 6, [40 + i % 13 for i in range(90)], [3, 5] * 20 + [200, 201]]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "gloo"])
+def test_greedy_streams_equal_the_plain_engine(chat_model, mode, on_shared_ray):
+    from pdserve.cluster import launch
+
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(chat_model).generate(PROMPTS, params)]
+    if mode == "colocated":
+        config = small_cluster_config(chat_model)
+        pool = config["colocated"]
+    else:
+        config = disagg_config(chat_model, "gloo", True, 1)
+        config["prefill"]["resources"] = {"num_cpus": 0.5}
+        pool = config["decode"]
+        pool["resources"] = {"num_cpus": 0.5}
+    pool["speculative"] = {"method": "ngram", "num_tokens": 4}
+    with launch(config) as cluster, cluster.client() as client:
+        for prompt, tokens in zip(PROMPTS, want, strict=True):
+            done = client.complete(
+                prompt_token_ids=prompt, max_tokens=40, temperature=0, ignore_eos=True
+            )
+            assert done.token_ids == tokens
+        seconds_until_blocks_free(cluster)
