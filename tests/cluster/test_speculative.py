@@ -1,7 +1,7 @@
 """Speculative decoding (``<pool>.speculative``, engine/speculative.py) through real
 clusters: greedy streams equal the offline engine without speculation, token for token,
-co-located and disaggregated over gloo with the decode pool verifying drafts; every
-block is free after."""
+co-located, and disaggregated over gloo and over gRPC to a decode instance of
+tensor-parallel degree 2, the decode pool verifying drafts; every block is free after."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.cluster.test_disagg import disagg_config
 PROMPTS = [[7, 8, 9, 10] * 6, [40 + i % 13 for i in range(90)], [3, 5] * 20 + [200, 201]]
 
 
-@pytest.mark.parametrize("mode", ["colocated", "gloo"])
+@pytest.mark.parametrize("mode", ["colocated", "gloo", "grpc-decode-tp2"])
 def test_greedy_streams_equal_the_plain_engine(chat_model, mode, on_shared_ray):
     from pdserve.cluster import launch
 
@@ -24,10 +24,11 @@ def test_greedy_streams_equal_the_plain_engine(chat_model, mode, on_shared_ray):
         config = small_cluster_config(chat_model)
         pool = config["colocated"]
     else:
-        config = disagg_config(chat_model, "gloo", True, 1)
+        backend = mode.split("-")[0]
+        config = disagg_config(chat_model, backend, backend == "gloo", 1)
         config["prefill"]["resources"] = {"num_cpus": 0.5}
         pool = config["decode"]
-        pool["resources"] = {"num_cpus": 0.5}
+        pool.update(resources={"num_cpus": 0.5}, tensor_parallel=2 if "tp2" in mode else 1)
     pool["speculative"] = {"method": "ngram", "num_tokens": 4}
     with launch(config) as cluster, cluster.client() as client:
         for prompt, tokens in zip(PROMPTS, want, strict=True):
