@@ -484,6 +484,10 @@ class LLMEngine:
         what its ``max_tokens`` and the context leave after its pending token."""
         context, running = self.max_context, self.scheduler.running
         k = guesses_per_request(self.config.speculative_tokens, len(running))
+        if k == 0:  # a batch too large to guess for: none of its requests has a draft
+            for r in running:
+                r.draft = []
+            return
         for r in running:
             room = min(k, r.params.max_tokens - r.num_output_tokens - 1, context - r.num_tokens - 1)
             ok = room > 0 and drafts_for(r, k, context)

@@ -243,7 +243,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            request.draft = request.draft[: budget - 1]  # a decode's guesses, room allowing
+            if request.draft:  # a decode's guesses, as far as the budget has room
+                request.draft = request.draft[: budget - 1]
             n = min(request.num_pending_tokens + len(request.draft), budget)
             if self._reserve(request, n, batch):
                 batch.items.append((request, n))

@@ -21,6 +21,8 @@ positions' KV is overwritten later (the blocks stay in the table for the tokens 
 
 from __future__ import annotations
 
+import numpy as np
+
 from pdserve.engine.request import Request
 
 MAX_NGRAM = 3
@@ -56,16 +58,28 @@ def drafts_for(request: Request, k: int, max_context: int) -> bool:
 
 def propose(token_ids: list[int], k: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last g
-    tokens of ``token_ids`` (longest g first); [] when none occurs."""
+    tokens of ``token_ids`` (longest g first); [] when none occurs. The places where
+    the last token recurs are found in one vectorized pass over the window (this runs
+    for each guessed request every step); only those are compared further back."""
     n = len(token_ids)
+    if n < 2 or k < 1:
+        return []
     lo = max(0, n - WINDOW)
-    for g in range(min(MAX_NGRAM, n - 1), 0, -1):
-        tail = token_ids[n - g :]
-        first = tail[0]
-        for start in range(n - g - 1, lo - 1, -1):
-            if token_ids[start] == first and token_ids[start : start + g] == tail:
-                return token_ids[start + g : start + g + k]
-    return []
+    # e: where an earlier occurrence would end (its next token starts the draft)
+    window = np.asarray(token_ids[lo : n - 1])
+    ends = np.flatnonzero(window == token_ids[-1])[::-1] + lo
+    best: dict[int, int] = {}  # match length -> the latest end with it
+    for e in ends.tolist():
+        g = 1
+        while g < MAX_NGRAM and e - g >= lo and token_ids[e - g] == token_ids[n - 1 - g]:
+            g += 1
+        best.setdefault(g, e)
+        if g == MAX_NGRAM:
+            break
+    if not best:
+        return []
+    e = best[max(best)]
+    return token_ids[e + 1 : e + 1 + k]
 
 
 def verified(request: Request, n: int) -> bool:
