@@ -230,6 +230,7 @@ class Receiving(Component):
             attempt.params,
             attempt.delivered,
             attempt.delivered_chars,
+            attempt.choices,
         )
         if isinstance(r, NoRoom):
             return None
@@ -302,13 +303,15 @@ class Receiving(Component):
         if h.first_logprob is not None:
             first = Logprobs(h.first_token, h.first_logprob, h.top_ids, h.top_logprobs)
         try:
-            out = self.engine.land(attempt.id, h.first_token, first, prompt_rows(attempt, h))
+            outs = self.engine.land(
+                attempt.id, h.first_token, first, prompt_rows(attempt, h), choice_draws(h)
+            )
         except ValueError as e:  # the engine released it
             return [Update(attempt.id, error=str(e))]
         times["decode_start"] = time.time()
-        self.worker.count("requests_total")
+        self.worker.count("requests_total", len(outs))
         self.worker.count("kv_bytes_total", outcome.bytes)
-        self.worker.count("tokens_total")
+        self.worker.count("tokens_total", len(outs))
         info = {
             "phases": times,
             "kv_bytes": outcome.bytes,
@@ -317,7 +320,11 @@ class Receiving(Component):
             "cached_tokens": h.cached_tokens,
             "kv_cached_tokens": dst.cached_blocks * self.layout.block_size,
         }
-        return [Update.of(attempt.id, out, info)]
+        # the request's other choices, forked from it here: its KV moved once, for all
+        forked = {**info, "kv_bytes": 0, "forked_from": attempt.id}
+        return [
+            Update.of(o.request_id, o, info if o.request_id == attempt.id else forked) for o in outs
+        ]
 
     def _release(self, attempt_id: str, free: bool = True) -> None:
         """Take the transfer out of every rank's receiver; with ``free``, then its blocks
@@ -368,3 +375,23 @@ def prompt_rows(attempt: Attempt, h: Handoff) -> list[Logprobs | None] | None:
         ids, values = h.prompt_top_ids[i * k : i * k + k], h.prompt_top_logprobs[i * k : i * k + k]
         rows.append(Logprobs(prompt[i + 1], value, ids, values, rank))
     return rows
+
+
+def choice_draws(h: Handoff) -> list[tuple[int, Logprobs | None]]:
+    """Choices 1 .. n - 1's first tokens ``h`` carries, with their logprobs when the
+    request asked (``LLMEngine.land``'s ``choices``)."""
+    if h.first_logprob is None:
+        return [(t, None) for t in h.choice_tokens]
+    k = len(h.top_ids)
+    return [
+        (
+            t,
+            Logprobs(
+                t,
+                h.choice_logprobs[i],
+                h.choice_top_ids[i * k : i * k + k],
+                h.choice_top_logprobs[i * k : i * k + k],
+            ),
+        )
+        for i, t in enumerate(h.choice_tokens)
+    ]

@@ -20,3 +20,5 @@ class EngineStats:
     # prompt tokens of first admissions, and those of them the prefix cache held
     queried_tokens: int
     hit_tokens: int
+    # prompt tokens whose KV this engine computed (a recomputed prompt counts again)
+    computed_prompt_tokens: int

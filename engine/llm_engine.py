@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
 from pdserve.engine.attention import default_backend_name, get_backend
 from pdserve.engine.block_manager import BlockManager, CacheEvents
 from pdserve.engine.checkpoint import load_checkpoint
-from pdserve.engine.choices import fork
+from pdserve.engine.choices import abort_unforked, drop, fork, name
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.engine_stats import EngineStats
@@ -94,6 +95,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.blocks, config.seed)
         # the requests a step may run (waiting or running; not those waiting for KV)
         self.requests: dict[str, Request] = {}
+        # choices not forked yet, by id: the request that forks them (engine/choices.py)
+        self.unforked: dict[str, Request] = {}
+        # named choices dropped unforked since the caller last took them (engine/choices.py)
+        self.orphaned: list[str] = []
         self.detokenizers: dict[str, Detokenizer] = {}
         self.last_shape: StepShape | None = None  # of the latest step's batch
         self._grammars: Grammars | None = None
@@ -118,8 +123,11 @@ class LLMEngine:
         delivered: tuple[int, ...] = (),
         delivered_chars: int = 0,
         hand_off: bool = False,
+        choice_ids: Sequence[str] = (),
     ) -> Request:
-        """Queue a request (``hand_off``: it leaves at its first token, engine/prefilled.py).
+        """Queue a request (``hand_off``: it leaves at its first token, engine/prefilled.py,
+        its other choices' first tokens with it; ``choice_ids``: the ids of its choices
+        1 .. n - 1, each a request of its own once forked, engine/choices.py).
         A resumed one (``delivered``: the output tokens its client
         already received, ``delivered_chars``: the characters of text it received) starts
         with that output: the scheduler prefills prompt + delivered (as it recomputes a
@@ -128,10 +136,12 @@ class LLMEngine:
         uninterrupted run would have produced after them (seeded draws are keyed by
         output position, ``engine.sampler``)."""
         ids = self.tokenize(prompt)
-        if params.n > 1 and (hand_off or delivered):
-            what = "handed off" if hand_off else "resumed (delivered tokens)"
-            raise ValueError(f"n={params.n}: a request of several choices is not {what} yet")
-        request = self._admit(request_id, ids, params, delivered, delivered_chars)
+        request, detok = self._new_request(
+            request_id, ids, params, delivered, delivered_chars, () if hand_off else choice_ids
+        )
+        self.requests[request_id] = request
+        if detok is not None:
+            self.detokenizers[request_id] = detok
         request.hand_off = hand_off
         self.scheduler.add(request)
         return request
@@ -143,19 +153,21 @@ class LLMEngine:
         params: SamplingParams,
         delivered: tuple[int, ...] = (),
         delivered_chars: int = 0,
+        choice_ids: Sequence[str] = (),
     ) -> Reservation | NoRoom:
         """Take a request whose KV another instance computes (engine/reservation.py): the
         KV of its prompt + ``delivered`` (see ``add_request``) is to be written into the
         reservation's ``block_ids``; then ``land``, or ``release``. ``NoRoom`` when the
         batch or the cache has none now (``Scheduler.admit_remote``). Raises ValueError
-        (nothing held) for a request ``add_request`` would refuse or an id in use."""
-        if params.n > 1:
-            raise ValueError(f"n={params.n}: a request of several choices is not reserved yet")
+        (nothing held) for a request ``add_request`` would refuse or an id in use. Its
+        choices (``choice_ids`` as ``add_request``'s) fork when it lands."""
         request, detok = self._new_request(
-            request_id, prompt_ids, params, delivered, delivered_chars
+            request_id, prompt_ids, params, delivered, delivered_chars, choice_ids
         )
         got = self.scheduler.admit_remote(request)
-        if isinstance(got, Reservation) and detok is not None:
+        if not isinstance(got, Reservation):  # the caller may try again, choices and all
+            drop(self, request, ended=False)
+        elif detok is not None:
             self.detokenizers[request_id] = detok
         return got
 
@@ -165,14 +177,17 @@ class LLMEngine:
         first_token: int,
         first_logprobs: Logprobs | None = None,
         prompt_logprobs: list[Logprobs | None] | None = None,
-    ) -> RequestOutput:
+        choices: Sequence[tuple[int, Logprobs | None]] = (),
+    ) -> list[RequestOutput]:
         """The reserved KV of ``request_id`` is in its blocks, and ``first_token`` was
         sampled where it was computed, at output position ``len(delivered)`` (with
         ``first_logprobs``, required exactly when the request asked for logprobs, and the
         whole ``prompt_logprobs``, exactly when it asked for those and had no delivered
-        output): the request runs from the next step. Returns that token's output (it
-        may end the request). Raises ValueError for an id that waits for no KV here, or
-        logprobs that do not match the request's (then it is released)."""
+        output), with ``choices``, choices 1 .. n - 1's first tokens (and logprobs): the
+        request and its choices, forked now, run from the next step. Returns those
+        tokens' outputs, the request's last (they may end it). Raises ValueError for an
+        id that waits for no KV here, or logprobs or choices that do not match the
+        request's (then it is released)."""
         request = self.scheduler.remote.get(request_id)
         if request is None:
             raise ValueError(f"request_id={request_id!r}: no reservation waits for KV here")
@@ -190,26 +205,18 @@ class LLMEngine:
                 f"request {request_id!r}: prompt_logprobs={request.params.prompt_logprobs!r} "
                 f"wants {wanted} prompt entries, the handoff carried {got}"
             )
+        if len(choices) != request.params.n - 1:
+            self.release(request_id)
+            raise ValueError(
+                f"request {request_id!r}: n={request.params.n} but the handoff carried "
+                f"{len(choices)} other choices' first tokens"
+            )
         request.prompt_logprobs = prompt_logprobs
         self.scheduler.land(request)
         self.requests[request_id] = request
-        return self._append(Sample(request, first_token, first_logprobs))
-
-    def _admit(
-        self,
-        request_id: str,
-        ids: list[int],
-        params: SamplingParams,
-        delivered: tuple[int, ...],
-        delivered_chars: int,
-    ) -> Request:
-        """The checked ``Request`` and its detokenizer, registered under ``request_id``
-        (not yet scheduled)."""
-        request, detok = self._new_request(request_id, ids, params, delivered, delivered_chars)
-        self.requests[request_id] = request
-        if detok is not None:
-            self.detokenizers[request_id] = detok
-        return request
+        sample = Sample(request, first_token, first_logprobs, choices=list(choices))
+        outputs = [self._append(c) for c in fork(self, sample)] if choices else []
+        return [*outputs, self._append(sample)]
 
     def _new_request(
         self,
@@ -218,9 +225,11 @@ class LLMEngine:
         params: SamplingParams,
         delivered: tuple[int, ...],
         delivered_chars: int,
+        choice_ids: Sequence[str] = (),
     ) -> tuple[Request, Detokenizer | None]:
-        """The checked ``Request`` and its detokenizer (None without a tokenizer); ValueError
-        naming what is refused, an id in use here included."""
+        """The checked ``Request`` and its detokenizer (None without a tokenizer), its
+        choices named (engine/choices.py); ValueError naming what is refused, an id in
+        use here included."""
         delivered, b, m = tuple(delivered), self.blocks, self.model_config
         check_prompt(ids, delivered, self.max_context, b.num_blocks, b.block_size, m.vocab_size)
         params.validate()
@@ -230,8 +239,10 @@ class LLMEngine:
                 f"(max_batch_size={self.config.max_batch_size})"
             )
         check_delivered(delivered, params, m.eos_token_ids)
-        if request_id in self.requests or request_id in self.scheduler.remote:
+        if self.owns(request_id):
             raise ValueError(f"request_id={request_id!r}: already in use")
+        if params.n > 1 and delivered:
+            raise ValueError(f"n={params.n}: a resumed request (delivered tokens) has one choice")
         matcher = None
         if params.guide is not None:  # a resumed request's grammar has read its delivered
             matcher = self.grammars().matcher(params.guide, delivered)
@@ -245,6 +256,8 @@ class LLMEngine:
             )
         request = Request(request_id, ids, params, delivered=delivered)
         request.matcher = matcher
+        if params.n > 1:
+            name(self, request, choice_ids)
         return request, detok
 
     def grammars(self) -> Grammars:
@@ -265,14 +278,27 @@ class LLMEngine:
         if params.guide is not None:
             self.grammars().compile(params.guide)
 
+    def owns(self, request_id: str) -> bool:
+        """The id is in use here: a request of the batch, waiting for KV, or an unforked
+        choice."""
+        return (
+            request_id in self.requests
+            or request_id in self.scheduler.remote
+            or request_id in self.unforked
+        )
+
     def abort_request(self, request_id: str) -> None:
         """Drop a request of the batch (waiting or running; one waiting for KV is
-        ``release``d instead, once its transfer writes no more): its blocks are freed."""
+        ``release``d instead, once its transfer writes no more): its blocks are freed.
+        An unforked choice will not fork."""
+        if abort_unforked(self, request_id):
+            return
         choices = [rid for rid, r in self.requests.items() if r.parent_id == request_id]
         for rid in (request_id, *choices):  # its other choices too, once forked
             request = self.requests.pop(rid, None)
             if request is None:
                 continue
+            drop(self, request)
             self.scheduler.remove(request)
             self.detokenizers.pop(rid, None)
             request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
@@ -299,6 +325,7 @@ class LLMEngine:
         if request is None:
             self.blocks.free(request_id)
             return
+        drop(self, request)
         self.scheduler.remove(request)
         self.detokenizers.pop(request_id, None)
         request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
@@ -327,11 +354,13 @@ class LLMEngine:
             preemptions=s.num_preemptions,
             queried_tokens=s.num_queried_tokens,
             hit_tokens=s.num_hit_tokens,
+            computed_prompt_tokens=s.num_prompt_tokens_computed,
         )
 
     def check_integrity(self) -> None:
-        """The block manager's ``check_integrity``, and every request waiting for KV holds
-        its reservation's blocks; AssertionError naming what disagrees."""
+        """The block manager's ``check_integrity``, every request waiting for KV holds its
+        reservation's blocks, and every unforked choice's request is here; AssertionError
+        naming what disagrees."""
         self.blocks.check_integrity()
         for rid, request in self.scheduler.remote.items():
             held, reservation = self.blocks.block_table(rid), request.reservation
@@ -339,6 +368,12 @@ class LLMEngine:
                 reservation.block_ids
             ):
                 raise AssertionError(f"{rid!r}: holds {held}, reserved {reservation}")
+        for choice, request in self.unforked.items():  # engine/choices.py
+            rid = request.request_id
+            if choice not in request.choice_ids or not (
+                self.requests.get(rid) is request or self.scheduler.remote.get(rid) is request
+            ):
+                raise AssertionError(f"unforked choice {choice!r} of {rid!r}, which is not here")
 
     def take_cache_events(self) -> CacheEvents:
         """The prefix cache's changes since the last call (``BlockManager.take_events``)."""
@@ -418,6 +453,7 @@ class LLMEngine:
         keeping its blocks (engine/prefilled.py)."""
         request = sample.request
         request.token_ids.append(sample.token)
+        drop(self, request, ended=False)  # its choices fork where it lands
         self.scheduler.running.remove(request)
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
@@ -431,6 +467,7 @@ class LLMEngine:
             logprobs=sample.logprobs,
             cached_tokens=max(0, request.num_cached_tokens),
             prompt_logprobs=self._take_prompt_logprobs(request),
+            choices=sample.choices,
         )
 
     def _append(self, sample: Sample) -> RequestOutput:
@@ -472,6 +509,7 @@ class LLMEngine:
         self, request: Request, reason: str, new_ids: list[int], error: str | None = None
     ) -> RequestOutput:
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        drop(self, request)
         self.scheduler.remove(request)
         out = self._output(request, new_ids, final=True)
         out.error = error

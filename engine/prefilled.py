@@ -42,3 +42,6 @@ class Prefilled:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     # the prompt's, when the request asked (RequestOutput.prompt_logprobs)
     prompt_logprobs: list[Logprobs | None] | None = None
+    # choices 1 .. n - 1's first tokens (and logprobs), drawn with the request's
+    # (engine/choices.py): they fork where its KV lands
+    choices: list[tuple[int, Logprobs | None]] = field(default_factory=list)

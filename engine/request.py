@@ -62,6 +62,11 @@ class Request:
     # (engine/choices.py): choice ``index`` of it (0: the request itself)
     parent_id: str | None = None
     index: int = 0
+    # the ids choices 1 .. n - 1 take when they fork, None where one was aborted before
+    # (engine/choices.py); ``named_choices``: the caller named them, and each is a
+    # request of its own once forked, else they are this request's ``choice_id``s
+    choice_ids: list[str | None] = field(default_factory=list)
+    named_choices: bool = False
     # this step's guessed next tokens, verified with its pending one (engine/speculative.py)
     draft: list[int] = field(default_factory=list)
     delivered: InitVar[tuple[int, ...]] = ()

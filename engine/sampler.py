@@ -113,7 +113,14 @@ class Sampler:
         at each request's current output position (``num_output_tokens``)."""
         native = cpu_ops() if CpuOps.supports(logits) and logits.dim() == 2 else None
         greedy = (logits.argmax(dim=-1) if native is None else native.argmax(logits)).tolist()
-        guided = [i for i, r in enumerate(requests) if r.matcher is not None]
+        # a guided greedy row whose own argmax its grammar allows is that argmax: its mask
+        # (llguidance's dearest part, most steps) is computed only when the argmax is not
+        guided = [
+            i
+            for i, r in enumerate(requests)
+            if r.matcher is not None
+            and not (r.params.greedy and not r.params.penalized and r.matcher.allows(greedy[i]))
+        ]
         if guided:
             bits = _grammar_bits(logits.shape[-1], [requests[i] for i in guided])
             if native is not None and logits.stride(-1) == 1:

@@ -117,6 +117,7 @@ class Scheduler:
         self.num_preemptions = 0  # running requests preempted so far
         # prompt tokens of first admissions, and those of them the prefix cache held
         self.num_queried_tokens = self.num_hit_tokens = 0
+        self.num_prompt_tokens_computed = 0  # EngineStats.computed_prompt_tokens
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -134,8 +135,10 @@ class Scheduler:
         rid, tokens = request.request_id, request.token_ids
         if rid in self.remote or self.blocks.block_table(rid):
             raise ValueError(f"request_id={rid!r}: already in use")
-        busy = len(self.running) + len(self.waiting) + len(self.remote)
-        if busy >= self.max_batch_size:
+        # a request of n choices counts n: they fork when it lands (engine/choices.py)
+        remote = sum(r.params.n for r in self.remote.values())
+        busy = len(self.running) + len(self.waiting) + remote
+        if busy + request.params.n > self.max_batch_size:
             why = f"{busy} requests running, waiting or waiting for KV"
             return NoRoom(rid, f"{why}; max_batch_size={self.max_batch_size}")
         n, blocks = len(tokens), self.blocks
@@ -261,8 +264,11 @@ class Scheduler:
     def commit(self, batch: ScheduledBatch) -> None:
         """The step of ``batch`` ran: register the blocks it filled in the prefix cache,
         then release those out of the window (``BlockManager.release_outside``)."""
-        for request, _ in batch.items:
+        for request, n in batch.items:
             rid, done = request.request_id, request.num_computed_tokens
+            self.num_prompt_tokens_computed += max(
+                0, min(request.num_prompt_tokens, done) - done + n
+            )
             self.blocks.commit(rid, request.token_ids, done)
             self.blocks.release_outside(rid, done)
 

@@ -149,7 +149,7 @@ class Grammars:
 
 class Matcher:
     """One request's place in its grammar. Written only by the engine's step loop:
-    ``allowed`` before the request's draw, ``consume`` after it."""
+    ``fill`` or ``allows`` before the request's draw, ``consume`` after it."""
 
     def __init__(self, inner: llguidance.LLMatcher):
         self.inner = inner
@@ -160,6 +160,11 @@ class Matcher:
         Once the grammar is complete (or dead), only the end-of-sequence tokens."""
         assert row.dtype == torch.int32 and row.is_contiguous()
         self.inner.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+    def allows(self, token: int) -> bool:
+        """The grammar allows ``token`` next (its bit in ``fill``'s mask), without the
+        mask."""
+        return self.inner.validate_tokens([token]) == 1
 
     def consume(self, token: int) -> None:
         self.inner.consume_token(token)

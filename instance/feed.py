@@ -177,6 +177,7 @@ def _unpack_attempt(d: dict) -> Attempt:
     d["params"] = SamplingParams(**d["params"])
     d["prompt_ids"] = tuple(d["prompt_ids"])
     d["delivered"] = tuple(d["delivered"])
+    d["choices"] = tuple(d.get("choices", ()))
     return Attempt(**d)
 
 

@@ -41,6 +41,12 @@ class Attempt:
     ``destination`` (the decode instance's answer to ``reserve``, opaque here: the router
     never reads it) and ``decode`` (that instance's name, for messages).
 
+    A request of n choices (``params.n``) names the attempts of choices 1 .. n - 1 in
+    ``choices``: they fork from this one once its prompt is computed (where its KV
+    lands, when disaggregated: a prefill instance draws their first tokens and sends
+    the prompt's KV once), each then a request of its own under its attempt id, its
+    updates to the same consumer (engine/choices.py).
+
     ``context`` is opaque to the instances: they hand it back, with the attempt, to a
     consumer that reconnects under the same name (``LiveAttempt``).
 
@@ -62,6 +68,7 @@ class Attempt:
     destination: bytes = b""
     delivered: tuple[int, ...] = ()
     delivered_chars: int = 0
+    choices: tuple[str, ...] = ()
     # the router's own record of the request (msgpack; what it needs to rebuild the
     # request's stream after a restart, router/rebuild.py): never read by an instance
     context: bytes = b""
@@ -77,6 +84,7 @@ class Attempt:
             self.delivered,
             self.delivered_chars,
             hand_off=hand_off,
+            choice_ids=self.choices,
         )
 
 

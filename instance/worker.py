@@ -396,6 +396,7 @@ class EngineWorker:
                 if self.engine.last_shape is not None:  # recorded before its updates go out
                     step = (self.engine.last_shape, time.perf_counter() - started)
                     self._last_step = self._steps.record(*step)
+            produced += self._orphaned()
             cache_events = self.engine.take_cache_events()
             with self._lock:
                 self._cache_log.record(cache_events)
@@ -406,6 +407,13 @@ class EngineWorker:
             if step is not None:
                 for observe in self.step_observers:
                     observe(*step, snapshot)
+
+    def _orphaned(self) -> list[Update]:
+        """Choices whose request ended here before they forked (engine/choices.py): each
+        fails, retryable (the router runs it alone)."""
+        orphans, self.engine.orphaned = self.engine.orphaned, []
+        why = "its request ended on {} before its first token, so it did not fork there"
+        return [Update(c, error=why.format(self.name), retryable=True) for c in orphans]
 
     def _route(self, updates: list[Update]) -> set[str]:
         """Each update into its consumer's outbox (under ``_lock``); the consumers given
@@ -462,7 +470,8 @@ class EngineWorker:
             if self.owns(request_id):
                 out += self._abort(request_id)
                 self._consumer.pop(request_id, None)
-            else:
+            else:  # not arrived yet, or gone (an unforked choice whose request ended)
+                self._consumer.pop(request_id, None)
                 self._early_aborts[request_id] = None
                 while len(self._early_aborts) > 10_000:
                     self._early_aborts.popitem(last=False)
@@ -499,14 +508,15 @@ class EngineWorker:
         return self._early_aborts.pop(request_id, False) is None
 
     def owns(self, request_id: str) -> bool:
-        """The request is here: a component's, or the engine's own (on the loop)."""
-        return request_id in self.engine.requests or any(
-            c.owns(request_id) for c in self.components
-        )
+        """The request is here: a component's, or the engine's own (an unforked choice
+        included; on the loop)."""
+        return self.engine.owns(request_id) or any(c.owns(request_id) for c in self.components)
 
-    def bind_consumer(self, attempt: Attempt) -> None:
-        """``attempt``'s updates go to ``attempt.consumer``'s outbox (on the loop)."""
-        self._consumer[attempt.id] = attempt.consumer
+    def bind_consumer(self, attempt: Attempt, choices: bool = True) -> None:
+        """``attempt``'s updates, and with ``choices`` its choices', go to
+        ``attempt.consumer``'s outbox (on the loop)."""
+        for rid in (attempt.id, *(attempt.choices if choices else ())):
+            self._consumer[rid] = attempt.consumer
 
     def abort_now(self, request_ids: list[str]) -> list[Update]:
         """Abort these requests now, on the loop (``abort`` posts it)."""
@@ -599,6 +609,7 @@ class EngineWorker:
             # prefix cache: prompt tokens looked up at admission, and those found cached
             "prefix_cache_queries_total": s.queried_tokens,
             "prefix_cache_hits_total": s.hit_tokens,
+            "prompt_tokens_computed_total": s.computed_prompt_tokens,
             "prefix_cached_blocks": s.cached_blocks,
             "last_step": list(self._last_step),  # the router's cost estimates (hybrid mode)
             # the ISA of its CPU kernels (engine/native.py), or "torch" without them

@@ -218,7 +218,12 @@ class Handoff:
     A request that asked for its prompt's logprobs carries them, columns over its prompt
     tokens after the first: ``prompt_top`` (None: it did not ask) alternatives per token,
     ``prompt_logprobs`` and ``prompt_ranks`` one per token, ``prompt_top_ids`` and
-    ``prompt_top_logprobs`` ``prompt_top`` per token, concatenated."""
+    ``prompt_top_logprobs`` ``prompt_top`` per token, concatenated.
+
+    A request of n choices carries choices 1 .. n - 1's first tokens (``choice_tokens``,
+    drawn with ``first_token``; they fork where the KV lands) and, when it asked for
+    logprobs, one ``choice_logprobs`` each and ``len(top_ids)`` alternatives each
+    (``choice_top_ids`` / ``choice_top_logprobs``, concatenated)."""
 
     first_token: int
     phase_times: dict[str, float] = field(default_factory=dict, compare=False)
@@ -232,6 +237,10 @@ class Handoff:
     prompt_ranks: tuple[int, ...] = ()
     prompt_top_ids: tuple[int, ...] = ()
     prompt_top_logprobs: tuple[float, ...] = ()
+    choice_tokens: tuple[int, ...] = ()
+    choice_logprobs: tuple[float, ...] = ()
+    choice_top_ids: tuple[int, ...] = ()
+    choice_top_logprobs: tuple[float, ...] = ()
 
     def __post_init__(self):
         if len(self.top_ids) != len(self.top_logprobs):
@@ -248,6 +257,17 @@ class Handoff:
                 f"{len(self.prompt_top_ids)} prompt_top_ids and {len(self.prompt_top_logprobs)} "
                 f"prompt_top_logprobs with prompt_top={self.prompt_top}; must be n, n, n*k, n*k"
             )
+        c, k = len(self.choice_tokens), len(self.top_ids)
+        asked = self.first_logprob is not None
+        if len(self.choice_logprobs) != (c if asked else 0) or not (
+            len(self.choice_top_ids) == len(self.choice_top_logprobs) == c * k
+        ):
+            raise ValueError(
+                f"Handoff: {c} choice_tokens, {len(self.choice_logprobs)} choice_logprobs, "
+                f"{len(self.choice_top_ids)} choice_top_ids and "
+                f"{len(self.choice_top_logprobs)} choice_top_logprobs with {k} top_ids and "
+                f"first_logprob {'set' if asked else 'unset'}; must be c, c (0 unset), c*k, c*k"
+            )
 
     def to_bytes(self) -> bytes:
         msg = pb.Handoff(
@@ -263,6 +283,10 @@ class Handoff:
             prompt_ranks=self.prompt_ranks,
             prompt_top_ids=self.prompt_top_ids,
             prompt_top_logprobs=self.prompt_top_logprobs,
+            choice_tokens=self.choice_tokens,
+            choice_logprobs=self.choice_logprobs,
+            choice_top_ids=self.choice_top_ids,
+            choice_top_logprobs=self.choice_top_logprobs,
         )
         return msg.SerializeToString()
 
@@ -284,4 +308,8 @@ class Handoff:
             tuple(msg.prompt_ranks),
             tuple(msg.prompt_top_ids),
             tuple(msg.prompt_top_logprobs),
+            tuple(msg.choice_tokens),
+            tuple(msg.choice_logprobs),
+            tuple(msg.choice_top_ids),
+            tuple(msg.choice_top_logprobs),
         )

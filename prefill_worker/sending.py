@@ -123,7 +123,7 @@ class Sending(Component):
         attempt, w = m.attempt, self.worker
         if w.take_early_abort(attempt.id):
             return []
-        w.bind_consumer(attempt)
+        w.bind_consumer(attempt, choices=False)  # they fork where the KV lands
         try:
             if w.owns(attempt.id):
                 raise ValueError(f"request_id={attempt.id!r}: already in use on {self.name}")
@@ -231,6 +231,7 @@ class Sending(Component):
             top_logprobs=() if lp is None else lp.top_logprobs,
             cached_tokens=p.cached_tokens,
             **prompt_columns(p),
+            **choice_columns(p),
         )
         self._acks.submit(self._finish, job, handoff)
         return []
@@ -288,4 +289,17 @@ def prompt_columns(p: Prefilled) -> dict:
         "prompt_ranks": tuple(lp.rank for lp in scored),
         "prompt_top_ids": tuple(i for lp in scored for i in lp.top_ids),
         "prompt_top_logprobs": tuple(v for lp in scored for v in lp.top_logprobs),
+    }
+
+
+def choice_columns(p: Prefilled) -> dict:
+    """``Handoff``'s fields of ``p``'s other choices' first tokens (none for one choice)."""
+    if not p.choices:
+        return {}
+    lps = [lp for _, lp in p.choices if lp is not None]
+    return {
+        "choice_tokens": tuple(t for t, _ in p.choices),
+        "choice_logprobs": tuple(lp.logprob for lp in lps),
+        "choice_top_ids": tuple(i for lp in lps for i in lp.top_ids),
+        "choice_top_logprobs": tuple(v for lp in lps for v in lp.top_logprobs),
     }

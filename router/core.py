@@ -18,6 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.admission import AdmissionQueue, CallLimit, FirstTokens
@@ -37,6 +38,7 @@ from pdserve.router.stall import StallWatch
 from pdserve.router.stream import Clock, Delta, RequestStream
 from pdserve.router.validation import ModelLimits, RequestValidator
 
+CHOICE = "\x1f"  # joins a request id and a choice's index: no client's id holds it
 STATS_TIMEOUT_S = 2.0  # an instance that does not answer (stopped, hung) is shown as such
 
 
@@ -164,6 +166,7 @@ class RouterCore:
                 max_context=min(i["max_context"] for i in infos),
                 vocab_size=min(i["vocab_size"] for i in infos),
                 kv_tokens=min(i["num_blocks"] * i["block_size"] for i in infos),
+                max_batch_size=min(i["max_batch_size"] for i in infos),
             ),
         )
         for inst in self.instances:
@@ -323,7 +326,9 @@ class RouterCore:
         ``RequestStream.front``): its stream, placed or queued.
 
         Raises ``Refused``. The caller reads the stream to its end and then calls
-        ``finish`` (also when its client goes away). The router gives up on the request
+        ``finish`` (also when its client goes away). A request of n choices
+        (``sampling.n``) is n streams, this one and its ``riders``, choice i seeded
+        seed + i; the caller reads and finishes each of them. The router gives up on the request
         (taken out of the router and its instances; ``read`` raises ``Refused``) at
         ``deadline`` (``time.monotonic()``; DEADLINE), and when it is still waiting in
         the admission queue, no token sent, ``router.queue_timeout_s`` after its
@@ -333,13 +338,31 @@ class RouterCore:
         prompt_ids, params = await self.intake.prepare(request, self.validator)
         self._check_open()  # no await from here to admission: arrival order holds
         request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self.streams:
-            raise Refused(Refusal.EXISTS, f"request_id={request_id!r}: already in flight")
-        stream = RequestStream(
-            request_id, prompt_ids, params, clock=Clock(arrival), owner=owner, front=front or {}
-        )
+        choices = [
+            RequestStream(
+                f"{request_id}{CHOICE}{i}" if i else request_id,
+                prompt_ids,
+                replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+                clock=Clock(arrival),
+                owner=owner,
+                front=front or {},
+            )
+            for i in range(params.n)
+        ]
+        for s in choices:
+            if s.request_id in self.streams:
+                raise Refused(Refusal.EXISTS, f"request_id={s.request_id!r}: already in flight")
+        stream = choices[0]
+        stream.riders = choices[1:]
         stream.on_first_token = self.first_tokens.note
-        self.admit(stream)
+        for rider in stream.riders:  # they go where it goes (router/placement.py)
+            self.streams[rider.request_id] = rider
+        try:
+            self.admit(stream)
+        except Refused:
+            for rider in stream.riders:
+                del self.streams[rider.request_id]
+            raise
         loop = asyncio.get_running_loop()
         waited = time.monotonic() - arrival
         stream.timers.append(
@@ -351,9 +374,10 @@ class RouterCore:
                 f"deadline exceeded: the request had not finished {deadline - arrival:.3g} s "
                 "after its arrival",
             )
-            stream.timers.append(
-                loop.call_later(deadline - time.monotonic(), self._give_up, stream, late)
-            )
+            for s in choices:
+                s.timers.append(
+                    loop.call_later(deadline - time.monotonic(), self._give_up, s, late)
+                )
         return stream
 
     def resume(
@@ -425,6 +449,8 @@ class RouterCore:
         stream = self.streams.get(request_id)
         if stream is None or stream.owner != owner:
             return False
+        for rider in stream.riders:  # its other choices: one request
+            self.cancel(rider, "abort")
         return self.cancel(stream, "abort")
 
     async def abort_anywhere(self, request_id: str, owner: str = "") -> bool:

@@ -110,14 +110,16 @@ class Disaggregated(Placement):
             destination = await decode.reserve(attempt)
         except Exception as e:  # the decode instance died or refused the request
             why = f"decode instance {decode.name}: {e}"
+            ended = self.unseat(stream, attempt, why)
             self._end_attempt(stream, attempt.id, why, retryable=True)
-            self.hooks.ended([stream] if stream.finished else [])
+            self.hooks.ended([*ended, *([stream] if stream.finished else [])])
             return
         if stream.attempt.id != attempt.id:  # ended meanwhile (cancelled, a peer failed)
             if destination is not None:
                 decode.abort([attempt.id])
             return
         if destination is None:  # no room after all: back to the head of the queue
+            self.unseat(stream, attempt, None)  # its choices go with it
             stream.attempt.retire(attempt.id)
             self._drop(stream, attempt.id, abort=False)
             decode.refused = True

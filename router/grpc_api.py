@@ -50,7 +50,7 @@ from pdserve.router.request import (
     Refused,
     SamplingOptions,
 )
-from pdserve.router.stream import Delta, RequestStream, Timings
+from pdserve.router.stream import Delta, RequestStream, Timings, merged
 
 MAX_MESSAGE_BYTES = 8 * 2**20  # router.max_message_bytes's default
 WRITE_TIMEOUT_S = 60.0  # router.write_timeout_s's default
@@ -234,19 +234,20 @@ class RouterService(pb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INTERNAL, internal_error(name))
 
     async def _relay(self, stream: RequestStream, context) -> None:
-        """The stream's messages to its end (each bounded by ``_write``); ``core.finish``
-        whatever ends it."""
+        """The messages of the stream and its other choices' (``riders``) to their end
+        (each bounded by ``_write``); ``core.finish`` whatever ends them."""
+        streams = [stream, *stream.riders]
         try:
             await context.send_initial_metadata((("request-id", stream.request_id),))
-            while True:
-                delta = await stream.read()
+            async for i, delta in merged(streams):
                 if delta.error is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, one_line(delta.error))
-                await self._write(context, generate_response(stream, delta))
-                if delta.finish_reason is not None:
-                    return
+                msg = generate_response(streams[i], delta)
+                msg.request_id, msg.index = stream.request_id, i
+                await self._write(context, msg)
         finally:
-            self.core.finish(stream)  # ended, refused, failed, or the client left
+            for s in streams:  # ended, refused, failed, or the client left
+                self.core.finish(s)
 
     @_no_tracebacks
     async def Abort(self, request, context):
@@ -300,6 +301,7 @@ def generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
             ignore_eos=s.ignore_eos,
             guide=guide,
             guide_field=guide_field,
+            n=s.n if s.HasField("n") else 1,
         ),
         request_id=msg.request_id,
     )

@@ -47,23 +47,25 @@ resumes after, with the chunks of the original API (``RequestStream.front``).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 from aiohttp import web
 
+from pdserve.router import http_choices
 from pdserve.router import tls as router_tls
 from pdserve.router.auth import ApiKeys
 from pdserve.router.core import RouterCore
 from pdserve.router.http_gate import (
+    REQUEST_ID,
     BodyTimeout,
     Events,
     HeaderDeadlines,
     HttpTimeouts,
     authenticate,
     read_body,
+    stream_guard,
 )
-from pdserve.router.incidents import internal_error, one_line
+from pdserve.router.incidents import one_line
 from pdserve.router.openai_fields import model_names
 from pdserve.router.openai_logprobs import LogprobsShape, PromptReply
 from pdserve.router.openai_request import (
@@ -87,7 +89,6 @@ from pdserve.router.request import Refused
 from pdserve.router.stream import Delta, RequestStream
 
 MAX_BODY_BYTES = 8 * 2**20  # router.max_body_bytes's default
-REQUEST_ID = "X-Request-Id"
 BACKLOG = 2048  # connections the kernel queues before they are accepted (uvicorn's)
 
 
@@ -255,8 +256,32 @@ class HttpApi:
                 vllm=read.prompt_logprobs,
             )
         reply = Reply(stream.request_id, self.model, chat, shape, tools, prompt)
+        streams = [stream, *stream.riders]
         try:
             prefix = self._echo(read)
+            if stream.riders:  # n > 1 (prompt logprobs come with n = 1 only)
+                replies = [reply] + [
+                    Reply(
+                        stream.request_id,
+                        self.model,
+                        chat,
+                        LogprobsShape(chat, self.core.tokenizer) if shape else None,
+                        tools,
+                        index=i,
+                    )
+                    for i in range(1, len(streams))
+                ]
+                if not read.stream:
+                    return await http_choices.whole(streams, replies, prefix)
+                return await http_choices.streamed(
+                    request,
+                    streams,
+                    replies,
+                    read.include_usage,
+                    prefix,
+                    self.timeouts.write_s,
+                    self.core.metrics.refused,
+                )
             delta = _noted(reply, await stream.read())
             if read.stream:
                 return await self._stream(request, stream, reply, read.include_usage, delta, prefix)
@@ -271,8 +296,9 @@ class HttpApi:
             assert delta.finish_reason is not None  # the loop ends on a finish or an error
             whole = reply.whole(text, delta.finish_reason, usage, logprobs)
             return web.json_response(whole, headers={REQUEST_ID: stream.request_id})
-        finally:
-            self.core.finish(stream)  # finished, failed, refused, or the client went away
+        finally:  # finished, failed, refused, or the client went away
+            for s in streams:
+                self.core.finish(s)
 
     def _echo(self, read: OpenAIRequest) -> str:
         """The text ``echo`` puts before a completion: the prompt's ("" without echo).
@@ -335,7 +361,7 @@ class HttpApi:
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         events = Events(request, resp, self.timeouts.write_s)
-        try:
+        async with stream_guard(events, f"stream of request {stream.request_id}"):
             if sent is None and (chat_role := reply.role_chunk()):
                 await events.send(chat_role)
             if prefix:
@@ -352,12 +378,6 @@ class HttpApi:
                     await events.send(refusal_event(e))
                     break
             await events.end()
-        except ConnectionResetError:  # the client went away; _serve's finally cancels
-            pass
-        except Exception:  # the status line is sent: the incident ends the stream instead
-            message = internal_error(f"stream of request {stream.request_id}")
-            with contextlib.suppress(ConnectionResetError):
-                await events.send(error_body(500, message), last=True)
         return resp
 
     async def _event(

@@ -21,16 +21,18 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from pdserve.router.auth import ApiKeys, refusal
-from pdserve.router.openai_shapes import error_response
+from pdserve.router.incidents import internal_error
+from pdserve.router.openai_shapes import error_body, error_response
 
 OPEN_PATHS = ("/health",)  # probes: answered without a key
 SWEEPS_PER_TIMEOUT = 4  # how often HeaderDeadlines looks, per header timeout (at most 1 s)
+REQUEST_ID = "X-Request-Id"  # the header that names a request (a generate's and its response's)
 
 
 @dataclass(frozen=True)
@@ -165,3 +167,18 @@ class Events:
         """``[DONE]``, then the end of the response."""
         await write(self.request, self.resp.write(b"data: [DONE]\n\n"), self.timeout_s)
         await write(self.request, self.resp.write_eof(), self.timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def stream_guard(events: Events, what: str) -> AsyncIterator[None]:
+    """Around the writes of a streamed response (its status line sent): the client
+    going away ends it quietly; an unexpected exception ends it with an error event
+    naming an incident id (the traceback in the log only, ``internal_error``)."""
+    try:
+        yield
+    except ConnectionResetError:  # the client went away; the caller finishes its streams
+        pass
+    except Exception:
+        message = internal_error(what)
+        with contextlib.suppress(ConnectionResetError):
+            await events.send(error_body(500, message), last=True)

@@ -49,6 +49,11 @@ COUNTERS = (
         "prefix_cache_hits_total",
         "Prompt tokens found in the prefix cache at admission (not computed).",
     ),
+    (
+        "instance_prompt_tokens_computed",
+        "prompt_tokens_computed_total",
+        "Prompt tokens whose KV the instance computed (a recomputed prompt counts again).",
+    ),
 )
 
 

@@ -8,7 +8,7 @@ it is refused as unknown (naming the key), as vLLM's strict mode does:
 - ``READ``: parsed by router/openai_request.py into the core's request or the reply;
 - ``METADATA``: type-checked and ignored (it changes nothing about the answer);
 - ``FIXED``: OpenAI features pdserve does not implement. Each accepts ``null`` and the
-  values that ask for what pdserve does anyway (``n: 1``, ``logit_bias: {}``); any other value
+  values that ask for what pdserve does anyway (``best_of: 1``, ``logit_bias: {}``); any other value
   is refused with a 400 naming the field, never silently ignored.
 
 The same holds for the keys of one chat message (``MESSAGE_*``).
@@ -43,6 +43,8 @@ _COMMON_READ = (
     "stop_token_ids",
     "repetition_penalty",
     "prompt_logprobs",
+    # choices: n streams, the prompt computed once (docs/serving.md, "Several choices")
+    "n",
     # OpenAI's, implemented in the sampler (docs/serving.md, "Log-probabilities and penalties")
     "logprobs",
     "presence_penalty",
@@ -72,7 +74,6 @@ COMPLETIONS_METADATA = {"user": str}
 CHAT_METADATA = {"user": str, "metadata": dict, "safety_identifier": str}
 
 _COMMON_FIXED = {
-    "n": Fixed((1,), "one choice per request"),
     "logit_bias": Fixed(({},), "logit bias is not implemented"),
 }
 COMPLETIONS_FIXED = {

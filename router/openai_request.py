@@ -119,6 +119,8 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
         ignore_eos=_flag(body, "ignore_eos"),
         **logprobs_and_penalties(body, chat),
     )
+    n = _number(body, "n", integer=True)
+    req.sampling.n = 1 if n is None else n
     try:
         req.sampling.guide, req.sampling.guide_field = read_guide(body)
     except BadGuide as e:

@@ -92,8 +92,11 @@ class Reply:
         logprobs: LogprobsShape | None = None,
         tools: ToolParser | None = None,
         prompt: PromptReply | None = None,
+        index: int = 0,
     ):
+        """``index``: which choice of the request this reply's objects show."""
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.index = index
         self.model, self.chat, self.created = model, chat, int(time.time())
         self.logprobs, self.prompt = logprobs, prompt
         self.tools = tools
@@ -121,7 +124,7 @@ class Reply:
         if not self.chat:
             return None
         delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
         return {**self._base("chat.completion.chunk"), "choices": [choice]}
 
     def chunk(
@@ -146,9 +149,9 @@ class Reply:
         """One object with one choice: chat's (``chat_key``: ``chat_value``) or a plain
         completion's (``text``); ``logprobs``: of the tokens it covers."""
         if self.chat:
-            kind, choice = chat_kind, {"index": 0, chat_key: chat_value}
+            kind, choice = chat_kind, {"index": self.index, chat_key: chat_value}
         else:
-            kind, choice = "text_completion", {"index": 0, "text": text}
+            kind, choice = "text_completion", {"index": self.index, "text": text}
         choice["logprobs"] = None
         prompt, echo, listed = self.prompt, None, None
         if prompt is not None:  # the echo's text offsets come before the completion's

@@ -78,19 +78,61 @@ class Placement(ABC):
 
     def attempt(self, stream: RequestStream, pair: tuple[str, ...], **fields) -> Attempt:
         """A new try at ``stream`` on ``pair`` (a fresh id, now its current attempt)
-        carrying what its client already has."""
-        serial = f"{self._incarnation}{next(self._serial):x}"
-        stream.attempt.begin(attempt_id(stream.request_id, stream.attempt.number, serial), pair)
+        carrying what its client already has; with the attempts of the request's other
+        choices while they ride with it (``riding``)."""
+        stream.attempt.begin(self._attempt_id(stream), pair)
+        riders = self.riding(stream)
+        for rider in riders:  # held where the tokens come from: the last of the pair
+            rider.attempt.begin(self._attempt_id(rider), pair)
+            self.by_name[pair[-1]].hold(rider)
+            rider.sent_to(pair[-1])
+            rider.waits_for(f"its first token, forked from {stream.attempt.id} on {pair[-1]}")
         return Attempt(
             stream.attempt.id,
             tuple(stream.prompt_ids),
-            stream.params,
+            replace(stream.params, n=1 + len(riders)) if riders else stream.params,
             self.consumer,
             delivered=tuple(stream.token_ids),
             delivered_chars=stream.text_chars,
             context=context(stream),
+            choices=tuple(r.attempt.id for r in riders),
             **fields,
         )
+
+    def _attempt_id(self, stream: RequestStream) -> str:
+        serial = f"{self._incarnation}{next(self._serial):x}"
+        return attempt_id(stream.request_id, stream.attempt.number, serial)
+
+    @staticmethod
+    def riding(stream: RequestStream) -> list[RequestStream]:
+        """The request's other choices (``RequestStream.riders``) that go with its
+        attempt: all of them, at its first try while none has begun one of its own (the
+        instance forks each from this attempt, engine/choices.py, seeded seed + i as
+        each stream is); else none (each runs alone once it fails or migrates, as any
+        request)."""
+        riders = stream.riders
+        if stream.attempt.number or any(
+            r.finished or r.attempt.id or r.attempt.number for r in riders
+        ):
+            return []
+        return riders
+
+    def unseat(self, stream: RequestStream, attempt: Attempt, why: str | None) -> list:
+        """``attempt`` of ``stream`` ended before its choices forked, with no instance to
+        say so (the instances fail the choices of an attempt they drop): theirs end
+        with it, each then migrating (``why``; the streams that ended instead are
+        returned) or, with None, riding again at the request's next try (it went back
+        to the queue)."""
+        ended = []
+        for rider in stream.riders:
+            rid = rider.attempt.id
+            if rid not in attempt.choices or not rider.attempt.retire(rid):
+                continue
+            for inst in self.instances:
+                inst.release(rid, abort=why is not None)
+            if why is not None and not self.hooks.migrate(rider, why):
+                ended.append(rider)
+        return ended
 
     def loads(self, stream: RequestStream, candidates: list[Instance]) -> list[InstanceLoad]:
         """The candidates' loads for ``policy.choose`` (copies: the instances' own are
@@ -160,6 +202,13 @@ class Colocated(Placement):
             if stream is None:
                 continue  # aborted meanwhile
             stream.attempt.report(u.info)
+            if u.retryable:  # a choice whose request ended before it forked: it runs alone
+                inst.release(u.request_id)
+                if stream.attempt.retire(u.request_id) and not self.hooks.migrate(
+                    stream, u.error or ""
+                ):
+                    finished.append(stream)
+                continue
             if u.invalid:
                 stream.deliver(Delta.failed(u.error or "", invalid=True))
             else:

@@ -73,6 +73,8 @@ class SamplingOptions:
     guide_field: str = "guide"
     # the prompt's logprobs: alternatives per prompt token (0-20; None: none)
     prompt_logprobs: int | None = None
+    # choices: sequences generated from the prompt (1-16), choice i seeded seed + i
+    n: int = 1
 
 
 # the fields of SamplingOptions that may be unset (None), as the front ends read them

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_hash import block_hashes
@@ -198,6 +198,10 @@ class RequestStream:
     text: str | None = None
     marks: dict[int, int] = field(default_factory=dict)
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)  # by block size
+    # a request of n choices: choice 0 is this stream, these its choices 1 .. n - 1, each
+    # a stream of its own (seeded seed + i), opened, read and cancelled with it; they ride
+    # with its first attempt, forked where its prompt is computed (router/placement.py)
+    riders: list[RequestStream] = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -334,3 +338,41 @@ class RequestStream:
                 finish=since(clock.token_walls[-1] if clock.token_walls else None),
             ),
         )
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """(index, delta) as each choice's stream gives them, until every one has ended;
+    raises a choice's ``Refused`` when it comes (the others are not read on). A request
+    of n choices is n streams (``riders``): what both front ends merge into their own
+    responses."""
+    if len(streams) == 1:  # one choice: read in place, no task between
+        while True:
+            delta = await streams[0].read()
+            yield 0, delta
+            if delta.last:
+                return
+    queue: asyncio.Queue[tuple[int, Delta | Refused]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        while True:
+            try:
+                delta = await stream.read()
+            except Refused as e:
+                await queue.put((i, e))
+                return
+            await queue.put((i, delta))
+            if delta.last:
+                return
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, got = await queue.get()
+            if isinstance(got, Refused):
+                raise got
+            left -= got.last
+            yield i, got
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -29,6 +29,7 @@ class ModelLimits:
     max_context: int  # prompt + generated tokens an instance can hold
     vocab_size: int
     kv_tokens: int  # tokens the smallest instance's KV cache holds (blocks x block size)
+    max_batch_size: int = 256  # requests the smallest instance runs at once (a choice is one)
 
 
 # the roles a chat message may have (a tool's result: "tool", docs/serving.md "Tool calling")
@@ -100,8 +101,21 @@ class RequestValidator:
             stop_token_ids=[t for t in s.stop_token_ids if not _integer(t) or 0 <= t < vocab],
             ignore_eos=s.ignore_eos,
         )
-        if s.seed is not None and not _SEEDS[0] <= s.seed < _SEEDS[1]:
-            raise InvalidRequest(f"sampling.seed={s.seed!r}: must be in [-2**63, 2**63)")
+        if s.seed is not None and not _SEEDS[0] <= s.seed < _SEEDS[1] - max(0, s.n - 1):
+            raise InvalidRequest(
+                f"sampling.seed={s.seed!r}: must be in [-2**63, 2**63 - n + 1) (choice i "
+                f"draws with seed + i; n={s.n!r})"
+            )
+        kwargs["n"] = s.n
+        if _integer(s.n) and s.n > self.limits.max_batch_size:
+            raise InvalidRequest(
+                f"sampling.n={s.n}: more choices than an instance runs at once "
+                f"(max_batch_size={self.limits.max_batch_size})"
+            )
+        if s.n != 1 and s.prompt_logprobs is not None:
+            raise InvalidRequest(
+                f"sampling.n={s.n!r}: prompt logprobs come with one choice; n must be 1"
+            )
         guide, field = s.guide, s.guide_field
         if request.tools:
             forced = self._tool_guide(request)

@@ -81,7 +81,7 @@ def test_a_hand_off_leaves_at_its_first_token_and_its_kv_decodes_elsewhere(offli
     src, dst = engine.kv_view().cache, other.kv_view().cache
     for i, j in zip(p.block_ids, reservation.block_ids, strict=True):
         dst[:, :, j] = src[:, :, i]
-    first = other.land("h", p.first_token)
+    (first,) = other.land("h", p.first_token)
     tokens = list(first.new_token_ids)
     while other.has_unfinished_requests():
         tokens += [t for o in other.step() for t in o.new_token_ids]

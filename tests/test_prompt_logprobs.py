@@ -103,7 +103,7 @@ def test_the_handoff_carries_them_to_the_first_output(hf):
     src, dst = prefill.kv_view().cache, decode.kv_view().cache
     for i, j in zip(left.block_ids, reservation.block_ids, strict=True):
         dst[:, :, j] = src[:, :, i]
-    first = decode.land("a", left.first_token, None, left.prompt_logprobs)
+    (first,) = decode.land("a", left.first_token, None, left.prompt_logprobs)
     check(PROMPTS[0], want[0], first.prompt_logprobs)
     later = [o for o in decode.step() if o.request_id == "a"]
     assert later and all(o.prompt_logprobs is None for o in later)

@@ -151,7 +151,7 @@ def test_the_engine_reserves_lands_and_releases(path):
         engine.add_request("a", [3, 4], PARAMS)
     refused = engine.reserve("b", list(range(3, 100)), PARAMS)  # 97 tokens + 1: 7 blocks
     assert refused == NoRoom("b", "97 tokens and one more need 7 free blocks, 5 are free")
-    out = engine.land("a", 5)
+    (out,) = engine.land("a", 5)
     assert out.new_token_ids == [5] and out.finish_reason is None
     assert engine.stats().running == 1 and engine.stats().waiting_for_kv == 0
     while engine.has_unfinished_requests():

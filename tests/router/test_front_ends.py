@@ -67,7 +67,7 @@ def test_openai_bodies_become_core_requests():
         ({"prompt": "a", "temperature": "hot"}, "temperature='hot': must be a number"),
         ({"prompt": "a", "stop": [1]}, "stop=[1]: must be a string or a list of strings"),
         ({"prompt": "a", "stop_token_ids": ["a"]}, "stop_token_ids=['a']: must be a list"),
-        ({"prompt": "a", "n": 2}, "n=2: not supported (one choice per request)"),
+        ({"prompt": "a", "n": 2.0}, "n=2.0: must be an integer"),
         ({"prompt": ["a", "b"]}, "one string or one list of token ids"),
         ({"prompt": "a", "logit_bias": None, "nope": None}, "nope: unknown field"),
         ({"prompt": "a", "stop_token_ids": False}, "stop_token_ids=False: must be a list"),

@@ -19,7 +19,7 @@ from pdserve.router.openai_fields import CHAT_FIXED, COMPLETIONS_FIXED
 
 IDS = [5, 9, 33, 81]
 # one value per unimplemented field that asks for what pdserve does not do
-REFUSED = {"n": 2, "best_of": 3, "logit_bias": {"5": 10}, "suffix": "end",
+REFUSED = {"best_of": 3, "logit_bias": {"5": 10}, "suffix": "end",
            "functions": [{"name": "f"}], "function_call": "auto",
            "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
            "prediction": {"type": "content", "content": "x"}, "store": True}  # fmt: skip

@@ -39,6 +39,22 @@ def test_sampling_unset_takes_the_defaults_and_seeds_fit_64_bits(validator):
         validator.sampling(huge)
 
 
+def test_choices_are_bounded_by_the_batch_and_the_seeds(validator):
+    def sampling(**kw) -> GenerateRequest:
+        return GenerateRequest(prompt_token_ids=[5], sampling=SamplingOptions(**kw))
+
+    assert validator.sampling(sampling(n=4, seed=7)).n == 4
+    limits = ModelLimits(max_context=64, vocab_size=256, kv_tokens=512, max_batch_size=8)
+    with pytest.raises(InvalidRequest, match=r"sampling.n=9: more choices than .* \(max_bat"):
+        RequestValidator(None, limits).sampling(sampling(n=9))
+    with pytest.raises(InvalidRequest, match=r"sampling.n=17: must be an integer in \[1, 16\]"):
+        validator.sampling(sampling(n=17))
+    with pytest.raises(InvalidRequest, match=r"seed=9223372036854775805: must be in .* n=4\)"):
+        validator.sampling(sampling(n=4, seed=2**63 - 3))
+    with pytest.raises(InvalidRequest, match="sampling.n=2: prompt logprobs come with one"):
+        validator.sampling(sampling(n=2, prompt_logprobs=1))
+
+
 def test_integers_past_any_model_are_brought_within_the_wire_without_changing_outputs(validator):
     """The HTTP API takes top_k, max_tokens and stop_token_ids unbounded (docs/openapi.yaml):
     past any vocabulary or context they are clamped or dropped, and the attempt then

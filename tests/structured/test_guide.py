@@ -69,6 +69,25 @@ def test_the_output_matches_its_guide_greedy_and_sampled(llm, kind):
         assert matches(kind, out.text), (kind, out.text)
 
 
+def test_a_greedy_row_is_masked_only_when_its_argmax_leaves_the_grammar(llm, monkeypatch):
+    """A greedy guided row whose argmax the grammar allows skips its mask (``allows``);
+    the tokens are those of the row masked every step, and some masks were skipped."""
+    from pdserve.engine.structured import Matcher
+
+    work = [params(g, ignore_eos=True) for g in GUIDES.values()]
+    fills = []
+    fill = Matcher.fill
+    monkeypatch.setattr(Matcher, "fill", lambda self, row: fills.append(1) or fill(self, row))
+    lazy = llm.generate(PROMPTS, work)
+    skipped = sum(len(o.token_ids) for o in lazy) - len(fills)
+    monkeypatch.setattr(Matcher, "allows", lambda self, token: False)
+    masked = llm.generate(PROMPTS, work)
+    assert [o.token_ids for o in lazy] == [o.token_ids for o in masked]
+    assert skipped > 0
+    for kind, out in zip(GUIDES, lazy, strict=True):
+        assert matches(kind, out.text), (kind, out.text)
+
+
 @pytest.mark.parametrize("kind", ["regex", "json"])
 def test_a_resumed_request_continues_its_grammar_where_it_was(llm, kind):
     """The delivered tokens are replayed into a fresh matcher: the rest is what the
