@@ -40,7 +40,7 @@ from pdserve.engine.reservation import NoRoom, Reservation
 from pdserve.engine.sampler import Sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, StepShape
-from pdserve.engine.speculative import drafts_for, guesses_per_request, propose
+from pdserve.engine.speculative import draft_length, drafts_for, guesses_per_request, propose
 from pdserve.engine.step_plan import StepPlan
 from pdserve.engine.structured import Grammars, llg_tokenizer
 
@@ -529,7 +529,9 @@ class LLMEngine:
         for r in running:
             room = min(k, r.params.max_tokens - r.num_output_tokens - 1, context - r.num_tokens - 1)
             ok = room > 0 and drafts_for(r, k, context)
-            r.draft = propose(r.token_ids, room) if ok else []
+            length = min(room, draft_length(r.guesses, k)) if ok else 0
+            r.draft = propose(r.token_ids, length) if length else []
+            r.guesses.idle += ok and not length  # its guesses did not pay lately
 
     @staticmethod
     def _take_prompt_logprobs(request: Request) -> list[Logprobs | None] | None:
@@ -543,6 +545,7 @@ class LLMEngine:
 
     def _output(self, request: Request, new_ids: list[int], final: bool) -> RequestOutput:
         detok, lps = self.detokenizers.get(request.request_id), request.logprobs
+        g = request.guesses
         return RequestOutput(
             request_id=request.parent_id or request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -556,4 +559,5 @@ class LLMEngine:
             num_cached_tokens=max(0, request.num_cached_tokens),
             prompt_logprobs=self._take_prompt_logprobs(request),
             index=request.index,
+            guesses=(g.guessed, g.accepted, g.steps) if final else (0, 0, 0),
         )

@@ -175,15 +175,20 @@ class ModelRunner:
         return self.sampler.sample(logits, sampled) + out
 
     def _verify(self, logits: torch.Tensor, spec: list[tuple[Request, int]]) -> list[Sample]:
-        """The verified requests' samples (engine/speculative.py): each one's greedy
-        tokens over its rows of ``logits``, its draft's accepted prefix and the token
-        after it; its computed tokens rolled back to the accepted positions."""
+        """The verified requests' samples (engine/speculative.py): each one's tokens over
+        its rows of ``logits`` (greedy, or drawn as plain sampling would:
+        ``Sampler.verify``), its draft's accepted prefix and the token after it; its
+        computed tokens rolled back to the accepted positions."""
         targets, out, at = logits.argmax(dim=-1).tolist(), [], 0
         for request, begin in spec:
             n = 1 + len(request.draft)
-            mine = targets[at : at + n]
+            if request.params.greedy:
+                mine = targets[at : at + n]
+            else:
+                mine = self.sampler.verify(logits[at : at + n], request)
             at += n
             a = accepted(request.draft, mine)
+            request.guesses.verified(len(request.draft), a)
             request.num_computed_tokens = begin + 1 + a
             request.draft = []
             out.append(Sample(request, mine[0], more=mine[1 : a + 1]))

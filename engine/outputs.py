@@ -54,6 +54,9 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
     index: int = 0
+    # speculative decoding: on the request's last output, guessed and accepted tokens
+    # and the steps that verified some (engine/speculative.py); (0, 0, 0) without
+    guesses: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def finished(self) -> bool:

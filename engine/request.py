@@ -9,6 +9,7 @@ from dataclasses import InitVar, dataclass, field
 from pdserve.engine.outputs import Logprobs
 from pdserve.engine.reservation import Reservation
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.speculative import Guesses
 from pdserve.engine.structured import Matcher
 
 
@@ -67,8 +68,10 @@ class Request:
     # request of its own once forked, else they are this request's ``choice_id``s
     choice_ids: list[str | None] = field(default_factory=list)
     named_choices: bool = False
-    # this step's guessed next tokens, verified with its pending one (engine/speculative.py)
+    # this step's guessed next tokens, verified with its pending one, and how its guesses
+    # fared so far (engine/speculative.py)
     draft: list[int] = field(default_factory=list)
+    guesses: Guesses = field(default_factory=Guesses)
     delivered: InitVar[tuple[int, ...]] = ()
 
     def __post_init__(self, delivered: tuple[int, ...]):

@@ -95,9 +95,10 @@ class Sampler:
         lps = _logprobs(row.expand(len(tokens), -1), rows, [request] * len(tokens), tokens)
         return list(zip(tokens, lps, strict=True))
 
-    def _draw(self, row: torch.Tensor, request: Request, seed: int | None) -> int:
+    def _draw(self, row: torch.Tensor, request: Request, seed: int | None, ahead: int = 0) -> int:
         """One token from a (masked) logits row [V] under ``request``'s penalties and
-        sampling, a seeded draw keyed by (``seed``, output position)."""
+        sampling, a seeded draw keyed by (``seed``, output position); ``ahead``: the
+        position is that many past the request's next (a speculative step's rows)."""
         p = request.params
         row = penalize(row, request) if p.penalized else row
         if p.greedy:
@@ -105,8 +106,21 @@ class Sampler:
         probs = _filtered_probs(row, p.temperature, p.top_k, p.top_p)
         gen = self.generator
         if seed is not None:
-            gen = torch.Generator().manual_seed(position_seed(seed, request.num_output_tokens))
+            position = request.num_output_tokens + ahead
+            gen = torch.Generator().manual_seed(position_seed(seed, position))
         return int(torch.multinomial(probs, 1, generator=gen))
+
+    def verify(self, rows: torch.Tensor, request: Request) -> list[int]:
+        """A sampled request's draws over its speculative step's rows [1 + len(draft), V]
+        (engine/speculative.py): row j drawn as the plain request would draw its output
+        at position j past its next, until one differs from the draft's guess there
+        (that draw is the last) or every guess held (the next row's draw follows)."""
+        draft, out = request.draft, []
+        for j in range(len(draft) + 1):
+            out.append(self._draw(rows[j], request, request.params.seed, ahead=j))
+            if j < len(draft) and out[j] != draft[j]:
+                break
+        return out
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits [S, V] float32, one row per request -> one token id per request, drawn

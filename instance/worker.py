@@ -114,6 +114,8 @@ class EngineWorker:
         # aborts that arrived before their request (a threaded actor may reorder calls)
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._totals = {"requests_total": 0, "tokens_total": 0, "steps_total": 0}
+        # speculative decoding's guesses verified and accepted, summed over ended requests
+        self._totals.update(guessed_tokens_total=0, accepted_tokens_total=0)
         self._steps = StepLog()
         self._cache_log = CacheLog(retain=self.engine.kv_view().num_blocks)  # under _lock
         self._last_step: list[float] = []  # the latest ``step_log`` row, in ``stats()``
@@ -562,6 +564,11 @@ class EngineWorker:
             # when 0 (a decode instance's handed-over request leaves the prefill's figure)
             hit = o.num_cached_tokens if o.finish_reason else 0
             info = {"cached_tokens": hit} if hit else {}
+            guessed, accepted, steps = o.guesses  # speculative decoding, at the end
+            if steps:
+                info["guesses"] = [guessed, accepted, steps]
+                self._totals["guessed_tokens_total"] += guessed
+                self._totals["accepted_tokens_total"] += accepted
             out.append(Update.of(o.request_id, o, info))
         return out
 

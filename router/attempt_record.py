@@ -38,6 +38,9 @@ class Reported:
     transfer_s: float = 0.0
     # wall-clock times of the handoff's phases (prefill_start ... decode_start)
     phases: dict[str, float] = field(default_factory=dict)
+    # speculative decoding on the instance that ended it: guessed and accepted tokens,
+    # the steps that verified some
+    guesses: tuple[int, int, int] = (0, 0, 0)
 
     def take(self, info: dict) -> None:
         """Merge one update's ``info`` (keys it does not carry keep their value)."""
@@ -51,6 +54,9 @@ class Reported:
             self.transfer_s = float(info["transfer_s"])
         if "phases" in info:
             self.phases = dict(info["phases"])
+        if "guesses" in info:
+            guessed, accepted, steps = info["guesses"]
+            self.guesses = (int(guessed), int(accepted), int(steps))
 
 
 @dataclass

@@ -42,6 +42,10 @@ class Timings:
     # ms since arrival: queued, prefill_start/end, transfer_start/end, decode_start,
     # finish (0: not applicable), and tokens (one entry per token)
     phases: dict = field(default_factory=dict)
+    # speculative decoding: guessed tokens verified, those accepted, the steps verifying
+    guessed_tokens: int = 0
+    accepted_tokens: int = 0
+    guess_steps: int = 0
 
 
 @dataclass
@@ -126,6 +130,9 @@ def read_chunk(msg: pb.GenerateResponse) -> Chunk:
             transfer_ms=t.transfer_ms,
             attempts=t.attempts,
             phases=phases,
+            guessed_tokens=t.guessed_tokens,
+            accepted_tokens=t.accepted_tokens,
+            guess_steps=t.guess_steps,
         )
     return c
 

@@ -50,6 +50,16 @@ COUNTERS = (
         "Prompt tokens found in the prefix cache at admission (not computed).",
     ),
     (
+        "instance_guessed_tokens",
+        "guessed_tokens_total",
+        "Speculative decoding: guessed tokens verified, summed as requests end.",
+    ),
+    (
+        "instance_accepted_tokens",
+        "accepted_tokens_total",
+        "Speculative decoding: guessed tokens accepted (output without a step of their own).",
+    ),
+    (
         "instance_prompt_tokens_computed",
         "prompt_tokens_computed_total",
         "Prompt tokens whose KV the instance computed (a recomputed prompt counts again).",

@@ -143,6 +143,11 @@ class Timings:
     transfer_ms: float = 0.0
     attempts: int = 1
     phases: Phases = field(default_factory=Phases)
+    # speculative decoding (its last attempt's): guessed tokens verified, those accepted,
+    # the decode steps that verified some; tokens per such step: 1 + accepted / steps
+    guessed_tokens: int = 0
+    accepted_tokens: int = 0
+    guess_steps: int = 0
 
 
 @dataclass(eq=False)
@@ -331,6 +336,9 @@ class RequestStream:
             kv_cached_tokens=reported.kv_cached_tokens,
             transfer_ms=ms(reported.transfer_s),
             attempts=self.attempt.number + 1,
+            guessed_tokens=reported.guesses[0],
+            accepted_tokens=reported.guesses[1],
+            guess_steps=reported.guesses[2],
             phases=Phases(
                 queued=since(clock.placed_wall),
                 **{name: since(phases.get(name)) for name in _PHASES},

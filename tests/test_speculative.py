@@ -11,7 +11,14 @@ import random
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.speculative import accepted, guesses_per_request, propose
+from pdserve.engine.speculative import (
+    PROBE_EVERY,
+    Guesses,
+    accepted,
+    draft_length,
+    guesses_per_request,
+    propose,
+)
 
 pytestmark = pytest.mark.usefixtures("isa")
 
@@ -19,6 +26,20 @@ pytestmark = pytest.mark.usefixtures("isa")
 def test_larger_batches_guess_less_then_not_at_all():
     assert [guesses_per_request(4, n) for n in (0, 1, 2, 3, 8)] == [3, 3, 1, 0, 0]
     assert guesses_per_request(1, 1) == 1 and guesses_per_request(0, 1) == 0
+
+
+def test_a_request_guesses_as_far_as_its_recent_rate_pays():
+    fresh = Guesses()
+    assert draft_length(fresh, 4) == 4  # before any verification
+    held, half, missed = Guesses(), Guesses(), Guesses()
+    for _ in range(10):
+        held.verified(4, 4)
+        half.verified(2, 1)
+        missed.verified(2, 0)
+    assert (half.guessed, half.accepted, half.steps) == (20, 10, 10)
+    assert [draft_length(g, 4) for g in (held, half, missed)] == [4, 1, 0]
+    missed.idle = PROBE_EVERY  # long enough without: one guess again
+    assert draft_length(missed, 4) == 1 and draft_length(missed, 0) == 0
 
 
 def test_propose_takes_what_followed_the_latest_longest_match():
@@ -130,3 +151,18 @@ def test_blocks_a_verified_step_wrote_serve_later_prompts(tiny_model):
 def test_a_speculative_engine_config_is_checked():
     with pytest.raises(ValueError, match=r"speculative_tokens=17: must be an integer in \[0, 16\]"):
         LLM("unused", speculative_tokens=17)
+
+
+def test_sampled_output_is_the_plain_engines(tiny_model):
+    """Seeded sampled requests (temperature, top-k, top-p) draw each verified row as the
+    plain request draws that position: the output is the plain engine's, token for
+    token, whatever was guessed."""
+    path = tiny_model("gqa2")
+    params = [SamplingParams(max_tokens=40, temperature=t, top_k=k, top_p=p, seed=s,
+                             ignore_eos=True)
+              for s, (t, k, p) in enumerate([(0.8, 0, 1.0), (1.3, 5, 1.0), (0.5, 0, 0.7),
+                                             (1.0, 2, 0.9)] * 2)]  # fmt: skip
+    config = dict(max_batch_tokens=16, num_kv_blocks=256, max_batch_size=1)
+    want, _ = run(path, 0, params, **config)
+    got, verified = run(path, 3, params, **config)
+    assert got == want and verified > 5
