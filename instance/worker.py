@@ -563,7 +563,7 @@ class EngineWorker:
             # with the end: prompt tokens served from this instance's prefix cache; none
             # when 0 (a decode instance's handed-over request leaves the prefill's figure)
             hit = o.num_cached_tokens if o.finish_reason else 0
-            info = {"cached_tokens": hit} if hit else {}
+            info: dict = {"cached_tokens": hit} if hit else {}
             guessed, accepted, steps = o.guesses  # speculative decoding, at the end
             if steps:
                 info["guesses"] = [guessed, accepted, steps]
