@@ -1,12 +1,15 @@
-"""Speculative decoding with prompt-lookup drafts (engine/speculative.py) against the same
-engine without it, in one run, on the embedded model, greedy:
+"""Speculative decoding (engine/speculative.py) with each guesser (engine/guessers.py:
+ngram, suffix) against the same engine without it, in one run, on the embedded model,
+greedy:
 
     .venv/bin/python -m pdserve.bench.speculative [--tokens 128] [--k 2] [--rounds 3]
 
 Workloads: ``repeat``, HumanEval problems the model is asked to repeat with comments
 (its answer copies long spans of the prompt: where drafts hold), and ``chat``, ShareGPT
 first turns (where they mostly do not). Each at batch 1 (the first problem or turn) and
-16 (the first 16), best of ``--rounds`` alternating rounds. Reported per cell: decode
+16 (the first 16), best of ``--rounds`` alternating rounds; each round of ``suffix``
+starts with no counts from earlier requests (the rounds repeat the same prompts, whose
+outputs it would otherwise guess whole). Reported per cell: decode
 tokens a second (output tokens after each
 request's first, over the steps after the last prompt was computed), the ratio to the
 plain engine, and tokens per request-step. Checks: the outputs are the plain engine's,
@@ -23,6 +26,7 @@ import time
 import torch
 
 from pdserve.engine import LLM, SamplingParams, native
+from pdserve.engine.guessers import GUESSERS, make_guesser
 from pdserve.loadgen.datasets import humaneval_pairs, sharegpt_pairs
 
 MODEL = "smollm2-135m"
@@ -92,7 +96,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     plain = LLM(MODEL, enable_prefix_caching=False)
-    fast = LLM(MODEL, enable_prefix_caching=False, speculative_tokens=args.k)
+    guessing = {
+        name: LLM(MODEL, enable_prefix_caching=False, speculative_tokens=args.k,
+                  speculative_method=name)
+        for name in GUESSERS
+    }  # fmt: skip
     print(
         f"{MODEL}, {args.threads} threads, {native.isa() or 'plain torch'} kernels, greedy, "
         f"max_tokens {args.tokens}, k={args.k}"
@@ -102,23 +110,25 @@ def main() -> None:
             cell = prompts[:batch]
             rates: dict[str, tuple] = {}
             for r in range(args.rounds):  # alternating, the best of each
-                for label, llm in (("plain", plain), ("ngram", fast)):
+                for label, llm in (("plain", plain), *guessing.items()):
                     decode(llm, cell[:1], 4)  # warm-up
+                    llm.engine.guesser = make_guesser(llm.engine.config.speculative_method)
                     outs, seconds, steps = decode(llm, cell, args.tokens)
                     emitted = sum(max(0, len(o) - 1) for o in outs)  # after each first token
                     best = rates.get(label, (None, 0.0, 0.0))[1]
                     if emitted / seconds > best:
                         rates[label] = (outs, emitted / seconds, emitted / max(steps, 1))
                 print(f"  {name} batch {batch}: round {r + 1}/{args.rounds}", flush=True)
-            (want, base, _), (got, rate, per_step) = rates["plain"], rates["ngram"]
-            if got != want:
-                raise SystemExit(f"{name} batch {batch}: speculative output differs from plain")
-            if per_step < 1:
-                raise SystemExit(f"{name} batch {batch}: {per_step:.2f} tokens a step, below 1")
-            print(
-                f"{name:>6} batch {batch:>2}: plain {base:7.1f} tok/s, ngram {rate:7.1f} "
-                f"tok/s ({rate / base:.2f}x), {per_step:.2f} tokens a request-step"
-            )
+            want, base, _ = rates["plain"]
+            line = f"{name:>6} batch {batch:>2}: plain {base:7.1f} tok/s"
+            for method in guessing:
+                got, rate, per_step = rates[method]
+                if got != want:
+                    raise SystemExit(f"{name} batch {batch}: {method}'s output differs from plain")
+                if per_step < 1:
+                    raise SystemExit(f"{name} batch {batch}: {per_step:.2f} tokens a step, below 1")
+                line += f", {method} {rate:7.1f} ({rate / base:.2f}x, {per_step:.2f} a step)"
+            print(line)
 
     cost = ", ".join(f"{b}: {ms:.2f}" for b, ms in rows_ms(plain).items())
     print(f"a plain decode step by rows (ms): {cost}")

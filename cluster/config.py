@@ -82,8 +82,9 @@ class Resources:
 class Speculative:
     method: str | None = spec(
         None,
-        one_of(None, "ngram"),
-        "speculative decoding: null (off) or ngram (prompt-lookup drafts of greedy decodes)",
+        one_of(None, "ngram", "suffix"),
+        "speculative decoding: null (off), ngram (prompt lookup) or suffix (suffix decoding "
+        "over the request's and recent requests' tokens); engine/guessers.py",
     )
     num_tokens: int = spec(2, at_least(1), "guessed tokens one decode step verifies")
 
@@ -142,6 +143,7 @@ class PoolConfig:
             mixed_prefill_tokens=self.mixed_prefill_tokens,
             enable_prefix_caching=self.prefix_caching,
             speculative_tokens=self.speculative.num_tokens if self.speculative.method else 0,
+            speculative_method=self.speculative.method or "ngram",
             attention_backend=attention_backend,
             device=device,
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.families import LLAMA, Family, check_family, family_fields, rope_parameters
+from pdserve.engine.guessers import GUESSERS
 from pdserve.engine.mla_config import MLAConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,6 +137,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # guessed tokens a decode step verifies per request (engine/speculative.py); 0: off
     speculative_tokens: int = 0
+    # where the guesses come from (engine/guessers.py): ngram or suffix
+    speculative_method: str = "ngram"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -151,6 +154,11 @@ class EngineConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE:
             raise ValueError(
                 f"speculative_tokens={k!r}: must be an integer in [0, {MAX_SPECULATIVE}] (0: off)"
+            )
+        if self.speculative_method not in GUESSERS:
+            raise ValueError(
+                f"speculative_method={self.speculative_method!r}: allowed values are "
+                f"{', '.join(GUESSERS)}"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(

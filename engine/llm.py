@@ -34,12 +34,14 @@ class LLM:
         tensor_parallel: int = 1,
         enable_prefix_caching: bool = True,
         speculative_tokens: int = 0,
+        speculative_method: str = "ngram",
     ):
         """``tensor_parallel=N`` runs ranks 1..N-1 as local processes (gloo on CPU): each
         process, this one included, holds 1/N of the heads, the MLP and the KV cache and
         uses cpu_count/N torch threads (restored in this process at ``close()``).
         ``close()`` (or ``with LLM(...)``) stops them. ``speculative_tokens=k`` verifies
-        up to k prompt-lookup guesses per greedy decode step (engine/speculative.py)."""
+        up to k guesses per decode step (engine/speculative.py), taken by
+        ``speculative_method`` (engine/guessers.py: ngram or suffix)."""
         config = EngineConfig(
             dtype=dtype,
             block_size=block_size,
@@ -52,6 +54,7 @@ class LLM:
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
             speculative_tokens=speculative_tokens,
+            speculative_method=speculative_method,
         )
         self._ranks = None
         tp = SINGLE

@@ -28,6 +28,7 @@ from pdserve.engine.choices import abort_unforked, drop, fork, name
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.engine_stats import EngineStats
+from pdserve.engine.guessers import make_guesser
 from pdserve.engine.kv_view import KVView
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
@@ -40,7 +41,7 @@ from pdserve.engine.reservation import NoRoom, Reservation
 from pdserve.engine.sampler import Sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, StepShape
-from pdserve.engine.speculative import draft_length, drafts_for, guesses_per_request, propose
+from pdserve.engine.speculative import draft_length, drafts_for, guesses_per_request
 from pdserve.engine.step_plan import StepPlan
 from pdserve.engine.structured import Grammars, llg_tokenizer
 
@@ -99,6 +100,7 @@ class LLMEngine:
         self.unforked: dict[str, Request] = {}
         # named choices dropped unforked since the caller last took them (engine/choices.py)
         self.orphaned: list[str] = []
+        self.guesser = make_guesser(config.speculative_method)  # engine/guessers.py
         self.detokenizers: dict[str, Detokenizer] = {}
         self.last_shape: StepShape | None = None  # of the latest step's batch
         self._grammars: Grammars | None = None
@@ -299,6 +301,7 @@ class LLMEngine:
             if request is None:
                 continue
             drop(self, request)
+            self._ended(request)
             self.scheduler.remove(request)
             self.detokenizers.pop(rid, None)
             request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
@@ -510,12 +513,18 @@ class LLMEngine:
     ) -> RequestOutput:
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         drop(self, request)
+        self._ended(request)
         self.scheduler.remove(request)
         out = self._output(request, new_ids, final=True)
         out.error = error
         del self.requests[request.request_id]
         self.detokenizers.pop(request.request_id, None)
         return out
+
+    def _ended(self, request: Request) -> None:
+        """``request`` left the batch for good: its guesser's to know."""
+        if self.config.speculative_tokens:
+            self.guesser.ended(request)
 
     def _draft(self) -> None:
         """Each running request's guesses for this step (engine/speculative.py), within
@@ -530,7 +539,7 @@ class LLMEngine:
             room = min(k, r.params.max_tokens - r.num_output_tokens - 1, context - r.num_tokens - 1)
             ok = room > 0 and drafts_for(r, k, context)
             length = min(room, draft_length(r.guesses, k)) if ok else 0
-            r.draft = propose(r.token_ids, length) if length else []
+            r.draft = self.guesser.guess(r, length) if length else []
             r.guesses.idle += ok and not length  # its guesses did not pay lately
 
     @staticmethod

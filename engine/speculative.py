@@ -1,5 +1,6 @@
-"""Speculative decoding with prompt-lookup drafts (``EngineConfig.speculative_tokens``
-k > 0; off at 0): a decode step verifies up to k guessed tokens of a request at once.
+"""Speculative decoding (``EngineConfig.speculative_tokens`` k > 0; off at 0): a decode
+step verifies up to k guessed tokens of a request at once, guessed by a ``Guesser``
+(engine/guessers.py: prompt lookup, ``propose`` here, or suffix decoding).
 
 Drafting (``propose``, each step, for each running request past its prompt that asks
 for no logprobs, guide or penalty): the latest earlier place where the request's

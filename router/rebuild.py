@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 import msgpack
 
@@ -87,7 +88,7 @@ def stream_of(live: LiveAttempt) -> RequestStream:
     stream = RequestStream(
         request_id_of(a),
         list(a.prompt_ids),
-        a.params,
+        replace(a.params, n=1),  # choice 0's: the others' streams are not rebuilt
         clock=Clock(time.monotonic() - max(0.0, time.time() - arrival_wall), arrival_wall),
         owner=str(record.get("owner", "")),
         attempt=AttemptRecord(number=attempt_number(a)),

@@ -11,6 +11,8 @@ import random
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.guessers import make_guesser
+from pdserve.engine.request import Request
 from pdserve.engine.speculative import (
     PROBE_EVERY,
     Guesses,
@@ -40,6 +42,25 @@ def test_a_request_guesses_as_far_as_its_recent_rate_pays():
     assert [draft_length(g, 4) for g in (held, half, missed)] == [4, 1, 0]
     missed.idle = PROBE_EVERY  # long enough without: one guess again
     assert draft_length(missed, 4) == 1 and draft_length(missed, 0) == 0
+
+
+def guessed(guesser, tokens: list[int], k: int, rid: str = "r") -> list[int]:
+    return guesser.guess(Request(rid, tokens, SamplingParams()), k)
+
+
+def test_suffix_decoding_follows_the_continuation_seen_most():
+    g = make_guesser("suffix")
+    assert guessed(g, [1, 2, 3, 4, 5, 1, 2, 3], 2) == [4, 5]
+    assert guessed(g, [7, 8, 9], 2) == []  # nothing seen before
+    # 8 was followed by 1 twice and 2 once: 1 holds two thirds; after 8, 1 it was 6
+    assert guessed(g, [8, 1, 6, 8, 1, 6, 8, 2, 5, 8], 3) == [1, 6, 8]
+    assert guessed(g, [4, 1, 4, 2, 4, 3, 4], 1, rid="split") == []  # none has half
+    # across requests: an output that ended here is guessed for a later request
+    done = Request("a", [50, 51], SamplingParams())
+    done.token_ids += [60, 61, 62, 63, 64]
+    g.ended(done)
+    assert guessed(g, [70, 51, 60, 61], 3, rid="b") == [62, 63, 64]
+    assert "a" not in g.own
 
 
 def test_propose_takes_what_followed_the_latest_longest_match():
@@ -84,10 +105,10 @@ def run(path: str, k: int, params, **config) -> tuple[list[list[int]], int]:
     return [got[f"r{i}"] for i in range(len(params))], sum(verified)
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k, method", [(1, "ngram"), (4, "ngram"), (4, "suffix")])
 @pytest.mark.parametrize("blocks", [256, 12])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_greedy_output_is_the_plain_engines(tiny_model, k, blocks, batch):
+def test_greedy_output_is_the_plain_engines(tiny_model, k, blocks, batch, method):
     """Greedy requests of several lengths (eos counts), two sampled ones beside them,
     16-token chunks, one or two running at once (the row budget leaves no guesses to
     larger batches); with 12 blocks requests are preempted and recomputed."""
@@ -97,7 +118,7 @@ def test_greedy_output_is_the_plain_engines(tiny_model, k, blocks, batch):
     params += [SamplingParams(max_tokens=30, temperature=0.8, seed=s) for s in (1, 2)]
     config = dict(max_batch_tokens=16, num_kv_blocks=blocks, max_batch_size=batch)
     want, _ = run(path, 0, params, **config)
-    got, verified = run(path, k, params, **config)
+    got, verified = run(path, k, params, speculative_method=method, **config)
     assert got == want
     assert [len(g) for g in got[:6]][::2] == [40, 60, 33]  # max_tokens held exactly
     assert verified > 5  # drafts went through verification

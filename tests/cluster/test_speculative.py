@@ -1,9 +1,9 @@
 """Speculative decoding (``<pool>.speculative``, engine/speculative.py) through real
 clusters: greedy and seeded sampled streams equal the offline engine without
 speculation, token for token, co-located, and disaggregated over gloo and over gRPC to a
-decode instance of tensor-parallel degree 2, the decode pool verifying drafts; each
-stream's final timings report its guesses, and the instances' totals (/metrics) sum
-them; every block is free after."""
+decode instance of tensor-parallel degree 2 guessing by suffix decoding, the decode
+pool verifying guesses; each stream's final timings report its guesses, and the
+instances' totals (/metrics) sum them; every block is free after."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_greedy_streams_equal_the_plain_engine(chat_model, mode, on_shared_ray):
         config["prefill"]["resources"] = {"num_cpus": 0.5}
         pool = config["decode"]
         pool.update(resources={"num_cpus": 0.5}, tensor_parallel=2 if "tp2" in mode else 1)
-    pool["speculative"] = {"method": "ngram", "num_tokens": 4}
+    pool["speculative"] = {"method": "suffix" if "tp2" in mode else "ngram", "num_tokens": 4}
     with launch(config) as cluster, cluster.client() as client:
         guessed = accepted = 0
         for prompt, tokens in zip(PROMPTS, want, strict=True):
