@@ -411,8 +411,9 @@ class LLMEngine:
         if not batch:
             return []
         try:
+            prompt = batch.prompt_tokens()
             sampled = self.runner.run(batch, on_layer, extra)
-            self.scheduler.commit(batch)
+            self.scheduler.commit(batch, prompt)
         except Exception as e:
             requests = [r for r, _ in batch.items]
             if len(requests) == 1 or self.model.tp.size > 1 or on_layer is not None:

@@ -56,6 +56,15 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
+    def prompt_tokens(self) -> int:
+        """The prompt positions it computes, read before the step runs (a speculative
+        step rolls a decode's computed tokens back after it: its rows are past the
+        prompt either way)."""
+        return sum(
+            max(0, min(r.num_prompt_tokens, r.num_computed_tokens + n) - r.num_computed_tokens)
+            for r, n in self.items
+        )
+
     def __bool__(self) -> bool:
         return bool(self.items)
 
@@ -261,14 +270,14 @@ class Scheduler:
             return []
         return self.blocks.match(request.token_ids)
 
-    def commit(self, batch: ScheduledBatch) -> None:
-        """The step of ``batch`` ran: register the blocks it filled in the prefix cache,
-        then release those out of the window (``BlockManager.release_outside``)."""
-        for request, n in batch.items:
+    def commit(self, batch: ScheduledBatch, prompt_tokens: int) -> None:
+        """The step of ``batch`` ran, computing ``prompt_tokens`` prompt positions
+        (``ScheduledBatch.prompt_tokens`` before it ran): register the blocks it filled in
+        the prefix cache, then release those out of the window
+        (``BlockManager.release_outside``)."""
+        self.num_prompt_tokens_computed += prompt_tokens
+        for request, _ in batch.items:
             rid, done = request.request_id, request.num_computed_tokens
-            self.num_prompt_tokens_computed += max(
-                0, min(request.num_prompt_tokens, done) - done + n
-            )
             self.blocks.commit(rid, request.token_ids, done)
             self.blocks.release_outside(rid, done)
 

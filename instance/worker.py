@@ -413,6 +413,8 @@ class EngineWorker:
     def _orphaned(self) -> list[Update]:
         """Choices whose request ended here before they forked (engine/choices.py): each
         fails, retryable (the router runs it alone)."""
+        if not self.engine.orphaned:  # the common case, each turn of the loop
+            return []
         orphans, self.engine.orphaned = self.engine.orphaned, []
         why = "its request ended on {} before its first token, so it did not fork there"
         return [Update(c, error=why.format(self.name), retryable=True) for c in orphans]

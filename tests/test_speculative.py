@@ -83,8 +83,9 @@ def prompts(n: int = 8) -> list[list[int]]:
     return out
 
 
-def run(path: str, k: int, params, **config) -> tuple[list[list[int]], int]:
-    """The outputs of ``prompts()``, and how many requests' drafts were verified."""
+def run(path: str, k: int, params, **config) -> tuple[list[list[int]], int, int]:
+    """The outputs of ``prompts()``, how many requests' drafts were verified, and the
+    prompt tokens the engine computed."""
     llm = LLM(path, speculative_tokens=k, **config)
     engine, runner, verified = llm.engine, llm.engine.runner, []
     verify = runner._verify
@@ -102,7 +103,8 @@ def run(path: str, k: int, params, **config) -> tuple[list[list[int]], int]:
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     engine.check_integrity()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    return [got[f"r{i}"] for i in range(len(params))], sum(verified)
+    computed = engine.stats().computed_prompt_tokens
+    return [got[f"r{i}"] for i in range(len(params))], sum(verified), computed
 
 
 @pytest.mark.parametrize("k, method", [(1, "ngram"), (4, "ngram"), (4, "suffix")])
@@ -117,8 +119,8 @@ def test_greedy_output_is_the_plain_engines(tiny_model, k, blocks, batch, method
               for i, m in enumerate([40, 7, 60, 1, 33, 50])]  # fmt: skip
     params += [SamplingParams(max_tokens=30, temperature=0.8, seed=s) for s in (1, 2)]
     config = dict(max_batch_tokens=16, num_kv_blocks=blocks, max_batch_size=batch)
-    want, _ = run(path, 0, params, **config)
-    got, verified = run(path, k, params, speculative_method=method, **config)
+    want, _, _ = run(path, 0, params, **config)
+    got, verified, _ = run(path, k, params, speculative_method=method, **config)
     assert got == want
     assert [len(g) for g in got[:6]][::2] == [40, 60, 33]  # max_tokens held exactly
     assert verified > 5  # drafts went through verification
@@ -184,6 +186,7 @@ def test_sampled_output_is_the_plain_engines(tiny_model):
               for s, (t, k, p) in enumerate([(0.8, 0, 1.0), (1.3, 5, 1.0), (0.5, 0, 0.7),
                                              (1.0, 2, 0.9)] * 2)]  # fmt: skip
     config = dict(max_batch_tokens=16, num_kv_blocks=256, max_batch_size=1)
-    want, _ = run(path, 0, params, **config)
-    got, verified = run(path, 3, params, **config)
+    want, _, computed = run(path, 0, params, **config)
+    got, verified, computed_guessing = run(path, 3, params, **config)
     assert got == want and verified > 5
+    assert computed_guessing == computed  # rejected guesses are no prompt tokens
