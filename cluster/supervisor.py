@@ -27,8 +27,10 @@ The supervisor's own death costs no instance: they are detached (cluster/actors.
 Ray restarts the actor (``max_restarts=-1``; the launcher's keeper, cluster/keeper.py,
 kills one that hangs); the new incarnation adopts the running instances by name
 (``_adopt``) with the generations the router replicas hold, restarts only those found
-incomplete or mid-restart, and watches again. Invariant: per instance name at most one
-incarnation is alive, and the supervisor's generation of it is the router's.
+incomplete or mid-restart, and watches again once the routers hold every instance ready
+(a router replica may itself be a new incarnation still bringing them up). Invariant:
+per instance name at most one incarnation is alive, and the supervisor's generation of
+it is the router's.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class Supervisor:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
+        # every instance had been ready (the launcher's ``watch``, or the routers' views):
+        # pinging one still loading its model would find it hung
+        self._all_ready = threading.Event()
         self._restarts: list[threading.Thread] = []
         self._adopter: threading.Thread | None = None
         if _reconstructed():
@@ -133,11 +138,12 @@ class Supervisor:
     def watch(self, routers: list) -> None:
         """Every instance is ready: start pinging them; failures go to ``routers`` (every
         router replica)."""
+        self._all_ready.set()
         self._start_watching(routers)
 
     def _start_watching(self, routers: list) -> None:
-        """Ping the instances from now on (once: a restarted supervisor may have started
-        already when the launcher's ``watch`` reaches it)."""
+        """Start the watch thread (once: a restarted supervisor may have started it
+        already when the launcher's ``watch`` reaches it); it pings once ``_all_ready``."""
         with self._lock:
             self.routers = list(routers)
             if self._watcher is None:
@@ -189,8 +195,10 @@ class Supervisor:
     def _adopt(self) -> None:
         """A restarted supervisor takes over the instances (cluster/supervised.py,
         ``adopt``): those found whole serve on; those found broken are failed and
-        restarted. Watching starts when every instance had been ready (the routers hold
-        none ``starting``); before that, the launcher's ``watch`` starts it."""
+        restarted. The watch starts now; it pings once every instance had been ready:
+        the routers hold none ``starting`` (now, or later: a router replica that is itself
+        a new incarnation holds them all ``starting`` until it has brought them up), or
+        the launcher's ``watch`` says so (the supervisor died during the launch)."""
         views = router_views(self._routers())
         # routers that exist but give no view (one restarting, or stopped) are asked
         # again: adopting without their generations would never start the watch
@@ -210,8 +218,9 @@ class Supervisor:
                 self._failed(s.name, s.generation, found.problem)
         # an instance found whole may die while the others are found: the watch's pings
         # see it (the router's report of it may have come before its record existed)
-        if views and all(v["state"] != "starting" for v in views.values()):
-            self._start_watching(self._routers())
+        if _none_starting(views):
+            self._all_ready.set()
+        self._start_watching(self._routers())
 
     def _adopted(self) -> None:
         """Until a restarted supervisor holds every instance again, at most
@@ -238,6 +247,11 @@ class Supervisor:
         self._failed(name, generation, why)
 
     def _watch(self) -> None:
+        while not self._all_ready.is_set():  # a restarted supervisor: see ``_adopt``
+            if self._stopping.wait(self.limits.heartbeat_s):
+                return
+            if _none_starting(router_views(self._routers())):
+                self._all_ready.set()
         while not self._stopping.wait(self.limits.heartbeat_s):
             with self._lock:
                 serving = [s for s in self.instances.values() if s.state == "serving"]
@@ -378,3 +392,8 @@ def _reconstructed() -> bool:
     with warnings.catch_warnings():  # Ray's own property reads its deprecated actor_id
         warnings.simplefilter("ignore", DeprecationWarning)
         return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def _none_starting(views: dict[str, dict]) -> bool:
+    """The router replicas' views (``router_views``) hold every instance ready once."""
+    return bool(views) and all(v["state"] != "starting" for v in views.values())

@@ -24,6 +24,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.admission import AdmissionQueue, CallLimit, FirstTokens
 from pdserve.router.disagg import Disaggregated
 from pdserve.router.hybrid import Hybrid
+from pdserve.router.incidents import first_line
 from pdserve.router.instances import Instance
 from pdserve.router.intake import Intake
 from pdserve.router.metrics import RouterMetrics
@@ -158,8 +159,24 @@ class RouterCore:
 
     async def bring_up(self) -> list[dict]:
         """Wait for every instance's ``ready()`` facts, then take requests: the model's
-        limits for validation, one update loop per instance."""
-        infos = await asyncio.gather(*(i.wait_ready() for i in self.instances))
+        limits for validation, one update loop per instance. An instance whose process
+        dies meanwhile (one killed while a restarted router brings it up) fails as the end
+        of its feed would fail it: the supervisor restarts it and readmits it here. What
+        ``ready()`` itself raised (a model that does not load) is raised, and so is a
+        death when none is ready or no supervisor restarts instances."""
+        from ray.exceptions import RayActorError
+
+        answers = await asyncio.gather(
+            *(i.wait_ready() for i in self.instances), return_exceptions=True
+        )
+        infos = [a for a in answers if isinstance(a, dict)]
+        for inst, answer in zip(self.instances, answers, strict=True):
+            if not isinstance(answer, BaseException):
+                continue
+            if not isinstance(answer, RayActorError) or not infos or self.supervisor is None:
+                raise answer
+            why = f"instance {inst.name} died before it was ready: {first_line(answer)}"
+            self._on_dead(inst, why)
         self.validator = RequestValidator(
             self.tokenizer,
             ModelLimits(
@@ -170,7 +187,8 @@ class RouterCore:
             ),
         )
         for inst in self.instances:
-            inst.start_feed(self._on_updates, self._on_dead, self._on_live)
+            if inst.dead is None:  # a dead one's feed starts when it is readmitted
+                inst.start_feed(self._on_updates, self._on_dead, self._on_live)
         self.stalls.start(self.streams)
         self._health_changed()
         return infos

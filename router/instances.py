@@ -100,12 +100,15 @@ class Instance:
         return max(self.load.outstanding, reported)
 
     async def wait_ready(self) -> dict:
-        self.info = await self.handle.ready.remote()
-        self.capacity = self.info["max_batch_size"]
-        self.load.total_blocks = self.load.free_blocks = self.info["num_blocks"]
-        self.load.block_size = self.info["block_size"]
-        self.ready = True
+        self._take(await self.handle.ready.remote())
         return self.info
+
+    def _take(self, info: dict) -> None:
+        """An incarnation's ``ready()`` facts: what routing reads of it."""
+        self.info, self.capacity = info, info["max_batch_size"]
+        self.load.total_blocks = self.load.free_blocks = info["num_blocks"]
+        self.load.block_size = info["block_size"]
+        self.ready = True
 
     def hold(self, stream: RequestStream, prompt_tokens: int = 0) -> None:
         """The instance now holds (part of) this request's current attempt, and computes
@@ -206,13 +209,13 @@ class Instance:
     def readmit(self, handle, generation: int, info: dict) -> None:
         """A new incarnation answered ``ready()``: back in routing, with nothing held (the
         placement ended the old incarnation's attempts first, ``RouterCore.readmit``)."""
-        self.handle, self.generation, self.info = handle, generation, info
+        self.handle, self.generation = handle, generation
         self.dead, self.restarting, self.refused = None, False, False
         self.load.outstanding = self.load.running = self.load.queued = 0
         self.placed_since_frame = 0
         self._prompts.clear()
         self.load.prefill_tokens = 0
-        self.load.free_blocks = info["num_blocks"]
+        self._take(info)  # ready at last, for one that died while this router waited on it
         self.cache = CacheIndex()
 
     async def stats(self) -> dict:

@@ -37,6 +37,7 @@ REQUEST_FIELDS = (
     "transfer_ms",
     "attempts",
     "prefill",
+    "failures",
 )
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -91,6 +92,8 @@ def request_fields(stream: RequestStream, outcome: str) -> dict:
         "attempts": t.attempts,
         # hybrid mode: each attempt's prefill choice, "where:reason" (else empty)
         "prefill": [c.label for c in stream.attempt.choices],
+        # why each earlier attempt ended (attempts - 1 of them; else empty)
+        "failures": list(stream.attempt.failures),
     }
 
 
@@ -100,7 +103,7 @@ def log_request(stream: RequestStream, outcome: str) -> None:
         return
     fields = request_fields(stream, outcome)
     shown = " ".join(
-        f"{k}={','.join(v) if isinstance(v, list) else v}"
+        f"{k}={('; ' if k == 'failures' else ',').join(v) if isinstance(v, list) else v}"
         for k, v in fields.items()
         if k not in ("request_id", "outcome")
     )

@@ -252,8 +252,11 @@ def test_a_launch_removes_the_instances_a_crashed_one_left(chat_model):
 def test_a_call_waits_on_an_adoption_at_most_adopt_timeout_s(chat_model):
     """A restarted supervisor whose router does not answer (SIGSTOP) is still adopting
     (it waits on the router's stats); a call that needs the instances fails after
-    ``supervisor.adopt_timeout_s``, naming it, and is answered once the router is back;
-    then it adopts with the router's view and watches the instances again."""
+    ``supervisor.adopt_timeout_s``, naming it, and is answered once the router is back:
+    its keeper replaces the hung one, and the new incarnation holds every instance
+    ``starting`` until it has brought them up. Then the supervisor watches the instances
+    again, and an instance killed at once (while that router may still be bringing it
+    up) is restarted."""
     from pdserve.cluster import launch
 
     config = layout_config(chat_model, "colocated")
@@ -276,22 +279,30 @@ def test_a_call_waits_on_an_adoption_at_most_adopt_timeout_s(chat_model):
             with pytest.raises(TimeoutError, match=r"supervisor\.adopt_timeout_s=2 s"):
                 ray.get(cluster.supervisor.workers.remote(), timeout=30)
             took = time.monotonic() - asked
-        finally:  # the router's keeper may have replaced the stopped router meanwhile
+
+            def replaced() -> bool:
+                try:
+                    return cluster.router_pid(1.0) != router
+                except (ray.exceptions.RayError, TimeoutError):
+                    return False
+
+            assert wait_until(replaced, 60, interval_s=0.2), "the router was never replaced"
+        finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(router, signal.SIGCONT)
         assert 2.0 <= took < 15, took
 
         def adopted() -> bool:
-            # each call waits on the adoption for adopt_timeout_s: a router that takes
-            # longer to answer after SIGCONT (a loaded host) fails a call or two first
+            # each call waits on the adoption for adopt_timeout_s: a new router that takes
+            # longer to answer (a loaded host) fails a call or two first
             try:
                 return set(cluster.workers) == names
             except (ray.exceptions.RayError, TimeoutError):
                 return False
 
         assert wait_until(adopted, 60, interval_s=0.5), "the instances were never adopted"
-        # the router answers again (its keeper may have replaced the stopped one): the
-        # supervisor adopts, then watches (an instance killed now is restarted)
+        # the new router answers (before it has brought the instances up, perhaps): an
+        # instance killed now is restarted, whether that router or the watch sees it first
 
         def router_answers() -> bool:
             try:
