@@ -17,7 +17,9 @@ How: Ray runs ``install`` in each worker process as it starts
 (``worker_process_setup_hook``), which sets a profile function on the threads Python
 starts (``threading.setprofile``: the step loops, the update feeds, the router's event
 loop, gRPC's handler pool, the KV transport's threads) and waits for this script's
-commands in ``$PDSERVE_REQUEST_PATH_DIR``. Actor calls that Ray's own threads run
+commands in ``$PDSERVE_REQUEST_PATH_DIR``. The request's window closes ``SETTLE_S`` after its
+last token, so that its tail (the router's request line, the blocks freed) is not seen
+in the idle window on a loaded host. Actor calls that Ray's own threads run
 (pings, ``stats``) are not seen; the request's path does not take them.
 """
 
@@ -122,6 +124,9 @@ def _collect(folder: Path, name: str) -> set[str]:
     return files
 
 
+SETTLE_S = 1.0  # the request's window stays open this long after its last token
+
+
 def measure(config_path: Path, backend: str, folder: Path) -> dict:
     """Launch, warm up, record one request and an idle window; the files of the path."""
     import ray
@@ -158,6 +163,9 @@ def measure(config_path: Path, backend: str, folder: Path) -> dict:
         started = time.monotonic()
         chunks = list(client.generate(**ask))
         took = time.monotonic() - started
+        # what follows the last token (the request's log line, its blocks freed) is the
+        # request's: on a loaded host it can run a while after the client has it all
+        time.sleep(SETTLE_S)
         here.on = False
         _phase(folder, "dump request")
         request = _collect(folder, "request") | here.files

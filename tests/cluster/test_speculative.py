@@ -1,9 +1,10 @@
 """Speculative decoding (``<pool>.speculative``, engine/speculative.py) through real
 clusters: greedy and seeded sampled streams equal the offline engine without
-speculation, token for token, co-located, and disaggregated over gloo and over gRPC to a
-decode instance of tensor-parallel degree 2 guessing by suffix decoding, the decode
-pool verifying guesses; each stream's final timings report its guesses, and the
-instances' totals (/metrics) sum them; every block is free after."""
+speculation, token for token, co-located, disaggregated over gloo and over gRPC to a
+decode instance of tensor-parallel degree 2 guessing by suffix decoding, and hybrid,
+the decode pool verifying guesses (tests/cluster/test_supervision.py: after migration);
+each stream's final timings report its guesses, and the instances' totals (/metrics) sum
+them; every block is free after."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.cluster.test_disagg import disagg_config
 PROMPTS = [[7, 8, 9, 10] * 6, [40 + i % 13 for i in range(90)], [3, 5] * 20 + [200, 201]]
 
 
-@pytest.mark.parametrize("mode", ["colocated", "gloo", "grpc-decode-tp2"])
+@pytest.mark.parametrize("mode", ["colocated", "gloo", "grpc-decode-tp2", "hybrid"])
 def test_greedy_streams_equal_the_plain_engine(chat_model, mode, on_shared_ray):
     from pdserve.cluster import launch
 
@@ -29,7 +30,9 @@ def test_greedy_streams_equal_the_plain_engine(chat_model, mode, on_shared_ray):
         pool = config["colocated"]
     else:
         backend = mode.split("-")[0]
-        config = disagg_config(chat_model, backend, backend == "gloo", 1)
+        config = disagg_config(chat_model, "gloo" if backend == "hybrid" else backend, True, 1)
+        if backend == "hybrid":  # a tiny TPOT objective: prompts go local and remote both
+            config.update(mode="hybrid", slo={"ttft_ms": 60_000, "tpot_ms": 0.001})
         config["prefill"]["resources"] = {"num_cpus": 0.5}
         pool = config["decode"]
         pool.update(resources={"num_cpus": 0.5}, tensor_parallel=2 if "tp2" in mode else 1)

@@ -1,6 +1,7 @@
 """An instance killed under its streams (a real SIGKILL to its real process; a decode
 instance also SIGSTOPped): every stream continues on another instance and ends exactly
-as an uninterrupted run (greedy and seeded sampling, with penalties and logprobs), the
+as an uninterrupted run (greedy and seeded sampling, with penalties and logprobs; the
+co-located and decode pools speculating, so their guesses survive migration too), the
 supervisor restarts the
 instance and the router takes it back, and no KV block stays held. Each test on a
 cluster of its own."""
@@ -132,13 +133,20 @@ def survive(cluster, role: str, sig=signal.SIGKILL, rank: int = 0) -> str:
     return victim
 
 
+def guessed(cluster) -> int:
+    """Guessed tokens the instances verified (the victim's count died with it)."""
+    return sum(i.get("guessed_tokens_total", 0) for i in cluster.stats()["instances"])
+
+
 def test_colocated_streams_survive_their_instance(chat_model):
     from pdserve.cluster import launch
 
     config = small_cluster_config(chat_model, policy="round_robin")
+    config["colocated"]["speculative"] = {"method": "ngram", "num_tokens": 3}
     config["supervisor"] = SUPERVISOR
     with launch(config) as cluster:
         victim = survive(cluster, "colocated")
+        assert guessed(cluster) > 0
         back_in_service(cluster, victim)
         seconds_until_blocks_free(cluster)
         with cluster.client() as client:  # both instances serve again
@@ -153,9 +161,11 @@ def test_disaggregated_streams_survive_their_decode_instance(chat_model, sig):
 
     config = disagg_config(chat_model, "gloo", True, 1)
     config["decode"].update(instances=2, resources={"num_cpus": 0.5})
+    config["decode"]["speculative"] = {"method": "suffix", "num_tokens": 3}
     config["supervisor"] = SUPERVISOR
     with launch(config) as cluster:
         victim = survive(cluster, "decode", sig)
+        assert guessed(cluster) > 0
         back_in_service(cluster, victim)
         seconds_until_blocks_free(cluster)
 

@@ -62,7 +62,8 @@ def test_queued_prompt_tokens_are_charged_and_discharged_once_per_attempt():
     assert inst.release("b#0.x")  # released before its prompt was done: discharged
     assert (inst.load.prefill_tokens, inst.load.outstanding) == (0, 1)
     inst.hold(held("d", "d#0.x"), prompt_tokens=7)
-    inst.readmit(None, 1, {"num_blocks": 10})  # a new incarnation holds nothing
+    info = {"num_blocks": 10, "block_size": 16, "max_batch_size": 8}
+    inst.readmit(None, 1, info)  # a new incarnation holds nothing
     assert inst.load.prefill_tokens == 0
     inst.prompt_done("d#0.x")  # the old incarnation's charge is gone, not subtracted again
     assert inst.load.prefill_tokens == 0
