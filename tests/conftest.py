@@ -49,14 +49,15 @@ HEAVY = {
     "tests/bench": ["test_peers", "test_ray_calls", "test_router_replicas",
                     "test_served_step", "test_serving_overhead"],
     "tests/kv_transfer": ["test_closed", "test_handoff", "test_integrity"],
-    "tests/loadgen": ["test_compare", "test_endpoint", "test_multiturn", "test_runner"],
+    "tests/loadgen": ["test_compare", "test_endpoint", "test_multiturn", "test_runner",
+                      "test_trace_bench"],
     "tests/planner": ["test_served"],
     "tests/router": ["test_admission", "test_cancellation", "test_front_ends", "test_fuzz",
                      "test_http_api", "test_imports", "test_logprobs", "test_openai_api",
                      "test_router_limits", "test_router_security", "test_slow_clients",
                      "test_streaming", "test_structured_api", "test_tools_api"],
     "tests": ["test_cli", "test_hf_parity", "test_packaging", "test_resume", "test_resume_workers",
-              "test_tensor_parallel"],
+              "test_speculative_sampling", "test_tensor_parallel"],
 }  # fmt: skip
 _HEAVY_FILES = {f"{d}/{name}.py" for d, names in HEAVY.items() for name in names}
 
