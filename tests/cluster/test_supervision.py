@@ -1,7 +1,7 @@
 """An instance killed under its streams (a real SIGKILL to its real process; a decode
 instance also SIGSTOPped): every stream continues on another instance and ends exactly
 as an uninterrupted run (greedy and seeded sampling, with penalties and logprobs; the
-co-located and decode pools speculating, so their guesses survive migration too), the
+co-located pool speculating, so its guesses survive migration too), the
 supervisor restarts the
 instance and the router takes it back, and no KV block stays held. Each test on a
 cluster of its own."""
@@ -161,11 +161,9 @@ def test_disaggregated_streams_survive_their_decode_instance(chat_model, sig):
 
     config = disagg_config(chat_model, "gloo", True, 1)
     config["decode"].update(instances=2, resources={"num_cpus": 0.5})
-    config["decode"]["speculative"] = {"method": "suffix", "num_tokens": 3}
     config["supervisor"] = SUPERVISOR
     with launch(config) as cluster:
         victim = survive(cluster, "decode", sig)
-        assert guessed(cluster) > 0
         back_in_service(cluster, victim)
         seconds_until_blocks_free(cluster)
 
