@@ -2,40 +2,48 @@
 ngram, suffix) against the same engine without it, in one run, on the embedded model,
 greedy:
 
-    .venv/bin/python -m pdserve.bench.speculative [--tokens 128] [--k 2] [--rounds 3]
+    .venv/bin/python -m pdserve.bench.speculative [--tokens 128] [--k 2] [--rounds 3] \
+        [--batches 1,16] [--llama-cpp-venv PATH]
 
 Workloads: ``repeat``, HumanEval problems the model is asked to repeat with comments
 (its answer copies long spans of the prompt: where drafts hold), and ``chat``, ShareGPT
-first turns (where they mostly do not). Each at batch 1 (the first problem or turn) and
-16 (the first 16), best of ``--rounds`` alternating rounds; each round of ``suffix``
-starts with no counts from earlier requests (the rounds repeat the same prompts, whose
-outputs it would otherwise guess whole). Reported per cell: decode
-tokens a second (output tokens after each
-request's first, over the steps after the last prompt was computed), the ratio to the
-plain engine, and tokens per request-step. Checks: the outputs are the plain engine's,
-token for token (greedy), and a speculative step never yields fewer tokens than a plain
-one.
+first turns (where they mostly do not). Each at batch 1 (the first problem or turn)
+and 16 (the first 16; ``--batches``), best of ``--rounds`` alternating rounds; each
+round of ``suffix`` starts with no counts from earlier requests (the rounds repeat the
+same prompts, whose outputs it would otherwise guess whole). Reported per cell: decode
+tokens a second (output tokens after each request's first, over the steps after the
+last prompt was computed), the ratio to the plain engine, and tokens per request-step.
+Checks: the outputs are the plain engine's, token for token (greedy), and a speculative
+step never yields fewer tokens than a plain one. With ``--llama-cpp-venv`` (a venv
+where llama-cpp-python imports), llama.cpp on the GGUF file runs each workload's
+batch-1 prompt alone and with its prompt-lookup decoding (bench/speculative_llama_cpp.py,
+a process of its own), the ratio printed only where the two outputs are equal.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
 from pdserve.engine import LLM, SamplingParams, native
+from pdserve.engine.checkpoint import alias_path
 from pdserve.engine.guessers import GUESSERS, make_guesser
 from pdserve.loadgen.datasets import humaneval_pairs, sharegpt_pairs
 
 MODEL = "smollm2-135m"
+LLAMA_CPP = Path(__file__).with_name("speculative_llama_cpp.py")
 
 
-def workloads(llm: LLM) -> dict[str, list[list[int]]]:
+def workloads(llm: LLM) -> dict[str, list[str]]:
     """Chat-templated prompts of each workload, 16 each."""
 
-    def chat(text: str) -> list[int]:
+    def chat(text: str) -> str:
         return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
 
     repeat = [
@@ -46,7 +54,7 @@ def workloads(llm: LLM) -> dict[str, list[list[int]]]:
     return {"repeat": repeat, "chat": talk}
 
 
-def decode(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list, float, int]:
+def decode(llm: LLM, prompts: list[str], tokens: int) -> tuple[list, float, int]:
     """The outputs of ``prompts``, the seconds of the steps after every prompt was
     computed, and the request-steps in them."""
     engine = llm.engine
@@ -93,6 +101,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2, help="guessed tokens a step verifies")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="rounds per cell (best of)")
+    ap.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
+    ap.add_argument("--llama-cpp-venv", type=Path, help="a venv where llama_cpp imports")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     plain = LLM(MODEL, enable_prefix_caching=False)
@@ -106,7 +116,7 @@ def main() -> None:
         f"max_tokens {args.tokens}, k={args.k}"
     )
     for name, prompts in workloads(plain).items():
-        for batch in (1, 16):
+        for batch in map(int, args.batches.split(",")):
             cell = prompts[:batch]
             rates: dict[str, tuple] = {}
             for r in range(args.rounds):  # alternating, the best of each
@@ -132,6 +142,34 @@ def main() -> None:
 
     cost = ", ".join(f"{b}: {ms:.2f}" for b, ms in rows_ms(plain).items())
     print(f"a plain decode step by rows (ms): {cost}")
+    if args.llama_cpp_venv is None:
+        print("llama.cpp skipped: no --llama-cpp-venv given")
+    else:
+        # the same token ids (the chat template's text as the engine encodes it)
+        cells = {name: plain.tokenizer.encode(p[0]) for name, p in workloads(plain).items()}
+        llama_cpp(args, cells)
+
+
+def llama_cpp(args: argparse.Namespace, cells: dict[str, list[int]]) -> None:
+    """llama.cpp alone and with its prompt lookup on each batch-1 prompt (module
+    docstring), printed; a ratio only where the two outputs are equal."""
+    python = str(args.llama_cpp_venv / "bin" / "python")
+    command = [python, "-P", str(LLAMA_CPP), "--model", str(alias_path(MODEL))]
+    command += ["--k", str(args.k), "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
+    command += ["--threads", str(args.threads)]
+    print("  llama.cpp: running its driver", flush=True)
+    done = subprocess.run(command, input=json.dumps(cells), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"llama.cpp driver failed:\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout)
+    print(f"llama.cpp {result['version']}, {result['threads']} threads, Q4_1 GGUF, k={args.k}:")
+    for name, cell in result["cells"].items():
+        line = f"{name:>6} batch  1: plain {cell['plain']:7.1f} tok/s, lookup "
+        if cell["same"]:
+            line += f"{cell['lookup']:7.1f} ({cell['lookup'] / cell['plain']:.2f}x)"
+        else:  # not the same tokens: its rate is not comparable
+            line += "output differs from its plain output (no ratio)"
+        print(line)
 
 
 if __name__ == "__main__":
