@@ -88,7 +88,7 @@ class SuffixDecoding(Guesser):
             if nxt is None:
                 break
             out.append(nxt)
-            context = [*context[1 - DEPTH :], nxt] if len(context) >= DEPTH else [*context, nxt]
+            context = [*context, nxt][-DEPTH:]
         return out
 
     def _next(self, counts: Counts, context: list[int]) -> int | None:

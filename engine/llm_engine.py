@@ -541,7 +541,8 @@ class LLMEngine:
             ok = room > 0 and drafts_for(r, k, context)
             length = min(room, draft_length(r.guesses, k)) if ok else 0
             r.draft = self.guesser.guess(r, length) if length else []
-            r.guesses.idle += ok and not length  # its guesses did not pay lately
+            if ok and not length:  # its guesses did not pay lately
+                r.guesses.idle += 1
 
     @staticmethod
     def _take_prompt_logprobs(request: Request) -> list[Logprobs | None] | None:

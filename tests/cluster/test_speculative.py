@@ -30,7 +30,8 @@ def test_greedy_streams_equal_the_plain_engine(chat_model, mode, on_shared_ray):
         pool = config["colocated"]
     else:
         backend = mode.split("-")[0]
-        config = disagg_config(chat_model, "gloo" if backend == "hybrid" else backend, True, 1)
+        transport = "gloo" if backend == "hybrid" else backend
+        config = disagg_config(chat_model, transport, transport == "gloo", 1)
         if backend == "hybrid":  # a tiny TPOT objective: prompts go local and remote both
             config.update(mode="hybrid", slo={"ttft_ms": 60_000, "tpot_ms": 0.001})
         config["prefill"]["resources"] = {"num_cpus": 0.5}
