@@ -240,7 +240,7 @@ class HttpApi:
         front = {"api": "chat" if chat else "completions", "include_usage": read.include_usage}
         stream = await self.core.open_stream(read.request, arrival, deadline, owner, front)
         shape = None
-        if stream.params.logprobs is not None:
+        if stream.params.logprobs is not None and read.show_logprobs:
             shape = LogprobsShape(chat, self.core.tokenizer)
         tools = None
         if read.request.tools and read.request.tool_choice != "none":
@@ -272,7 +272,7 @@ class HttpApi:
                     for i in range(1, len(streams))
                 ]
                 if not read.stream:
-                    return await http_choices.whole(streams, replies, prefix)
+                    return await http_choices.whole(streams, replies, prefix, read.best_of_keep)
                 return await http_choices.streamed(
                     request,
                     streams,

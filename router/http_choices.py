@@ -4,8 +4,12 @@ under its ``index`` (docs/serving.md, "Several choices").
 
 Whole: one object whose ``choices`` are the n replies' (router/openai_shapes.py
 ``Reply(index=i)``), in index order; usage counts the prompt once and every choice's
-tokens. Streamed: each choice's chunks as its deltas arrive, interleaved (chat's role
-chunk first for each), then one usage chunk when asked. A choice that fails ends the
+tokens. With completions' ``best_of`` past n, the streams are best_of choices and the
+object holds the n with the highest mean logprob per token (OpenAI's "best"), best
+first, indexed 0 .. n - 1; usage counts every choice generated.
+
+Streamed: each choice's chunks as its deltas arrive, interleaved (chat's role chunk
+first for each), then one usage chunk when asked. A choice that fails ends the
 response: a 500 before any output, an error event once streaming (as one choice's
 failure does with n = 1); a refusal (deadline) likewise. No event ids: a request of
 several choices is not resumed by ``after`` (``GET /v1/requests/{id}/stream``).
@@ -35,8 +39,11 @@ def usage(streams: list[RequestStream]) -> dict:
     return usage_object(Usage(first.prompt_tokens, tokens, first.cached_tokens))
 
 
-async def whole(streams: list[RequestStream], replies: list[Reply], prefix: str) -> web.Response:
-    """The response of a request not streamed: every choice read to its end."""
+async def whole(
+    streams: list[RequestStream], replies: list[Reply], prefix: str, keep: int | None = None
+) -> web.Response:
+    """The response of a request not streamed: every choice read to its end; ``keep``:
+    only that many, the best (completions' ``best_of``: every delta carries logprobs)."""
     texts = [prefix] * len(streams)
     logprobs: list[list] = [[] for _ in streams]
     ends: list[str | None] = [None] * len(streams)
@@ -47,9 +54,20 @@ async def whole(streams: list[RequestStream], replies: list[Reply], prefix: str)
         logprobs[i] += delta.logprobs or []
         ends[i] = delta.finish_reason
     total = usage(streams)
-    objects = [r.whole(texts[i], ends[i] or "", total, logprobs[i]) for i, r in enumerate(replies)]
+    order = list(range(len(streams)))
+    if keep is not None:
+        order = sorted(order, key=lambda i: -mean_logprob(logprobs[i]))[:keep]
+    objects = [
+        r.whole(texts[i], ends[i] or "", total, logprobs[i])
+        for r, i in zip(replies, order, strict=False)
+    ]
     out = {**objects[0], "choices": [o["choices"][0] for o in objects]}
     return web.json_response(out, headers={REQUEST_ID: streams[0].request_id})
+
+
+def mean_logprob(logprobs: list) -> float:
+    """A choice's log probability per token (-inf for one with no token)."""
+    return sum(lp.logprob for lp in logprobs) / len(logprobs) if logprobs else float("-inf")
 
 
 async def streamed(

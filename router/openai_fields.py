@@ -8,7 +8,7 @@ it is refused as unknown (naming the key), as vLLM's strict mode does:
 - ``READ``: parsed by router/openai_request.py into the core's request or the reply;
 - ``METADATA``: type-checked and ignored (it changes nothing about the answer);
 - ``FIXED``: OpenAI features pdserve does not implement. Each accepts ``null`` and the
-  values that ask for what pdserve does anyway (``best_of: 1``, ``logit_bias: {}``); any other value
+  values that ask for what pdserve does anyway (``logit_bias: {}``, ``suffix: ""``); any other value
   is refused with a 400 naming the field, never silently ignored.
 
 The same holds for the keys of one chat message (``MESSAGE_*``).
@@ -56,7 +56,8 @@ _COMMON_READ = (
     "response_format",
     "structured_outputs",
 )
-COMPLETIONS_READ = frozenset((*_COMMON_READ, "prompt", "echo"))
+# best_of: the n of best_of choices with the highest mean logprob (not streamed)
+COMPLETIONS_READ = frozenset((*_COMMON_READ, "prompt", "echo", "best_of"))
 CHAT_READ = frozenset(
     (
         *_COMMON_READ,
@@ -78,7 +79,6 @@ _COMMON_FIXED = {
 }
 COMPLETIONS_FIXED = {
     **_COMMON_FIXED,
-    "best_of": Fixed((1,), "one sequence per request"),
     "suffix": Fixed(("",), "insertion (a suffix after the completion) is not implemented"),
 }
 CHAT_FIXED = {

@@ -16,7 +16,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Literal, overload
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS
+from pdserve.engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS
 from pdserve.router.openai_fields import MESSAGE_FIXED, MESSAGE_READ, fields, same
 from pdserve.router.openai_guide import BadGuide, read_guide
 from pdserve.router.openai_tools import BadTools, message_calls, read_tools
@@ -49,6 +49,13 @@ class OpenAIRequest:
     # vLLM's prompt_logprobs: the reply's prompt_logprobs with this many alternatives
     # per prompt token (None: not asked; echo with logprobs puts them in ``logprobs``)
     prompt_logprobs: int | None = None
+    # completions' best_of past n: the request generates best_of choices (sampling.n) and
+    # the reply holds the n of them with the highest mean logprob per token
+    # (router/http_choices.py); None: every choice generated is returned
+    best_of_keep: int | None = None
+    # whether the reply shows each token's logprobs: False where only best_of asked the
+    # engine for them (logprobs 0, to rank the choices)
+    show_logprobs: bool = True
 
 
 def show(value) -> str:
@@ -121,6 +128,11 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
     )
     n = _number(body, "n", integer=True)
     req.sampling.n = 1 if n is None else n
+    stream = _flag(body, "stream")
+    keep, show_logprobs = None, True
+    best_of = None if chat else _number(body, "best_of", integer=True)
+    if best_of is not None and best_of != req.sampling.n:
+        keep, show_logprobs = _best_of(best_of, req.sampling, stream)
     try:
         req.sampling.guide, req.sampling.guide_field = read_guide(body)
     except BadGuide as e:
@@ -140,12 +152,37 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
     return OpenAIRequest(
         request=req,
         model=requested_model(body),
-        stream=_flag(body, "stream"),
+        stream=stream,
         include_usage=_include_usage(body.get("stream_options")),
         echo=echo,
         timeout_s=_timeout(body.get("timeout")),
         prompt_logprobs=prompt_logprobs,
+        best_of_keep=keep,
+        show_logprobs=show_logprobs,
     )
+
+
+def _best_of(best_of: int, sampling: SamplingOptions, stream: bool) -> tuple[int, bool]:
+    """Completions' ``best_of`` past ``n`` (OpenAI's: best_of choices generated, the n
+    with the highest log probability per token returned, not streamed): ``sampling``
+    now asks for best_of choices, with each token's logprob (``logprobs`` 0 unless more
+    were asked). Returns the n to keep and whether the reply shows logprobs."""
+    n = sampling.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n={n!r}: must be an integer in [1, {MAX_CHOICES}]", "n")
+    if not n < best_of <= MAX_CHOICES:
+        raise BadRequest(
+            f"best_of={best_of!r}: must be an integer in [n, {MAX_CHOICES}] (n={n!r})", "best_of"
+        )
+    if stream:
+        raise BadRequest(
+            f"best_of={best_of!r}: choices kept from more than n={n!r} cannot be streamed "
+            "(stream must be false)",
+            "best_of",
+        )
+    shown = sampling.logprobs is not None
+    sampling.n, sampling.logprobs = best_of, sampling.logprobs if shown else 0
+    return n, shown
 
 
 def _check_keys(body: dict, chat: bool) -> None:

@@ -8,6 +8,8 @@ gloo and gRPC.
   grows by the prompt, not four prompts) and, disaggregated, transferred once (the
   decode instance's ``kv_bytes_total`` grows by one prompt's KV, the layout formula);
 - usage counts the prompt once and every choice's tokens;
+- ``best_of`` past ``n``: the n choices with the highest mean logprob of the best_of
+  the same request generates with ``n = best_of`` (ranked from their logprobs);
 - a stream of n choices whose decode instance is SIGKILLed mid-way: every choice ends
   as the uninterrupted run (each migrates alone);
 - every block is free after each scenario."""
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import threading
 from collections import defaultdict
 
@@ -109,6 +112,22 @@ def test_each_choice_is_the_request_alone_with_its_seed(chat_model, shape, on_sh
                 streamed[c.index] += c.text
         assert [streamed[i] for i in range(N)] == texts
         assert [grpc_choices(cluster, N)[i] for i in range(N)] == texts
+        # best_of: the N choices generated, the 2 with the highest mean logprob returned
+        scored = api.completions.create(
+            model=chat_model, prompt=PROMPT, n=N, seed=SEED, logprobs=0, **SAMPLED
+        )
+        assert [c.text for c in scored.choices] == texts  # logprobs change no draw
+        means = [statistics.fmean(c.logprobs.token_logprobs) for c in scored.choices]
+        ranked = sorted(range(N), key=lambda i: -means[i])
+        best = api.completions.create(
+            model=chat_model, prompt=PROMPT, n=2, best_of=N, seed=SEED, **SAMPLED
+        )
+        assert [(c.index, c.text) for c in best.choices] == [
+            (0, texts[ranked[0]]),
+            (1, texts[ranked[1]]),
+        ]
+        assert all(c.logprobs is None for c in best.choices)  # not asked: not shown
+        assert best.usage.completion_tokens == 12 * N  # every choice generated
         chat = api.chat.completions.create(
             model=chat_model, messages=[{"role": "user", "content": "Name a color."}], n=3,
             seed=SEED, **SAMPLED,

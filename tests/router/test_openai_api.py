@@ -19,7 +19,7 @@ from pdserve.router.openai_fields import CHAT_FIXED, COMPLETIONS_FIXED
 
 IDS = [5, 9, 33, 81]
 # one value per unimplemented field that asks for what pdserve does not do
-REFUSED = {"best_of": 3, "logit_bias": {"5": 10}, "suffix": "end",
+REFUSED = {"logit_bias": {"5": 10}, "suffix": "end",
            "functions": [{"name": "f"}], "function_call": "auto",
            "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
            "prediction": {"type": "content", "content": "x"}, "store": True}  # fmt: skip
@@ -81,6 +81,23 @@ def test_every_unimplemented_field_is_refused_naming_it(http, chat_model):
             assert "not supported" in error["message"], error
         error = error_of(post(http, path, make(chat_model, best_effort=True)), 400)
         assert error["param"] == "best_effort" and "unknown field" in error["message"]
+
+
+def test_best_of_is_checked_against_n_and_streaming(http, chat_model):
+    for fields, why in (
+        (dict(n=3, best_of=2), "must be an integer in [n, 16] (n=3)"),
+        (dict(best_of=17), "must be an integer in [n, 16] (n=1)"),
+        (dict(best_of=2, stream=True), "cannot be streamed"),
+    ):
+        error = error_of(post(http, "/v1/completions", completion(chat_model, **fields)), 400)
+        assert error["param"] == "best_of" and why in error["message"], (fields, error)
+    error = error_of(post(http, "/v1/completions", completion(chat_model, n=0, best_of=2)), 400)
+    assert error["param"] == "n", error
+    error = error_of(post(http, "/v1/chat/completions", chat(chat_model, best_of=2)), 400)
+    assert error["param"] == "best_of" and "unknown field" in error["message"], error
+    # best_of == n asks for nothing more (streamed too)
+    r = post(http, "/v1/completions", completion(chat_model, n=2, best_of=2, stream=True))
+    assert r.status_code == 200, r.text
 
 
 def test_the_values_that_ask_for_what_pdserve_does_are_served(http, chat_model):
