@@ -7,7 +7,8 @@ for a request with a ``guide``: the tokens the grammar forbids get -inf,
 engine/structured.py; the masks are packed bits, one int32 per 32 tokens, and a greedy
 guided row is chosen in one native pass over its logits and bits, no row copied) ->
 penalties (only when the request sets one: repetition, then
-frequency and presence) -> greedy argmax, or temperature, top-k, top-p and a draw.
+frequency and presence) -> greedy argmax, or temperature, top-k, top-p and a draw
+(``_candidates``, ``_inverse_cdf``: one uniform per token drawn).
 Logprobs are the log-softmax of the raw row, whatever changed it for the choice; a
 prompt's (``prompt_logprobs``) are those of the prompt's own positions. A
 request that sets no guide, penalties or logprobs costs what it did before, whatever
@@ -33,6 +34,7 @@ from pdserve.engine.request import Request
 
 _MASK64 = (1 << 64) - 1
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+NUCLEUS_PROBE = 256  # top-p: the most likely tokens looked at before the whole row
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -103,12 +105,13 @@ class Sampler:
         row = penalize(row, request) if p.penalized else row
         if p.greedy:
             return int(row.argmax())
-        probs = _filtered_probs(row, p.temperature, p.top_k, p.top_p)
+        weights, ids = _candidates(row, p.temperature, p.top_k, p.top_p)
         gen = self.generator
         if seed is not None:
             position = request.num_output_tokens + ahead
             gen = torch.Generator().manual_seed(position_seed(seed, position))
-        return int(torch.multinomial(probs, 1, generator=gen))
+        i = _inverse_cdf(weights, gen)
+        return i if ids is None else int(ids[i])
 
     def verify(self, rows: torch.Tensor, request: Request) -> list[int]:
         """A sampled request's draws over its speculative step's rows [1 + len(draft), V]
@@ -176,23 +179,50 @@ def _masked_row(row: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return row.masked_fill(~allowed, float("-inf"))
 
 
-def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float):
+def _candidates(
+    row: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a sampled draw chooses among: (weights, ids), the probabilities (not
+    renormalized) of the tokens temperature, top-k and top-p keep, and those tokens'
+    ids; ids None: ``weights`` covers the whole vocabulary, index = token id.
+
+    top-p keeps the most likely tokens, in descending order, until the mass before one
+    reaches ``top_p`` (the first always). Only the ``NUCLEUS_PROBE`` most likely are
+    sorted (``topk``) when they hold ``top_p`` of the mass, which settles where the
+    nucleus ends; the whole row only otherwise (a sort of the vocabulary costs more than
+    the rest of the draw, docs/performance.md)."""
     # a temperature past float32's range would be inf in the division, and a masked
     # token's -inf / inf is NaN: float32's largest finite number divides to the same ~0
     row = row / min(temperature, _FLOAT32_MAX)
-    if 0 < top_k < row.numel():
+    vocab = row.numel()
+    if 0 < top_k < vocab:
         kth = torch.topk(row, top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p, and always the first token
-        # (a top_p below float32's range compares as 0, which would drop every token)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
-        drop[0] = False
-        sorted_probs[drop] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs / sorted_probs.sum())
-    return probs
+    if top_p >= 1.0:
+        return probs, None
+    values, ids = torch.topk(probs, min(NUCLEUS_PROBE, vocab))
+    mass = values.cumsum(0)
+    if len(values) < vocab and float(mass[-1]) < top_p:
+        values, ids = probs.sort(descending=True)
+        mass = values.cumsum(0)
+    # a top_p below float32's range compares as 0, which would drop every token: the
+    # first is kept whatever the mass before it
+    kept = max(1, int((mass - values < top_p).sum()))
+    return values[:kept], ids[:kept]
+
+
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """An index drawn with probability ``weights[i] / weights.sum()``: one uniform u from
+    ``generator``, the first index whose cumulative weight (float64) passes u times the
+    total. A zero weight is never drawn (its cumulative weight equals the one before).
+    One draw of the generator per token sampled, where ``torch.multinomial`` draws one
+    per vocabulary entry."""
+    cdf = torch.cumsum(weights, 0, dtype=torch.float64)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    # u * total rounded up to the total: the last token with a weight
+    return i if i < len(cdf) else int(torch.nonzero(weights)[-1])
 
 
 def penalize(row: torch.Tensor, request: Request) -> torch.Tensor:

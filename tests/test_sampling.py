@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.sampler import _filtered_probs
+from pdserve.engine.sampler import NUCLEUS_PROBE, _candidates, _inverse_cdf
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +42,34 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm):
         assert llm.generate(PROMPT, p)[0].token_ids == greedy
 
 
-def test_filtered_probs_keep_the_right_tokens():
+def test_candidates_keep_the_right_tokens():
+    def kept(logits, **cut) -> list[int]:
+        weights, ids = _candidates(logits, 1.0, **cut)
+        tokens = range(len(weights)) if ids is None else ids.tolist()
+        return sorted(t for t, w in zip(tokens, weights.tolist(), strict=True) if w > 0)
+
     logits = torch.tensor([3.0, 1.0, 2.0, 0.0])
-    probs = _filtered_probs(logits, 1.0, top_k=2, top_p=1.0)
-    assert (probs > 0).tolist() == [True, False, True, False]
+    assert kept(logits, top_k=2, top_p=1.0) == [0, 2]
     full = torch.softmax(logits, -1)
     # top_p just above the largest probability keeps the two largest
-    probs = _filtered_probs(logits, 1.0, top_k=0, top_p=float(full[0]) + 1e-3)
-    assert (probs > 0).tolist() == [True, False, True, False]
-    assert torch.isclose(probs.sum(), torch.tensor(1.0))
+    assert kept(logits, top_k=0, top_p=float(full[0]) + 1e-3) == [0, 2]
+    assert kept(logits, top_k=0, top_p=1e-30) == [0]  # the first, always
+    # past NUCLEUS_PROBE tokens: a flat row whose nucleus is most of the vocabulary (the
+    # whole row sorted) and a peaked one whose nucleus is two tokens (only the probe)
+    flat = torch.zeros(4 * NUCLEUS_PROBE)
+    assert len(kept(flat, top_k=0, top_p=0.5)) == 2 * NUCLEUS_PROBE
+    peaked = flat.clone()
+    peaked[[7, 900]] = 30.0
+    assert kept(peaked, top_k=0, top_p=0.9) == [7, 900]
+    assert kept(peaked, top_k=1, top_p=1.0) in ([7], [900], [7, 900])  # a tie: both stay
+
+
+def test_inverse_cdf_never_draws_a_zero_weight():
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    drawn = {_inverse_cdf(weights, gen) for _ in range(2000)}
+    assert drawn == {1, 3}
+    assert _inverse_cdf(torch.tensor([0.0, 0.0, 1e-45]), gen) == 2
 
 
 def test_sampling_follows_the_distribution(llm):
