@@ -77,13 +77,14 @@ def decode(llm: LLM, prompts: list[str], tokens: int) -> tuple[list, float, int]
 
 
 def rows_ms(llm: LLM, rows: tuple[int, ...] = (1, 2, 3, 5, 8)) -> dict[int, float]:
-    """Median ms of a plain decode step of ``rows`` requests at ~300 tokens of context:
-    what verifying that many rows of one request costs."""
+    """Median ms of a plain greedy decode step of ``rows`` requests at ~300 tokens of
+    context: what verifying that many rows of one greedy request costs."""
     engine, out = llm.engine, {}
     for b in rows:
         for i in range(b):
             prompt = [100 + (i + j) % 50 for j in range(300)]
-            engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=17, ignore_eos=True))
+            params = SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)
+            engine.add_request(f"w{i}", prompt, params)
         times = []
         while engine.has_unfinished_requests():
             prefilling = engine.has_prompts_to_compute()

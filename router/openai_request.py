@@ -129,10 +129,6 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
     n = _number(body, "n", integer=True)
     req.sampling.n = 1 if n is None else n
     stream = _flag(body, "stream")
-    keep, show_logprobs = None, True
-    best_of = None if chat else _number(body, "best_of", integer=True)
-    if best_of is not None and best_of != req.sampling.n:
-        keep, show_logprobs = _best_of(best_of, req.sampling, stream)
     try:
         req.sampling.guide, req.sampling.guide_field = read_guide(body)
     except BadGuide as e:
@@ -149,6 +145,10 @@ def read_request(body: dict, chat: bool) -> OpenAIRequest:
     asked = (prompt_logprobs, req.sampling.logprobs if echo else None)
     wanted = [n for n in asked if n is not None]
     req.sampling.prompt_logprobs = max(wanted) if wanted else None
+    keep, show_logprobs = None, True
+    best_of = None if chat else _number(body, "best_of", integer=True)
+    if best_of is not None and best_of != req.sampling.n:
+        keep, show_logprobs = _best_of(best_of, req.sampling, stream)
     return OpenAIRequest(
         request=req,
         model=requested_model(body),
@@ -178,6 +178,12 @@ def _best_of(best_of: int, sampling: SamplingOptions, stream: bool) -> tuple[int
         raise BadRequest(
             f"best_of={best_of!r}: choices kept from more than n={n!r} cannot be streamed "
             "(stream must be false)",
+            "best_of",
+        )
+    if sampling.prompt_logprobs is not None:
+        raise BadRequest(
+            f"best_of={best_of!r}: prompt logprobs (prompt_logprobs, or echo with "
+            "logprobs) come with one choice; best_of must be n",
             "best_of",
         )
     shown = sampling.logprobs is not None

@@ -88,6 +88,8 @@ def test_best_of_is_checked_against_n_and_streaming(http, chat_model):
         (dict(n=3, best_of=2), "must be an integer in [n, 16] (n=3)"),
         (dict(best_of=17), "must be an integer in [n, 16] (n=1)"),
         (dict(best_of=2, stream=True), "cannot be streamed"),
+        (dict(best_of=2, echo=True, logprobs=1), "prompt logprobs"),
+        (dict(best_of=2, prompt_logprobs=0), "prompt logprobs"),
     ):
         error = error_of(post(http, "/v1/completions", completion(chat_model, **fields)), 400)
         assert error["param"] == "best_of" and why in error["message"], (fields, error)
@@ -95,6 +97,9 @@ def test_best_of_is_checked_against_n_and_streaming(http, chat_model):
     assert error["param"] == "n", error
     error = error_of(post(http, "/v1/chat/completions", chat(chat_model, best_of=2)), 400)
     assert error["param"] == "best_of" and "unknown field" in error["message"], error
+    # echo without logprobs asks for no prompt logprobs: best_of's own logprobs do not
+    r = post(http, "/v1/completions", completion(chat_model, best_of=2, echo=True))
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
     # best_of == n asks for nothing more (streamed too)
     r = post(http, "/v1/completions", completion(chat_model, n=2, best_of=2, stream=True))
     assert r.status_code == 200, r.text
