@@ -114,7 +114,8 @@ def test_bench_against_an_endpoint(chat_model, server, tmp_path):
             continue
         assert r["error"] is None and r["finish_reason"] == "length"
         assert r["completion_tokens"] == req.output_len
-        assert FIRST_S * 1e3 <= r["ttft_ms"] < FIRST_S * 1e3 + 200
+        # a generous bound on the event: a loaded host's client read it 1.5 s late once
+        assert FIRST_S * 1e3 <= r["ttft_ms"] < FIRST_S * 1e3 + 3000
         # the server sleeps GAP_S between chunks; the client reads them a little late or
         # early (a late first chunk shortens the mean gap), so the band is generous
         if req.output_len > 1:
