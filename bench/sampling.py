@@ -24,6 +24,7 @@ one uniform and a cumulative sum.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -36,9 +37,9 @@ MODEL = "smollm2-135m"
 SAMPLED = {"plain": dict(temperature=0.8), "top-p 0.95": dict(temperature=0.8, top_p=0.95)}
 
 
-def replaced_draw(row: torch.Tensor, temperature: float, top_k: int, top_p: float, gen) -> int:
-    """The draw engine/sampler.py made before (at 2bca1b3): the whole row's filtered
-    probabilities, top-p by a sort of the whole row, then ``torch.multinomial``."""
+def replaced_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """The distribution engine/sampler.py drew from before (at 2bca1b3): the whole row's
+    filtered probabilities, top-p by a sort of the whole row."""
     row = row / temperature
     if 0 < top_k < row.numel():
         row = row.masked_fill(row < torch.topk(row, top_k).values[-1], float("-inf"))
@@ -49,7 +50,12 @@ def replaced_draw(row: torch.Tensor, temperature: float, top_k: int, top_p: floa
         drop[0] = False
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs / sorted_probs.sum())
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return probs
+
+
+def replaced_draw(row: torch.Tensor, temperature: float, top_k: int, top_p: float, gen) -> int:
+    """The draw before: ``torch.multinomial`` over ``replaced_probs``."""
+    return int(torch.multinomial(replaced_probs(row, temperature, top_k, top_p), 1, generator=gen))
 
 
 def engine_draw(row: torch.Tensor, temperature: float, top_k: int, top_p: float, gen) -> int:
@@ -68,9 +74,9 @@ def check_distributions(draws: int = 40000) -> None:
     gen = torch.Generator().manual_seed(0)
     for name, kw in SAMPLED.items():
         t, p = kw["temperature"], kw.get("top_p", 1.0)
-        weights, ids = engine_sampler._candidates(row, t, 0, p)  # exact, by construction
-        exact = torch.zeros(12, dtype=torch.float64)
-        exact[torch.arange(12) if ids is None else ids] = weights.double() / weights.sum()
+        # the reference: the whole row's filtered distribution, computed apart from the
+        # engine's candidates
+        exact = replaced_probs(row.double(), t, 0, p)
         for label, draw in DRAWS.items():
             counts = torch.zeros(12, dtype=torch.float64)
             for _ in range(draws):
@@ -143,7 +149,6 @@ def main() -> None:
         old, new = costs["torch.multinomial (replaced)", name], costs["engine", name]
         print(f"  {name:>10}: replaced {old:8.1f}  engine {new:7.1f}  ({old / new:.1f}x)")
     print(f"\ndecode tok/s, 128-token contexts, {args.steps} steps, best of {args.repeats}:")
-    sampler = llm.engine.runner.sampler
     for name, kw in SAMPLED.items():
         for batch in (int(b) for b in args.batches.split(",")):
             best = {"greedy": 0.0, "engine": 0.0, "replaced": 0.0}
@@ -151,12 +156,8 @@ def main() -> None:
                 for label in best:
                     how = dict(temperature=0) if label == "greedy" else kw
                     p = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, seed=r, **how)
-                    if label == "replaced":
-                        sampler._draw = _patched(sampler)
-                    try:
+                    with replaced(label == "replaced"):
                         rate = decode(llm, batch, args.steps, p, f"{name}{batch}{label}{r}")
-                    finally:
-                        sampler.__dict__.pop("_draw", None)
                     best[label] = max(best[label], rate)
             if max(best["engine"], best["replaced"]) > 1.05 * best["greedy"]:
                 raise SystemExit(f"{name} batch {batch}: sampled faster than greedy: {best}")
@@ -168,21 +169,20 @@ def main() -> None:
             )
 
 
-def _patched(sampler):
-    """``Sampler._draw`` with the replaced draw at its end (penalties, seeds as before)."""
-
-    def draw(row, request, seed, ahead=0):
-        p = request.params
-        row = engine_sampler.penalize(row, request) if p.penalized else row
-        if p.greedy:
-            return int(row.argmax())
-        gen = sampler.generator
-        if seed is not None:
-            position = request.num_output_tokens + ahead
-            gen = torch.Generator().manual_seed(engine_sampler.position_seed(seed, position))
-        return replaced_draw(row, p.temperature, p.top_k, p.top_p, gen)
-
-    return draw
+@contextlib.contextmanager
+def replaced(on: bool):
+    """The engine sampler drawing the way it did before (``on``): its candidates the
+    whole filtered row, its draw ``torch.multinomial``; penalties and seeds as ever."""
+    if not on:
+        yield
+        return
+    candidates, inverse_cdf = engine_sampler._candidates, engine_sampler._inverse_cdf
+    engine_sampler._candidates = lambda row, t, k, p: (replaced_probs(row, t, k, p), None)
+    engine_sampler._inverse_cdf = lambda w, gen: int(torch.multinomial(w, 1, generator=gen))
+    try:
+        yield
+    finally:
+        engine_sampler._candidates, engine_sampler._inverse_cdf = candidates, inverse_cdf
 
 
 if __name__ == "__main__":

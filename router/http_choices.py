@@ -59,7 +59,7 @@ async def whole(
         order = sorted(order, key=lambda i: -mean_logprob(logprobs[i]))[:keep]
     objects = [
         r.whole(texts[i], ends[i] or "", total, logprobs[i])
-        for r, i in zip(replies, order, strict=False)
+        for r, i in zip(replies[: len(order)], order, strict=True)
     ]
     out = {**objects[0], "choices": [o["choices"][0] for o in objects]}
     return web.json_response(out, headers={REQUEST_ID: streams[0].request_id})
