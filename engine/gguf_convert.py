@@ -1,6 +1,8 @@
 """Convert a llama-architecture GGUF file into a HF folder (config.json,
 model.safetensors in float32, tokenizer files), cached on disk so that later
-loads skip the metadata parsing and dequantization."""
+loads skip the metadata parsing and dequantization. Finding the cached folder is light
+(the router resolves the model for its tokenizer): torch and safetensors load only to
+convert."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
 
 from pdserve.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 _DIRECT = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -95,8 +99,10 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
+    import torch
     from gguf import GGUFReader
     from gguf.quants import dequantize
+    from safetensors.torch import save_file
 
     reader = GGUFReader(str(gguf_path))
     fields = _fields(reader)

@@ -32,7 +32,7 @@ from pdserve.engine.guessers import make_guesser
 from pdserve.engine.kv_view import KVView
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import Logprobs, RequestOutput
+from pdserve.engine.outputs import Logprobs, RequestOutput, StepFailed
 from pdserve.engine.parallel import SINGLE, TensorParallel
 from pdserve.engine.prefilled import LastChunkHook, Prefilled
 from pdserve.engine.request import Request, RequestStatus
@@ -60,16 +60,6 @@ def load_model(model: str, config: EngineConfig, tp: TensorParallel = SINGLE):
 
 
 log = logging.getLogger(__name__)
-
-
-class StepFailed(Exception):
-    """A step of ``request_ids`` raised (the cause is chained): one request alone, or
-    under tensor parallelism, where the ranks may be out of step, every request of it.
-    Those requests are still in the engine; the caller fails (aborts) them."""
-
-    def __init__(self, request_ids: list[str]):
-        super().__init__(f"a step of {len(request_ids)} request(s) failed: {request_ids}")
-        self.request_ids = request_ids
 
 
 class LLMEngine:

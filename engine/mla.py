@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata, latent_decode_op
+from pdserve.engine.attention import latent_decode_op
+from pdserve.engine.attention.backend import AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.linear import linear
 from pdserve.engine.ops import Ops

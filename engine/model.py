@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.amx_gemm import amx_gemm
-from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_gemm import CpuGemm, PanelWeight, cpu_gemm
 from pdserve.engine.cpu_layer import CpuDecodeLayers

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.attention.backend import AttentionMetadata
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.request import Request

@@ -33,8 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import torch  # noqa: F401  (loads libgomp before any library here needs it)
-
 log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
@@ -158,6 +156,8 @@ def build(name: str, sources: tuple[Path, ...] = SOURCES, cache: Path | None = N
 
 @functools.cache
 def _load(name: str) -> ctypes.CDLL | None:
+    import torch  # noqa: F401  (loads libgomp before the library needs it)
+
     try:
         lib = ctypes.CDLL(str(build(name)))
     except (OSError, subprocess.SubprocessError) as e:

@@ -61,3 +61,13 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StepFailed(Exception):
+    """A step of ``request_ids`` raised (the cause is chained): one request alone, or
+    under tensor parallelism, where the ranks may be out of step, every request of it.
+    Those requests are still in the engine; the caller fails (aborts) them."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"a step of {len(request_ids)} request(s) failed: {request_ids}")
+        self.request_ids = request_ids

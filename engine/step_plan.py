@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.attention.backend import AttentionMetadata
 from pdserve.engine.parallel import TensorParallel
 
 HEADER = 9

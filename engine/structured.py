@@ -23,9 +23,12 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "regex", "choice", "grammar")
 CACHE = 64  # compiled guides kept per process
@@ -158,7 +161,7 @@ class Matcher:
         """Write the tokens the grammar allows next into ``row`` (int32 [ceil(V / 32)],
         contiguous, V the tokenizer's ``n_vocab``): token t at bit t % 32 of word t // 32.
         Once the grammar is complete (or dead), only the end-of-sequence tokens."""
-        assert row.dtype == torch.int32 and row.is_contiguous()
+        assert row.element_size() == 4 and not row.is_floating_point() and row.is_contiguous()
         self.inner.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
     def allows(self, token: int) -> bool:

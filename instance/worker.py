@@ -37,11 +37,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import torch
-
-from pdserve.engine import EngineConfig, LLMEngine
-from pdserve.engine.llm_engine import StepFailed
-from pdserve.engine.parallel import SINGLE, TensorParallel, serve_store
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.outputs import StepFailed
 from pdserve.engine.prefilled import LastChunkHook, Prefilled
 from pdserve.engine.scheduler import StepShape
 from pdserve.instance.component import Component
@@ -90,7 +87,15 @@ class EngineWorker:
         if components and kv is None:
             names = [c.__name__ for c in components]
             raise ValueError(f"kv=None: the components {names} of {name!r} need the KV config")
+        # torch and the engine load here, not with this module: every process that
+        # holds a handle to the actor (the router, the supervisor) loads its class
+        import torch
+
+        from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.engine.parallel import SINGLE, TensorParallel, serve_store
+
         torch.set_num_threads(max(1, num_threads))
+        self.threads = torch.get_num_threads()
         self.name, self.role = name, role
         config = EngineConfig(**engine_config)
         tp, self.ranks = SINGLE, []
@@ -175,7 +180,7 @@ class EngineWorker:
             "name": self.name,
             "role": self.role,
             "pid": os.getpid(),
-            "threads": torch.get_num_threads(),
+            "threads": self.threads,
             "max_context": e.max_context,
             "vocab_size": e.model_config.vocab_size,
             "num_blocks": e.kv_view().num_blocks,

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.attention.backend import AttentionMetadata
 from pdserve.engine.parallel import TensorParallel, serve_store
 from pdserve.engine.step_plan import StepPlan
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.llm_engine import StepFailed
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import RequestOutput, StepFailed
 from pdserve.engine.prefilled import Prefilled
 from pdserve.engine.reservation import Reservation
 from tests.test_step_isolation import POISON, poison

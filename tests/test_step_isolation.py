@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.llm_engine import StepFailed
+from pdserve.engine.outputs import StepFailed
 from pdserve.instance.messages import Attempt
 from pdserve.instance.worker import EngineWorker
 

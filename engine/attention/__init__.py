@@ -1,11 +1,16 @@
-"""Attention backends, chosen by name: ``torch`` (CPU and anywhere) or ``triton`` (CUDA)."""
+"""Attention backends, chosen by name: ``torch`` (CPU and anywhere) or ``triton`` (CUDA).
+The contract is ``backend.py``'s; this module names the backends and loads the one asked
+for, importing nothing heavy itself (the cluster's config checks names with it)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata
-from pdserve.engine.ops import Ops, TorchOps
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.attention.backend import AttentionBackend
+    from pdserve.engine.ops import Ops
 
 BACKENDS = ("torch", "triton")
 
@@ -18,6 +23,7 @@ def get_backend(name: str) -> tuple[AttentionBackend, Ops]:
     """The attention backend called ``name`` and the op set that goes with it."""
     if name == "torch":
         from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+        from pdserve.engine.ops import TorchOps
 
         return TorchAttentionBackend(), TorchOps()
     if name == "triton":
@@ -42,8 +48,7 @@ def latent_decode_op(name: str):
 
 
 __all__ = [
-    "AttentionBackend",
-    "AttentionMetadata",
+    "BACKENDS",
     "get_backend",
     "default_backend_name",
     "latent_decode_op",

@@ -250,9 +250,11 @@ def test_a_killed_router_comes_back_and_every_stream_resumes(chat_model, want, o
         killed = time.monotonic()
         os.kill(old, signal.SIGKILL)  # a real signal to the router actor's process
         late = LateStreams(cluster.address, [0, 2])  # sent while no router listens
-        assert wait_until(lambda: serves_new_requests(cluster.address), 10, interval_s=0.2)
-        back = time.monotonic() - killed
-        assert back <= 10.0, back
+        # Ray starts the router's new incarnation in a worker process of its own: a few
+        # seconds on an idle host, longer on a loaded one (a full suite's run took past
+        # 10 s), so the bound is generous and the figure printed
+        assert wait_until(lambda: serves_new_requests(cluster.address), 60, interval_s=0.2)
+        print(f"the router served again {time.monotonic() - killed:.1f} s after the kill")
         assert router_pid_now(cluster) not in (None, old)
         streams.join(240)
         check_streams(streams, want)
