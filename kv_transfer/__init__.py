@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutError
 from pdserve.kv_transfer.protocol import (
@@ -42,9 +43,28 @@ from pdserve.kv_transfer.protocol import (
     KVTransferTimeout,
     Status,
 )
-from pdserve.kv_transfer.receiver import KVReceiver, Outcome, State
 from pdserve.kv_transfer.routes import HeadRoute, all_routes, routes_from, routes_into
-from pdserve.kv_transfer.sender import Ack, KVSender, TransferAck
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.receiver import KVReceiver, Outcome, State
+    from pdserve.kv_transfer.sender import Ack, KVSender, TransferAck
+
+# the two ends load on first use (PEP 562): they import torch, which a process that only
+# plans transfers (the supervisor, reading an instance's endpoint) does not need
+_ENDS = {
+    "KVReceiver": "receiver",
+    "Outcome": "receiver",
+    "State": "receiver",
+    "Ack": "sender",
+    "KVSender": "sender",
+    "TransferAck": "sender",
+}
+
+
+def __getattr__(name: str):
+    if name not in _ENDS:
+        raise AttributeError(f"module 'pdserve.kv_transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pdserve.kv_transfer.{_ENDS[name]}"), name)
 
 
 @dataclass(frozen=True)

@@ -46,14 +46,14 @@ Both sides compute the same routes from the layouts, no mapping travels
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# the KV dtypes by torch's names, with their bytes per element; torch loads only where a
+# layout meets a tensor, so a process that only plans transfers does not import it
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("kv", "latent")
 
 
@@ -62,9 +62,9 @@ class KVLayoutError(ValueError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
+    name = str(dtype).removeprefix("torch.")
+    if name in DTYPES:
+        return name
     raise KVLayoutError(f"KV cache dtype {dtype} is not supported; allowed: {sorted(DTYPES)}")
 
 
@@ -132,7 +132,9 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     # -- the unit view -----------------------------------------------------------------
     @property
@@ -178,7 +180,7 @@ class KVLayout:
         """Bytes of one part (K, V or the row) of one block of one layer, ``num_units``
         units (this rank's)."""
         units = self.units_per_rank if num_units is None else num_units
-        return self.block_size * units * self.unit_dim * self.torch_dtype.itemsize
+        return self.block_size * units * self.unit_dim * DTYPES[self.dtype]
 
     def transfer_bytes(self, num_blocks: int, dst_tp: int, layer_skip=()) -> int:
         """What a request of ``num_blocks`` sent blocks moves in all, from every prefill
@@ -192,7 +194,7 @@ class KVLayout:
         else:
             per_token += dst_tp * self.rope_dim
         tokens = (self.num_layers * num_blocks - sum(layer_skip)) * self.block_size
-        return tokens * per_token * self.torch_dtype.itemsize
+        return tokens * per_token * DTYPES[self.dtype]
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The engine's per-rank cache shape for ``num_blocks`` blocks."""

@@ -2,7 +2,8 @@
 every process that deserializes an instance's actor handle (Ray loads the actor's class
 for it) import ``pdserve.router.server`` and ``pdserve.instance.worker``; neither may
 pull in torch (about a CPU-second at each start, and a restarted router serves later by
-as much). The engine loads torch where it computes (``EngineWorker.__init__``)."""
+as much). The engine loads torch where it computes (``EngineWorker.__init__``), the KV
+transport where a layout meets a tensor."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ MODULES = [
     "pdserve.cluster.supervisor",
     "pdserve.engine.checkpoint",
     "pdserve.engine.structured",
+    "pdserve.kv_transfer",  # the supervisor reads an instance's endpoint with it
 ]
 
 
