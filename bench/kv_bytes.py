@@ -82,7 +82,7 @@ def bytes_per_token_per_device(shape: ModelShape, tp: int) -> int:
     """A rank's cache bytes over the tokens it holds (every rank holds the same)."""
     blocks = 4
     dims = layout(shape, tp).cache_shape(blocks)
-    return math.prod(dims) * DTYPES[DTYPE].itemsize // (blocks * BLOCK_SIZE)
+    return math.prod(dims) * DTYPES[DTYPE] // (blocks * BLOCK_SIZE)
 
 
 def transfer_bytes(shape: ModelShape, tokens: int, prefill_tp: int, decode_tp: int) -> int:
