@@ -156,7 +156,7 @@ def main() -> None:
                 for label in best:
                     how = dict(temperature=0) if label == "greedy" else kw
                     p = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, seed=r, **how)
-                    with replaced(label == "replaced"):
+                    with replaced() if label == "replaced" else contextlib.nullcontext():
                         rate = decode(llm, batch, args.steps, p, f"{name}{batch}{label}{r}")
                     best[label] = max(best[label], rate)
             if max(best["engine"], best["replaced"]) > 1.05 * best["greedy"]:
@@ -170,12 +170,9 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def replaced(on: bool):
-    """The engine sampler drawing the way it did before (``on``): its candidates the
-    whole filtered row, its draw ``torch.multinomial``; penalties and seeds as ever."""
-    if not on:
-        yield
-        return
+def replaced():
+    """The engine sampler drawing the way it did before: its candidates the whole
+    filtered row, its draw ``torch.multinomial``; penalties and seeds as ever."""
     candidates, inverse_cdf = engine_sampler._candidates, engine_sampler._inverse_cdf
     engine_sampler._candidates = lambda row, t, k, p: (replaced_probs(row, t, k, p), None)
     engine_sampler._inverse_cdf = lambda w, gen: int(torch.multinomial(w, 1, generator=gen))

@@ -34,6 +34,7 @@ from pdserve.cluster.config import PoolConfig
 from pdserve.cluster.instance_metrics import metered
 from pdserve.cluster.placement_groups import create
 from pdserve.cluster.ray_env import NAMESPACE
+from pdserve.instance.worker import ROLES, EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,6 @@ def role_components(role: str, peers: bool) -> tuple[type, ...]:
     ``peers`` (hybrid mode without a prefill pool: the decode instances prefill for each
     other). A pool's package loads only for a role that holds its component (both
     import torch and the KV transport; a co-located cluster's supervisor needs neither)."""
-    from pdserve.instance.worker import ROLES
-
     if role not in ROLES:
         raise ValueError(f"role={role!r}: one of {list(ROLES)}")
     parts: list[type] = []
@@ -155,8 +154,6 @@ def start_instance(
     prefills for its peers (``role_components``)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from pdserve.instance.worker import EngineWorker
 
     name, size = f"{role}-{index}", pool.tensor_parallel
     cpus, gpus = pool.resources.num_cpus, pool.resources.num_gpus

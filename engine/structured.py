@@ -161,7 +161,7 @@ class Matcher:
         """Write the tokens the grammar allows next into ``row`` (int32 [ceil(V / 32)],
         contiguous, V the tokenizer's ``n_vocab``): token t at bit t % 32 of word t // 32.
         Once the grammar is complete (or dead), only the end-of-sequence tokens."""
-        assert row.element_size() == 4 and not row.is_floating_point() and row.is_contiguous()
+        assert str(row.dtype) == "torch.int32" and row.is_contiguous()
         self.inner.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
     def allows(self, token: int) -> bool:
